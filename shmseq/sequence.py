@@ -1,0 +1,248 @@
+"""ShmSequence: wires plan -> workers -> ring -> converters -> the consumer, and owns the lifecycle."""
+from __future__ import annotations
+
+import multiprocessing
+import numbers
+import queue
+import weakref
+
+import numpy as np
+
+from .convert import OUT_TYPES, Converters, Delivery, OrderedOutput, make_device, resolve_out_type
+from .errors import BatchTimeout, PipelineClosed, warn_user
+from .layout import encode_batch, map_arrays, read_batch
+from .plan import BatchStream, EpochPlan, as_index_array
+from .workers import JOIN_SECONDS, WorkerPool, build_batch, make_worker, slot_bytes_for
+
+THREAD_TYPES = ("proc", "thread")
+TEST_MODES = ("default", "cpu", "numpy")
+
+
+def _check_int(name: str, value, minimum: int, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}"
+                         f"{' or None' if optional else ''}, got {value!r}")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _check_out_type(out_type) -> None:
+    if not isinstance(out_type, str) or not (
+            out_type in OUT_TYPES or (out_type.startswith("cuda:") and out_type[5:].isdigit())):
+        raise ValueError(f"out_type must be 'null' (numpy), 'cpu' (torch), 'cuda' or 'cuda:N', "
+                         f"got {out_type!r}")
+
+
+def _check_worker(worker) -> None:
+    if not (hasattr(worker, "__getitem__") or hasattr(worker, "fill_batch")):
+        raise TypeError(f"worker must be a class or an object with __getitem__(indices) "
+                        f"(or fill_batch(indices, out)), got {worker!r}")
+
+
+class ShmSequence:
+    """Batches of ``worker[indices]`` built by a pool, delivered in order through shared memory.
+
+    ``worker`` is a class (instantiated once in each worker) or an instance (copied
+    into each process, shared by threads) whose ``__getitem__`` takes a 1-D int64
+    array of sample indices and returns the batch: an ndarray, or a tuple / list /
+    dict nesting of ndarrays plus small extras. Workers may instead define
+    ``fill_batch(indices, out)`` and allocate their arrays with ``out.empty(shape,
+    dtype)``, straight in the slot. See the README for the full contract.
+    """
+
+    def __init__(self, worker, dset_size, *, batch_size: int = 32, slot_bytes: int | None = None,
+                 buffer: int = 10, num_workers: int = 4, num_converters: int | None = None,
+                 shuffle: bool = True, seed: int | None = None, thread_type: str = "proc",
+                 out_type: str = "cuda", start_method: str | None = None, timeout: float = 120.0,
+                 last_batch: str = "keep"):
+        _check_worker(worker)
+        _check_int("batch_size", batch_size, 1)
+        _check_int("buffer", buffer, 1)
+        _check_int("num_workers", num_workers, 0)
+        _check_int("num_converters", num_converters, 1, optional=True)
+        _check_int("slot_bytes", slot_bytes, 1, optional=True)
+        _check_int("seed", seed, 0, optional=True)
+        _check_choice("thread_type", thread_type, THREAD_TYPES)
+        _check_choice("start_method", start_method, (None, *multiprocessing.get_all_start_methods()))
+        _check_out_type(out_type)
+        if not isinstance(timeout, numbers.Real) or timeout <= 0:
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        self.worker = worker
+        self.seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else int(seed)
+        self._plan = EpochPlan(as_index_array(dset_size), batch_size, shuffle=bool(shuffle),
+                               seed=self.seed, last_batch=last_batch)
+        self.slot_bytes = slot_bytes
+        self.buffer = buffer
+        self.num_workers = num_workers
+        self.thread_type = thread_type
+        self.start_method = start_method
+        self.timeout = float(timeout)
+        self.out_type = resolve_out_type(out_type)
+        self.num_converters = num_converters or (
+            max(num_workers // 4, min(num_workers, 4), 1) if self.use_cuda else 1)
+        self.epoch = 0
+        self._runtime = None
+        self._closer = None
+
+    # -- the MDNC attributes --------------------------------------------------------------------
+    @property
+    def dset_size(self) -> int:
+        return len(self._plan.indices)
+
+    @property
+    def batch_size(self) -> int:
+        return self._plan.batch_size
+
+    @property
+    def length(self) -> int:
+        return len(self._plan)
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    @property
+    def use_cuda(self) -> bool:
+        return self.out_type.startswith("cuda")
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self, compat=None) -> "ShmSequence":
+        """Start the workers and converters; interrupts a running pipeline first.
+
+        ``compat`` is accepted for MDNC compatibility: converters are threads in every mode.
+        """
+        return self._run(lambda: _Pipeline(self) if self.num_workers else _Inline(self, "default"))
+
+    def start_test(self, test_mode: str = "default") -> "ShmSequence":
+        """Run everything in the calling thread, with the same batches as ``start()``.
+
+        ``'default'``: delivered as ``start()`` would; ``'cpu'``: torch CPU tensors even if
+        ``out_type`` is CUDA; ``'numpy'``: the worker's output untouched.
+        """
+        _check_choice("test_mode", test_mode, TEST_MODES)
+        return self._run(lambda: _Inline(self, test_mode))
+
+    def _run(self, make_runtime) -> "ShmSequence":
+        self.finish()
+        runtime = make_runtime()
+        self._runtime = runtime
+        self._closer = weakref.finalize(self, runtime.close)
+        return self
+
+    def finish(self) -> None:
+        """Stop every worker and thread and free the ring. Safe to call at any time."""
+        if self._closer is not None:
+            self._closer()
+        self._runtime = self._closer = None
+
+    def __enter__(self) -> "ShmSequence":
+        if self._runtime is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.finish()
+
+    def __iter__(self):
+        """One epoch; the next iteration is the next epoch."""
+        if self._runtime is None:
+            raise RuntimeError("the sequence is not running: call start() or start_test() "
+                               "(or use it in a with-block) before iterating")
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        return self._runtime.batches(epoch)
+
+
+class _Pipeline:
+    """The running machinery of a started sequence."""
+
+    def __init__(self, seq: ShmSequence):
+        self.length = len(seq)
+        self.timeout = seq.timeout
+        self.device = make_device(seq.out_type)
+        self.output = OrderedOutput()
+        self.stream = BatchStream(seq._plan, start_seq=seq.epoch * self.length)
+        middle = queue.SimpleQueue()
+        context = multiprocessing.get_context(seq.start_method)
+        self.pool = WorkerPool(seq.worker, num_workers=seq.num_workers, backend=seq.thread_type,
+                               context=context, stream=self.stream, n_slots=seq.buffer,
+                               slot_bytes=seq.slot_bytes, middle=middle, on_fatal=self.output.fail)
+        self.converters = Converters(seq.num_converters, middle, self.output, self.pool, self.device)
+        self._warned: set[str] = set()
+        try:
+            self.converters.start()
+            self.pool.start(seq.timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def batches(self, epoch: int):
+        start = epoch * self.length
+        self.pool.seek(start)
+        self.output.drop_below(start)
+        for seq in range(start, start + self.length):
+            yield self._hand_over(seq, self._take(seq))
+
+    def _take(self, seq: int) -> Delivery:
+        delivery = self.output.take(seq, self.timeout)
+        if delivery is None:
+            epoch, position = divmod(seq, self.length)
+            raise BatchTimeout(
+                f"batch {position} of epoch {epoch} (sample indices "
+                f"{self.stream.indices_of(seq).tolist()}) did not arrive within timeout="
+                f"{self.timeout} s; it is with {self.pool.holder_of(seq)}")
+        return delivery
+
+    def _hand_over(self, seq: int, delivery: Delivery):
+        ring = self.pool.ring
+        if delivery.payload_bytes > ring.spec.slot_bytes:
+            self._warn_once("overflow", (
+                f"batch {seq} needed {delivery.payload_bytes:,} bytes but slot_bytes is "
+                f"{ring.spec.slot_bytes:,}: it came through the overflow path, with a copy. "
+                f"Pass slot_bytes={slot_bytes_for(delivery.payload_bytes)} (or more) to keep "
+                "every batch in the ring"))
+        if delivery.slot is None:
+            return delivery.batch
+        if ring.held_count() + 1 >= ring.spec.n_slots:
+            self._warn_once("copy-out", (
+                f"the consumer still holds {ring.held_count()} of the ring's {ring.spec.n_slots} "
+                "slots: batches are now copied out of the ring so the workers can go on. Raise "
+                "buffer, or drop references to earlier batches, to stay zero-copy"))
+            return self.device.convert(map_arrays(delivery.views, np.copy))
+        ring.held[delivery.slot] = True
+        return delivery.batch
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warn_user(message)
+
+    def close(self) -> None:
+        self.output.fail(PipelineClosed("the sequence was finished or restarted while iterating"))
+        self.pool.stop()
+        self.converters.stop(JOIN_SECONDS)
+
+
+class _Inline:
+    """Everything in the calling thread: ``start_test()`` and ``num_workers=0``."""
+
+    def __init__(self, seq: ShmSequence, test_mode: str):
+        self.plan = seq._plan
+        self.worker_obj = make_worker(seq.worker)
+        self.test_mode = test_mode
+        out_type = "cpu" if test_mode == "cpu" and seq.use_cuda else seq.out_type
+        self.device = make_device(out_type)
+
+    def batches(self, epoch: int):
+        for indices in self.plan.batches(epoch):
+            batch, _ = build_batch(self.worker_obj, indices, None)
+            if self.test_mode != "numpy":
+                # Through the slot format, so that types and layout match start() exactly.
+                batch = self.device.convert(read_batch(encode_batch(batch)))
+            yield batch
+
+    def close(self) -> None:
+        self.worker_obj = None

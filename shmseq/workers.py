@@ -1,0 +1,385 @@
+"""Workers (processes or threads) and the manager thread that feeds them.
+
+One batch's trip through this module:
+
+1. The manager thread takes a free slot and the next ``(seq, indices)`` of the
+   stream, and sends ``(seq, slot, indices)`` down the least-busy worker's task pipe.
+2. The worker calls ``worker_obj[indices]`` (or ``worker_obj.fill_batch(indices, out)``)
+   and writes the batch into the slot (``layout.write_batch``).
+3. It sends back ``("done", seq, slot)``: only ids travel, never the payload.
+4. The manager puts ``(seq, slot, None)`` on the middle queue for the converters.
+
+A batch too large for its slot comes back encoded in the message instead (the
+overflow path). The manager also watches every worker process's sentinel, so a
+worker that dies is reported at once, as ``concurrent.futures`` and ``loky`` do.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import signal
+import threading
+import traceback
+from multiprocessing import connection
+
+import numpy as np
+
+from .errors import ShmSeqError, WorkerDied, WorkerError
+from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
+from .plan import BatchStream
+from .ring import PAGE, Ring, RingSpec
+
+PARENT_POLL_SECONDS = 0.5
+JOIN_SECONDS = 5.0
+SLOT_HEADROOM = 1.25
+
+
+def slot_bytes_for(needed: int) -> int:
+    """A slot size for batches of about ``needed`` bytes: headroom, rounded to pages."""
+    return -(-int(needed * SLOT_HEADROOM) // PAGE) * PAGE
+
+
+def make_worker(worker):
+    """MDNC's convention: a class is instantiated in each worker, an instance is used as is."""
+    return worker() if isinstance(worker, type) else worker
+
+
+def build_batch(worker_obj, indices: np.ndarray, region: np.ndarray | None):
+    """Call the user's worker; in-place workers get an allocator over the slot."""
+    fill = getattr(worker_obj, "fill_batch", None)
+    if fill is None:
+        return worker_obj[indices], None
+    allocator = SlotAllocator(region)
+    return fill(indices, allocator), allocator
+
+
+def describe_exception(exc: BaseException) -> tuple:
+    """What crosses back to the consumer about a failure: type, message, traceback, the object."""
+    try:
+        pickled = pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - the text below still tells the story
+        pickled = None
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return (f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), text, pickled)
+
+
+def worker_error(info: tuple, *, indices=None, seq=None, what: str) -> WorkerError:
+    exc_type, exc_message, text, pickled = info
+    error = WorkerError(f"{what}: {exc_type}: {exc_message}\n\nWorker traceback:\n{text}",
+                        exc_type=exc_type, exc_message=exc_message, worker_traceback=text,
+                        batch_indices=indices, seq=seq)
+    if pickled is not None:
+        try:
+            error.__cause__ = pickle.loads(pickled)
+        except Exception:  # noqa: BLE001 - the cause is a courtesy
+            pass
+    return error
+
+
+def _run_task(worker_obj, ring: Ring | None, seq: int, slot: int | None, indices: np.ndarray):
+    region = ring.region(slot) if slot is not None else None
+    try:
+        batch, allocator = build_batch(worker_obj, indices, region)
+        if region is not None:
+            try:
+                write_batch(batch, region, allocator)
+                return ("done", seq, slot)
+            except SlotOverflow:
+                pass
+        return ("overflow", seq, slot, encode_batch(batch))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
+        return ("error", seq, slot, describe_exception(exc))
+
+
+def _parent_alive(parent_pid: int | None) -> bool:
+    return parent_pid is None or os.getppid() == parent_pid
+
+
+def worker_loop(worker, tasks, results, wid: int, attach, parent_pid: int | None) -> None:
+    """The body of a worker, process or thread. ``parent_pid`` is set in processes."""
+    if parent_pid is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
+    try:
+        worker_obj = make_worker(worker)
+    except BaseException as exc:  # noqa: BLE001
+        results.send(("init_error", wid, describe_exception(exc)))
+        return
+    ring = None
+    try:
+        while True:
+            while not tasks.poll(PARENT_POLL_SECONDS):
+                if not _parent_alive(parent_pid):
+                    return
+            message = tasks.recv()
+            if message is None:
+                return
+            if message[0] == "ring":
+                ring = attach(message[1])
+                results.send(("attached", wid))
+            else:
+                results.send(_run_task(worker_obj, ring, *message))
+    except (EOFError, OSError):
+        return  # the consumer closed the pipes: it is shutting down
+
+
+class _WorkerHandle:
+    """One worker as the manager sees it: its pipes, its process or thread, its open tasks."""
+
+    def __init__(self, wid: int, tasks, results, runner):
+        self.wid = wid
+        self.tasks = tasks
+        self.results = results
+        self.runner = runner
+        self.open: dict[int, np.ndarray] = {}  # seq -> indices
+        self.attached = False
+
+    @property
+    def pid(self):
+        return getattr(self.runner, "pid", None)
+
+    @property
+    def sentinel(self):
+        return getattr(self.runner, "sentinel", None)
+
+
+class WorkerPool:
+    """Starts the workers and runs the manager thread (dispatch, collect, watch)."""
+
+    def __init__(self, worker, *, num_workers: int, backend: str, context, stream: BatchStream,
+                 n_slots: int, slot_bytes: int | None, middle: queue.SimpleQueue, on_fatal):
+        self.stream = stream
+        self.n_slots = n_slots
+        self.slot_bytes = slot_bytes
+        self.middle = middle
+        self.on_fatal = on_fatal
+        self.ring: Ring | None = None
+        self.ready = threading.Event()
+        self.failure: BaseException | None = None
+        self._free: list[int] = []
+        self._released: queue.SimpleQueue = queue.SimpleQueue()
+        self._seek: queue.SimpleQueue = queue.SimpleQueue()
+        self._probe_open = False
+        self._stopping = False
+        self._wake_reader, self._wake_writer = connection.Pipe(duplex=False)
+        os.set_blocking(self._wake_writer.fileno(), False)
+        if backend == "proc":
+            _check_picklable(worker, context.get_start_method())
+        self._workers = [self._spawn(worker, wid, backend, context) for wid in range(num_workers)]
+        self._manager = threading.Thread(target=self._manage, name="shmseq-manager", daemon=True)
+
+    # -- start -------------------------------------------------------------------------------
+    def _spawn(self, worker, wid: int, backend: str, context) -> _WorkerHandle:
+        task_reader, task_writer = connection.Pipe(duplex=False)
+        result_reader, result_writer = connection.Pipe(duplex=False)
+        if backend == "thread":
+            runner = threading.Thread(target=worker_loop, name=f"shmseq-worker-{wid}", daemon=True,
+                                      args=(worker, task_reader, result_writer, wid,
+                                            self._local_ring, None))
+        else:
+            runner = context.Process(target=worker_loop, name=f"shmseq-worker-{wid}", daemon=True,
+                                     args=(worker, task_reader, result_writer, wid,
+                                           Ring.attach, os.getpid()))
+        handle = _WorkerHandle(wid, task_writer, result_reader, runner)
+        runner.start()
+        if backend != "thread":
+            task_reader.close()
+            result_writer.close()
+        return handle
+
+    def _local_ring(self, spec: RingSpec) -> Ring:
+        return self.ring
+
+    def start(self, timeout: float) -> None:
+        """Create the ring (now, or after a probe batch sizes it) and wait for every worker to map it."""
+        if self.slot_bytes is not None and self.stream:
+            self._open_ring(self.slot_bytes)
+        self._manager.start()
+        if not self.ready.wait(timeout):
+            raise ShmSeqError(f"the workers did not start within timeout={timeout} s")
+        if self.failure is not None:
+            raise self.failure
+
+    def _open_ring(self, slot_bytes: int) -> None:
+        self.ring = Ring.create(self.n_slots, slot_bytes)
+        self.ring.on_release = self.release
+        self._free = list(range(self.n_slots))
+        for handle in self._workers:
+            handle.tasks.send(("ring", self.ring.spec))
+
+    # -- slot release (any thread, from a lease finalizer: no locks) ----------------------------
+    def release(self, slot: int) -> None:
+        self._released.put(slot)
+        self._wake()
+
+    def seek(self, seq: int) -> None:
+        """Skip the stream forward to ``seq`` (the consumer left an epoch early)."""
+        self._seek.put(seq)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_writer.send_bytes(b"")
+        except (BlockingIOError, OSError):
+            pass  # already woken, or shut down
+
+    # -- the manager thread --------------------------------------------------------------------
+    def _manage(self) -> None:
+        try:
+            if not self.stream:
+                self.ready.set()
+            while not self._stopping:
+                self._apply_seeks_and_releases()
+                self._dispatch()
+                self._wait_and_handle()
+        except BaseException as exc:  # noqa: BLE001 - reported to the consumer
+            self.failure = exc
+            self.ready.set()
+            self.on_fatal(exc)
+
+    def _apply_seeks_and_releases(self) -> None:
+        while not self._seek.empty():
+            self.stream.seek(self._seek.get())
+        while not self._released.empty():
+            self._free.append(self._released.get())
+
+    def _dispatch(self) -> None:
+        if not self.stream:
+            return
+        if self.ring is None:
+            if not self._probe_open:
+                self._probe_open = True
+                self._send_task(None)
+            return
+        while self._free:
+            self._send_task(self._free.pop())
+
+    def _send_task(self, slot: int | None) -> None:
+        seq, indices = self.stream.take()
+        handle = min(self._live_workers(), key=lambda h: len(h.open))
+        handle.open[seq] = indices
+        handle.tasks.send((seq, slot, indices))
+
+    def _live_workers(self) -> list[_WorkerHandle]:
+        return [h for h in self._workers if h.results is not None]
+
+    def _wait_and_handle(self) -> None:
+        by_reader = {h.results: h for h in self._live_workers()}
+        by_sentinel = {h.sentinel: h for h in self._workers if h.sentinel is not None}
+        waitables = [self._wake_reader, *by_reader, *by_sentinel]
+        for ready in connection.wait(waitables, timeout=1.0):
+            if ready is self._wake_reader:
+                while self._wake_reader.poll():
+                    self._wake_reader.recv_bytes()
+            elif ready in by_reader:
+                self._receive(by_reader[ready])
+            elif not self._stopping:
+                self._report_death(by_sentinel[ready])
+
+    def _receive(self, handle: _WorkerHandle) -> None:
+        try:
+            message = handle.results.recv()
+        except (EOFError, OSError):
+            handle.results = None  # a dying process: its sentinel tells how
+            return
+        kind = message[0]
+        if kind == "done":
+            _, seq, slot = message
+            handle.open.pop(seq, None)
+            self.middle.put((seq, slot, None))
+        elif kind == "overflow":
+            self._overflowed(handle, *message[1:])
+        elif kind == "error":
+            _, seq, slot, info = message
+            indices = handle.open.pop(seq, None)
+            self._give_back(slot)
+            self.middle.put((seq, None, worker_error(
+                info, indices=indices, seq=seq, what=f"worker {handle.wid} failed on batch {seq} "
+                f"(sample indices {_brief(indices)})")))
+        elif kind == "attached":
+            handle.attached = True
+            if all(h.attached for h in self._workers):
+                self.ring.unlink()  # every worker maps it: nothing can leak from now on
+                self.ready.set()
+        elif kind == "init_error":
+            raise worker_error(message[2], what=f"worker {handle.wid} failed to start")
+
+    def _overflowed(self, handle: _WorkerHandle, seq: int, slot: int | None, payload) -> None:
+        handle.open.pop(seq, None)
+        if slot is None:  # the probe that sizes the ring
+            self._probe_open = False
+            self._open_ring(slot_bytes_for(len(payload)))
+        else:
+            self._give_back(slot)
+        self.middle.put((seq, None, payload))
+
+    def _give_back(self, slot: int | None) -> None:
+        if slot is not None:
+            self._free.append(slot)
+
+    def _report_death(self, handle: _WorkerHandle) -> None:
+        code = handle.runner.exitcode
+        how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exited with code {code}")
+        open_batches = ", ".join(f"{seq} (sample indices {_brief(idx)})" for seq, idx in handle.open.items())
+        raise WorkerDied(f"worker {handle.wid} (pid {handle.pid}) {how}"
+                         + (f" while building batch {open_batches}" if open_batches else ""),
+                         pid=handle.pid, exitcode=code)
+
+    def holder_of(self, seq: int) -> str:
+        """Which worker is building ``seq``, for timeout messages."""
+        for handle in self._workers:
+            if seq in handle.open:
+                return f"worker {handle.wid}" + (f" (pid {handle.pid})" if handle.pid else "")
+        return "no worker (it was never dispatched: the ring has no free slot)"
+
+    # -- stop ----------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop the manager and the workers, then free the ring. Safe to call twice."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._wake()
+        if self._manager.is_alive():
+            self._manager.join(JOIN_SECONDS)
+        for handle in self._workers:
+            try:
+                handle.tasks.send(None)
+            except OSError:
+                pass
+        self._join_workers()
+        for handle in self._workers:
+            handle.tasks.close()
+            if handle.results is not None:
+                handle.results.close()
+        self._wake_reader.close()
+        self._wake_writer.close()
+        if self.ring is not None:
+            self.ring.unlink()
+            self.ring.close()
+
+    def _join_workers(self) -> None:
+        for handle in self._workers:
+            handle.runner.join(JOIN_SECONDS)
+        for handle in self._workers:
+            if handle.runner.is_alive() and hasattr(handle.runner, "kill"):
+                handle.runner.kill()
+                handle.runner.join(JOIN_SECONDS)
+
+
+def _check_picklable(worker, start_method: str) -> None:
+    if start_method == "fork":
+        return
+    try:
+        pickle.dumps(worker)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure means the same fix
+        raise TypeError(
+            f"worker {worker!r} cannot be pickled, which start_method={start_method!r} needs "
+            f"({type(exc).__name__}: {exc}): define it at module level, or use "
+            "start_method='fork' or thread_type='thread'") from exc
+
+
+def _brief(indices) -> str:
+    if indices is None:
+        return "unknown"
+    return np.array2string(np.asarray(indices), threshold=12, separator=", ")

@@ -1,0 +1,43 @@
+"""Module-level workers, so that spawn and forkserver can pickle them."""
+import numpy as np
+
+
+class IndexWorker:
+    """Returns its indices: the MDNC documentation's worker."""
+
+    def __getitem__(self, indices):
+        return indices
+
+
+class ImageWorker:
+    """A small image batch whose content identifies every sample."""
+
+    def __init__(self, size=8):
+        self.size = size
+
+    def __getitem__(self, indices):
+        images = np.empty((len(indices), self.size, self.size, 3), np.uint8)
+        images[:] = (indices % 251).astype(np.uint8)[:, None, None, None]
+        return {"image": images, "label": indices.astype(np.int64), "names": [f"s{i}" for i in indices]}
+
+
+class FillWorker:
+    """Builds its batch in place, straight in the slot."""
+
+    def fill_batch(self, indices, out):
+        values = out.empty((len(indices), 4), np.float32)
+        values[:] = indices[:, None]
+        labels = out.empty(len(indices), np.int64)
+        labels[:] = indices
+        return values, labels
+
+
+class SizedWorker:
+    """Batch ``k`` carries an array of ``sizes[k]`` bytes, for overflow tests."""
+
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def __getitem__(self, indices):
+        n = self.sizes[int(indices[0]) % len(self.sizes)]
+        return np.full(n, indices[0] % 256, np.uint8), indices
