@@ -54,11 +54,12 @@ class OrderedOutput:
             self._cond.notify_all()
 
     def take(self, seq: int, timeout: float):
-        """The item for ``seq``; ``None`` after ``timeout`` s; raises a pipeline failure."""
+        """The item for ``seq``; ``None`` after ``timeout`` s. A pipeline failure wins over
+        batches still waiting: once the pipeline is broken or closed, every take raises."""
         with self._cond:
             if not self._cond.wait_for(lambda: seq in self._items or self._failure, timeout):
                 return None
-            if seq not in self._items:
+            if self._failure is not None:
                 raise self._failure
             item = self._items.pop(seq)
         if isinstance(item, BaseException):

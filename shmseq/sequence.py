@@ -208,9 +208,10 @@ class _Pipeline:
             return delivery.batch
         if ring.held_count() + 1 >= ring.spec.n_slots:
             self._warn_once("copy-out", (
-                f"the consumer still holds {ring.held_count()} of the ring's {ring.spec.n_slots} "
-                "slots: batches are now copied out of the ring so the workers can go on. Raise "
-                "buffer, or drop references to earlier batches, to stay zero-copy"))
+                f"the consumer holds {ring.held_count()} earlier batches of a ring of "
+                f"{ring.spec.n_slots} slots, so handing over this one in place would leave the "
+                "workers no free slot: batches are copied out of the ring instead. Raise buffer, "
+                "or drop references to earlier batches, to stay zero-copy"))
             return self.device.convert(map_arrays(delivery.views, np.copy))
         ring.held[delivery.slot] = True
         return delivery.batch

@@ -292,10 +292,12 @@ class WorkerPool:
         elif kind == "error":
             _, seq, slot, info = message
             indices = handle.open.pop(seq, None)
+            error = worker_error(info, indices=indices, seq=seq, what=(
+                f"worker {handle.wid} failed on batch {seq} (sample indices {_brief(indices)})"))
+            if slot is None:
+                raise error  # the probe failed: the ring cannot be sized, start() reports it
             self._give_back(slot)
-            self.middle.put((seq, None, worker_error(
-                info, indices=indices, seq=seq, what=f"worker {handle.wid} failed on batch {seq} "
-                f"(sample indices {_brief(indices)})")))
+            self.middle.put((seq, None, error))
         elif kind == "attached":
             handle.attached = True
             if all(h.attached for h in self._workers):
@@ -306,12 +308,15 @@ class WorkerPool:
 
     def _overflowed(self, handle: _WorkerHandle, seq: int, slot: int | None, payload) -> None:
         handle.open.pop(seq, None)
-        if slot is None:  # the probe that sizes the ring
+        if slot is None:  # the probe that sizes the ring: its batch goes into the first slot
             self._probe_open = False
             self._open_ring(slot_bytes_for(len(payload)))
+            slot = self._free.pop()
+            self.ring.region(slot)[:len(payload)] = payload
+            self.middle.put((seq, slot, None))
         else:
             self._give_back(slot)
-        self.middle.put((seq, None, payload))
+            self.middle.put((seq, None, payload))
 
     def _give_back(self, slot: int | None) -> None:
         if slot is not None:

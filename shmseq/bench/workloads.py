@@ -1,0 +1,124 @@
+"""The benchmark's workloads: image batches copied row by row from an in-memory pool.
+
+Building a batch costs one memcpy's worth of work, so what a system adds on top
+of it is its transport. Every sample carries its identity: its label is its
+sample index, and the first and last byte of its image are markers of the pool
+row it was copied from. The consumer checks a few bytes of every row, so a torn,
+stale or misordered batch stops the run instead of producing a number.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+POOL_ROWS = 512          # samples held in memory per image size (77 MB at 224x224)
+EPOCH_BATCHES = 1000     # sample indices wrap after this many batches (one shmseq epoch)
+_HEAD_MOD, _TAIL_MOD = 251, 241   # coprime markers: together they tell every pool row apart
+
+
+class BatchMismatch(AssertionError):
+    """A delivered batch is not the one expected at its position in the stream."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A batch of ``batch_size`` uint8 ``side`` x ``side`` x 3 images and their int64 labels."""
+
+    name: str
+    batch_size: int
+    side: int
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return (self.side, self.side, 3)
+
+    @property
+    def batch_bytes(self) -> int:
+        return self.batch_size * (self.side * self.side * 3 + np.dtype(np.int64).itemsize)
+
+    @property
+    def epoch_samples(self) -> int:
+        return self.batch_size * EPOCH_BATCHES
+
+    def indices(self, k: int) -> np.ndarray:
+        """Sample indices of the ``k``-th batch of the stream every system delivers."""
+        start = (k * self.batch_size) % self.epoch_samples
+        return np.arange(start, start + self.batch_size, dtype=np.int64)
+
+
+WORKLOADS = {w.name: w for w in (Workload("cifar", 256, 32),
+                                 Workload("imagenet64", 64, 224),
+                                 Workload("imagenet256", 256, 224))}
+
+
+def _head(rows: np.ndarray) -> np.ndarray:
+    return (rows % _HEAD_MOD).astype(np.uint8)
+
+
+def _tail(rows: np.ndarray) -> np.ndarray:
+    return (rows % _TAIL_MOD).astype(np.uint8)
+
+
+@functools.lru_cache(maxsize=None)
+def image_pool(side: int) -> np.ndarray:
+    """The marked sample pool for one image size, built once and inherited by forked workers."""
+    pool = np.random.default_rng(side).integers(0, 256, (POOL_ROWS, side, side, 3), dtype=np.uint8)
+    rows = np.arange(POOL_ROWS)
+    pool[:, 0, 0, 0] = _head(rows)
+    pool[:, -1, -1, -1] = _tail(rows)
+    return pool
+
+
+def fill(pool: np.ndarray, indices: np.ndarray, images: np.ndarray, labels: np.ndarray) -> None:
+    """The per-batch work of every system: copy the rows, write the labels.
+
+    ``mode='clip'`` lets ``np.take`` write straight into ``images``; the default
+    ``'raise'`` goes through a temporary and copies twice.
+    """
+    np.take(pool, indices % POOL_ROWS, axis=0, out=images, mode="clip")
+    labels[:] = indices
+
+
+class _PoolWorker:
+    def __init__(self, workload: Workload):
+        self.shape = (workload.batch_size, *workload.image_shape)
+        self.pool = image_pool(workload.side)
+
+
+class ReturningWorker(_PoolWorker):
+    """A plain worker: fresh arrays for every batch, as most user code returns them."""
+
+    def __getitem__(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        images = np.empty(self.shape, np.uint8)
+        labels = np.empty(len(indices), np.int64)
+        fill(self.pool, indices, images, labels)
+        return images, labels
+
+
+class InPlaceWorker(_PoolWorker):
+    """A worker that builds its batch inside the slot: its single write is the only one."""
+
+    def fill_batch(self, indices: np.ndarray, out) -> tuple[np.ndarray, np.ndarray]:
+        images = out.empty(self.shape, np.uint8)
+        labels = out.empty(len(indices), np.int64)
+        fill(self.pool, indices, images, labels)
+        return images, labels
+
+
+def check_batch(workload: Workload, k: int, batch) -> None:
+    """Raise ``BatchMismatch`` unless ``batch`` is the ``k``-th of the stream, untorn.
+
+    Reads the labels and two bytes per image: cheap next to any transport.
+    """
+    images, labels = (np.asarray(part) for part in batch)
+    expected = workload.indices(k)
+    if images.shape != (workload.batch_size, *workload.image_shape) or images.dtype != np.uint8:
+        raise BatchMismatch(f"batch {k}: images {images.dtype}{images.shape}")
+    if not np.array_equal(labels, expected):
+        raise BatchMismatch(f"batch {k}: labels {labels[:4]}... expected {expected[:4]}...")
+    rows = expected % POOL_ROWS
+    if not (np.array_equal(images[:, 0, 0, 0], _head(rows))
+            and np.array_equal(images[:, -1, -1, -1], _tail(rows))):
+        raise BatchMismatch(f"batch {k}: image markers do not match labels (torn or stale batch)")

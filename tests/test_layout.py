@@ -1,0 +1,85 @@
+import numpy as np
+import pytest
+
+from shmseq.errors import UnsupportedBatch
+from shmseq.layout import (ALIGN, SlotAllocator, SlotOverflow, encode_batch, read_batch,
+                           write_batch)
+
+
+def roundtrip(batch, size=1 << 16):
+    region = np.zeros(size, np.uint8)
+    write_batch(batch, region)
+    return read_batch(region), region
+
+
+def test_nested_structure_dtypes_and_extras_survive():
+    batch = {"x": np.arange(12, dtype=np.float16).reshape(3, 4),
+             "pair": (np.array([True, False]), [np.zeros((0, 5), np.int32), "file.jpg"]),
+             "n": 7, "f": 0.5, "name": "a", "raw": b"\x00", "none": None, "scalar": np.float32(2)}
+    out, _ = roundtrip(batch)
+    assert out.keys() == batch.keys()
+    assert out["x"].dtype == np.float16 and np.array_equal(out["x"], batch["x"])
+    assert isinstance(out["pair"], tuple) and isinstance(out["pair"][1], list)
+    assert out["pair"][1][0].shape == (0, 5) and out["pair"][1][0].dtype == np.int32
+    assert out["pair"][1][1] == "file.jpg" and out["n"] == 7 and out["none"] is None
+    assert out["scalar"] == np.float32(2)
+
+
+def test_views_are_aligned_and_share_the_region():
+    out, region = roundtrip((np.ones(3, np.uint8), np.arange(5, dtype=np.int64)))
+    base = region.__array_interface__["data"][0]
+    for array in out:
+        assert np.shares_memory(array, region)
+        assert (array.__array_interface__["data"][0] - base) % ALIGN == 0
+
+
+def test_non_contiguous_and_structured_inputs():
+    source = np.arange(24, dtype=np.int32).reshape(4, 6)[:, ::2]
+    record = np.array([(1, 2.0)], dtype=[("a", "i4"), ("b", "f8")])
+    out, _ = roundtrip([source, record])
+    assert np.array_equal(out[0], source) and out[0].flags.c_contiguous
+    assert out[1].dtype == record.dtype and out[1][0]["b"] == 2.0
+
+
+def test_torch_tensors_travel_as_arrays():
+    torch = pytest.importorskip("torch")
+    out, _ = roundtrip(torch.arange(6, dtype=torch.int16))
+    assert out.dtype == np.int16 and out.tolist() == list(range(6))
+
+
+def test_overflow_reports_the_bytes_needed():
+    with pytest.raises(SlotOverflow) as info:
+        write_batch(np.zeros(10_000, np.uint8), np.zeros(4096, np.uint8))
+    assert info.value.needed > 10_000
+    encoded = encode_batch(np.arange(10_000, dtype=np.uint8))
+    assert len(encoded) == info.value.needed
+    assert np.array_equal(read_batch(encoded), np.arange(10_000, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("bad", [None, np.array([object()]), {"a": {1, 2}}, (np.zeros(2), object())])
+def test_unsupported_batches_are_named(bad):
+    with pytest.raises(UnsupportedBatch, match="cannot travel in a slot|returned None"):
+        encode_batch(bad)
+
+
+def test_in_place_arrays_are_not_copied():
+    region = np.zeros(1 << 16, np.uint8)
+    out = SlotAllocator(region)
+    images = out.empty((2, 3), np.uint8)
+    labels = out.zeros(2, np.int64)
+    images[:] = 9
+    labels[:] = [4, 5]
+    extra = np.arange(3)  # not allocated in the slot: copied after the in-place arrays
+    write_batch((images, labels, extra), region, out)
+    got = read_batch(region)
+    assert got[0].__array_interface__["data"][0] == images.__array_interface__["data"][0]
+    assert got[1].tolist() == [4, 5] and got[2].tolist() == [0, 1, 2]
+
+
+def test_allocator_spills_to_heap_when_the_slot_is_full():
+    region = np.zeros(256, np.uint8)
+    out = SlotAllocator(region)
+    big = out.empty(1000, np.uint8)
+    assert not np.shares_memory(big, region)
+    with pytest.raises(SlotOverflow):
+        write_batch(big, region, out)

@@ -1,0 +1,230 @@
+import multiprocessing
+import subprocess
+import sys
+import textwrap
+import warnings
+from multiprocessing import connection
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from shmseq import ShmSequence, WorkerError
+from workers import FillWorker, ImageWorker, IndexWorker, SizedWorker
+
+
+def make(worker=IndexWorker, dset_size=40, **options):
+    options = {"batch_size": 4, "num_workers": 2, "shuffle": False, "out_type": "null",
+               "timeout": 30, **options}
+    return ShmSequence(worker, dset_size, **options)
+
+
+def labels_of(batches):
+    return [np.asarray(b).tolist() for b in batches]
+
+
+@pytest.mark.filterwarnings("ignore:the consumer holds")
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dset_size=st.integers(0, 120), batch_size=st.integers(1, 17), num_workers=st.integers(1, 3),
+       buffer=st.integers(1, 5), backend=st.sampled_from(["proc", "thread"]), shuffle=st.booleans())
+def test_every_index_exactly_once_in_order(dset_size, batch_size, num_workers, buffer, backend,
+                                           shuffle):
+    seq = make(dset_size=dset_size, batch_size=batch_size, num_workers=num_workers, buffer=buffer,
+               thread_type=backend, shuffle=shuffle, seed=11)
+    with seq.start():
+        for epoch in range(2):
+            got = [b.copy() for b in seq]
+            expected = seq._plan.batches(epoch)
+            assert [b.tolist() for b in got] == [b.tolist() for b in expected]
+            flat = np.concatenate(got) if got else np.array([], np.int64)
+            assert sorted(flat.tolist()) == list(range(dset_size))
+            assert len(got) == len(seq)
+
+
+def test_start_test_order_equals_start_order():
+    seq = make(dset_size=50, shuffle=True, seed=5)
+    with seq.start():
+        parallel = [labels_of([b.copy() for b in seq]) for _ in range(3)]
+    test = make(dset_size=50, shuffle=True, seed=5)
+    with test.start_test("numpy"):
+        serial = [labels_of(test) for _ in range(3)]
+    assert parallel == serial
+    assert parallel[0] != parallel[1]  # reshuffled each epoch
+
+
+def test_an_index_array_is_the_dataset():
+    indices = np.array([30, 10, 20, 50])
+    with make(dset_size=indices, batch_size=3).start() as seq:
+        assert labels_of(seq) == [[30, 10, 20], [50]]
+        assert seq.dset_size == 4 and len(seq) == seq.length == 2 and seq.batch_size == 3
+
+
+@pytest.mark.parametrize("backend", ["proc", "thread"])
+def test_delivered_arrays_are_views_of_the_ring(backend):
+    with make(ImageWorker, thread_type=backend).start() as seq:
+        ring = seq._runtime.pool.ring
+        for batch in seq:
+            assert ring.contains(batch["image"]) and ring.contains(batch["label"])
+            assert batch["image"].flags.writeable
+            assert (batch["image"][:, 0, 0, 0] == batch["label"] % 251).all()
+            assert batch["names"] == [f"s{i}" for i in batch["label"]]
+
+
+def test_torch_tensors_share_the_slot():
+    torch = pytest.importorskip("torch")
+    with make(ImageWorker, out_type="cpu").start() as seq:
+        ring = seq._runtime.pool.ring
+        for batch in seq:
+            assert isinstance(batch["image"], torch.Tensor) and batch["image"].dtype == torch.uint8
+            assert ring.contains(batch["image"].numpy()) and batch["label"].dtype == torch.int64
+
+
+def test_in_place_worker_writes_once_into_the_slot():
+    with make(FillWorker, slot_bytes=4096).start() as seq:
+        ring = seq._runtime.pool.ring
+        for k, (values, labels) in enumerate(seq):
+            assert ring.contains(values) and values.dtype == np.float32
+            assert labels.tolist() == list(range(4 * k, 4 * k + 4))
+            assert (values[:, 3] == labels).all()
+
+
+def test_only_slot_ids_cross_the_middle_pipe(monkeypatch):
+    sizes = []
+    receive = connection.Connection._recv_bytes
+
+    def recording(self, maxsize=None):
+        payload = receive(self, maxsize)
+        sizes.append(len(payload.getbuffer()))
+        return payload
+
+    monkeypatch.setattr(connection.Connection, "_recv_bytes", recording)
+    with make(ImageWorker(64), 1000, slot_bytes=1 << 17, start_method="fork").start() as seq:
+        batches = sum(1 for _ in seq)
+    assert batches == 250 and len(sizes) >= batches
+    assert max(sizes) < 200, f"a message of {max(sizes)} bytes crossed the result pipes"
+
+
+def test_keeping_every_batch_neither_deadlocks_nor_corrupts():
+    with make(ImageWorker, dset_size=60, buffer=3, num_workers=2).start() as seq:
+        with pytest.warns(RuntimeWarning, match="copied out of the ring"):
+            kept = list(seq)
+    assert len(kept) == 15
+    for k, batch in enumerate(kept):
+        assert batch["label"].tolist() == list(range(4 * k, 4 * k + 4))
+        assert (batch["image"][:, 3, 3, 1] == batch["label"] % 251).all()
+
+
+@pytest.mark.parametrize("backend", ["proc", "thread"])
+def test_oversize_batches_arrive_intact_and_name_a_slot_size(backend):
+    sizes = [1000, 50_000, 1000, 200_000]
+    with make(SizedWorker(sizes), dset_size=16, batch_size=1, slot_bytes=8192,
+              thread_type=backend).start() as seq:
+        with pytest.warns(RuntimeWarning, match=r"slot_bytes=\d+") as caught:
+            batches = [(data.copy(), labels.copy()) for data, labels in seq]
+    assert len([w for w in caught if "overflow" in str(w.message)]) == 1
+    for k, (data, labels) in enumerate(batches):
+        assert len(data) == sizes[k % 4] and (data == k % 256).all() and labels.tolist() == [k]
+
+
+def test_auto_sized_slots_fit_the_batches():
+    with make(ImageWorker, dset_size=64, batch_size=8).start() as seq:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert sum(1 for _ in seq) == 8
+        assert seq._runtime.pool.ring.spec.slot_bytes >= 8 * 8 * 8 * 3
+
+
+def test_breaking_out_mid_epoch_then_a_whole_next_epoch():
+    with make(dset_size=40, buffer=4).start() as seq:
+        for k, batch in enumerate(seq):
+            if k == 2:
+                break
+        del batch
+        assert labels_of(b.copy() for b in seq) == [list(range(i, i + 4)) for i in range(0, 40, 4)]
+        assert seq.epoch == 2
+
+
+def test_start_while_running_interrupts_cleanly():
+    seq = make(dset_size=400, shuffle=True, seed=1)
+    seq.start()
+    iterator = iter(seq)
+    first = next(iterator)
+    seq.start()
+    with pytest.raises(Exception, match="finished or restarted"):
+        next(iterator)
+    del first
+    assert len(list(b.copy() for b in seq)) == 100
+    seq.finish()
+    seq.finish()
+
+
+@pytest.mark.parametrize("backend", ["proc", "thread"])
+def test_a_worker_exception_reaches_the_consumer_with_its_batch(backend):
+    with make(SizedWorker([]), dset_size=8, thread_type=backend, slot_bytes=4096).start() as seq:
+        with pytest.raises(WorkerError, match=r"ZeroDivisionError|modulo") as info:
+            next(iter(seq))
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert info.value.batch_indices.tolist() == [0, 1, 2, 3]
+    assert "Worker traceback" in str(info.value) and "in __getitem__" in info.value.worker_traceback
+
+
+def test_a_failing_probe_batch_fails_start():
+    seq = make(SizedWorker([]), dset_size=8)
+    with pytest.raises(WorkerError, match=r"ZeroDivisionError|modulo") as info:
+        seq.start()
+    assert info.value.batch_indices.tolist() == [0, 1, 2, 3]
+    assert "Worker traceback" in str(info.value) and "in __getitem__" in info.value.worker_traceback
+
+
+def test_iterating_before_start_says_what_to_do():
+    with pytest.raises(RuntimeError, match=r"call start\(\)"):
+        iter(make())
+
+
+def test_cuda_falls_back_to_cpu_with_a_warning():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.warns(RuntimeWarning, match="CUDA is not available"):
+        seq = make(out_type="cuda")
+    assert seq.out_type == "cpu" and not seq.use_cuda
+
+
+def test_zero_workers_runs_in_the_calling_thread():
+    with make(num_workers=0).start() as seq:
+        assert labels_of(seq)[:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_start_methods(method):
+    with make(ImageWorker, dset_size=24, start_method=method).start() as seq:
+        assert [b["label"].tolist()[0] for b in seq] == [0, 4, 8, 12, 16, 20]
+
+
+def test_an_unpicklable_worker_is_refused_at_start_for_spawn():
+    class Local:  # cannot be pickled: defined in a function
+        def __getitem__(self, indices):
+            return indices
+
+    seq = make(Local, start_method="spawn")
+    with pytest.raises(TypeError, match="cannot be pickled.*start_method='spawn'"):
+        seq.start()
+
+
+def test_resource_tracker_stays_quiet_with_spawn(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        sys.path.insert(0, %r)
+        from shmseq import ShmSequence, WorkerError
+        from workers import ImageWorker
+        if __name__ == "__main__":
+            seq = ShmSequence(ImageWorker, 32, batch_size=4, num_workers=2, out_type="null",
+                              start_method="spawn")
+            with seq.start():
+                print(sum(1 for _ in seq))
+    """ % str(__import__("pathlib").Path(__file__).parent)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "8"
+    assert "resource_tracker" not in done.stderr and "leaked" not in done.stderr, done.stderr
