@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import selectors
 import signal
 import threading
 import traceback
@@ -118,7 +119,8 @@ def worker_loop(worker, tasks, results, wid: int, attach, parent_pid: int | None
                 ring = attach(message[1])
                 results.send(("attached", wid))
             else:
-                results.send(_run_task(worker_obj, ring, *message))
+                seq, slot, indices = message
+                results.send(_run_task(worker_obj, ring, seq, slot, np.frombuffer(indices, np.int64).copy()))
     except (EOFError, OSError):
         return  # the consumer closed the pipes: it is shutting down
 
@@ -228,10 +230,11 @@ class WorkerPool:
         try:
             if not self.stream:
                 self.ready.set()
-            while not self._stopping:
-                self._apply_seeks_and_releases()
-                self._dispatch()
-                self._wait_and_handle()
+            with self._watch() as selector:
+                while not self._stopping:
+                    self._apply_seeks_and_releases()
+                    self._dispatch()
+                    self._wait_and_handle(selector)
         except BaseException as exc:  # noqa: BLE001 - reported to the consumer
             self.failure = exc
             self.ready.set()
@@ -258,28 +261,35 @@ class WorkerPool:
         seq, indices = self.stream.take()
         handle = min(self._live_workers(), key=lambda h: len(h.open))
         handle.open[seq] = indices
-        handle.tasks.send((seq, slot, indices))
+        handle.tasks.send((seq, slot, indices.tobytes()))
 
     def _live_workers(self) -> list[_WorkerHandle]:
         return [h for h in self._workers if h.results is not None]
 
-    def _wait_and_handle(self) -> None:
-        by_reader = {h.results: h for h in self._live_workers()}
-        by_sentinel = {h.sentinel: h for h in self._workers if h.sentinel is not None}
-        waitables = [self._wake_reader, *by_reader, *by_sentinel]
-        for ready in connection.wait(waitables, timeout=1.0):
-            if ready is self._wake_reader:
+    def _watch(self) -> selectors.BaseSelector:
+        """One selector for the whole run: result pipes, process sentinels, the wake-up pipe."""
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_reader, selectors.EVENT_READ, None)
+        for handle in self._workers:
+            selector.register(handle.results, selectors.EVENT_READ, (self._receive, handle))
+            if handle.sentinel is not None:
+                selector.register(handle.sentinel, selectors.EVENT_READ, (self._report_death, handle))
+        return selector
+
+    def _wait_and_handle(self, selector: selectors.BaseSelector) -> None:
+        for key, _ in selector.select(timeout=1.0):
+            if key.data is None:
                 while self._wake_reader.poll():
                     self._wake_reader.recv_bytes()
-            elif ready in by_reader:
-                self._receive(by_reader[ready])
             elif not self._stopping:
-                self._report_death(by_sentinel[ready])
+                handler, handle = key.data
+                handler(handle, selector)
 
-    def _receive(self, handle: _WorkerHandle) -> None:
+    def _receive(self, handle: _WorkerHandle, selector: selectors.BaseSelector) -> None:
         try:
             message = handle.results.recv()
         except (EOFError, OSError):
+            selector.unregister(handle.results)
             handle.results = None  # a dying process: its sentinel tells how
             return
         kind = message[0]
@@ -322,7 +332,7 @@ class WorkerPool:
         if slot is not None:
             self._free.append(slot)
 
-    def _report_death(self, handle: _WorkerHandle) -> None:
+    def _report_death(self, handle: _WorkerHandle, selector: selectors.BaseSelector) -> None:
         code = handle.runner.exitcode
         how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
                else f"exited with code {code}")
