@@ -170,15 +170,20 @@ class Converters:
             thread.join(timeout)
 
     def _run(self) -> None:
-        while (item := self.middle.get()) is not None:
-            seq, slot, payload = item
-            if isinstance(payload, BaseException):
-                self.output.put(seq, payload)
-            elif seq < self.output.floor:
-                if slot is not None:
-                    self.pool.release(slot)
-            else:
-                self.output.put(seq, self._convert(seq, slot, payload))
+        try:
+            while (item := self.middle.get()) is not None:
+                self._route(*item)
+        except BaseException as exc:  # noqa: BLE001 - a dead converter must not hang the consumer
+            self.output.fail(exc)
+
+    def _route(self, seq: int, slot: int | None, payload) -> None:
+        if isinstance(payload, BaseException):
+            self.output.put(seq, payload)
+        elif seq < self.output.floor:
+            if slot is not None:
+                self.pool.release(slot)
+        else:
+            self.output.put(seq, self._convert(seq, slot, payload))
 
     def _convert(self, seq: int, slot: int | None, payload):
         try:

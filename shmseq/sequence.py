@@ -153,7 +153,18 @@ class ShmSequence:
             raise RuntimeError("the sequence is not running: call start() or start_test() "
                                "(or use it in a with-block) before iterating")
         epoch, self.epoch = self.epoch, self.epoch + 1
-        return self._runtime.batches(epoch)
+        return self._guarded(self._runtime, self._runtime.batches(epoch))
+
+    def _guarded(self, runtime, batches):
+        """Shut the pipeline down when an error or Ctrl-C leaves an epoch (not on ``break``)."""
+        try:
+            yield from batches
+        except GeneratorExit:
+            raise
+        except BaseException:
+            if self._runtime is runtime:
+                self.finish()
+            raise
 
 
 class _Pipeline:

@@ -21,18 +21,19 @@ import queue
 import selectors
 import signal
 import threading
+import time
 import traceback
 from multiprocessing import connection
 
 import numpy as np
 
-from .errors import ShmSeqError, WorkerDied, WorkerError
+from .errors import ShmSeqError, WorkerDied, WorkerError, warn_user
 from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
 from .plan import BatchStream
 from .ring import PAGE, Ring, RingSpec
 
 PARENT_POLL_SECONDS = 0.5
-JOIN_SECONDS = 5.0
+JOIN_SECONDS = 3.0
 SLOT_HEADROOM = 1.25
 
 
@@ -94,7 +95,18 @@ def _run_task(worker_obj, ring: Ring | None, seq: int, slot: int | None, indices
 
 
 def _parent_alive(parent_pid: int | None) -> bool:
-    return parent_pid is None or os.getppid() == parent_pid
+    """Whether the consumer still runs (its pid exists and is no zombie).
+
+    Not ``getppid()`` alone: under forkserver a worker's parent is the fork server.
+    """
+    if parent_pid is None or os.getppid() == parent_pid:
+        return True
+    try:
+        with open(f"/proc/{parent_pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
 
 
 def worker_loop(worker, tasks, results, wid: int, attach, parent_pid: int | None) -> None:
@@ -135,6 +147,7 @@ class _WorkerHandle:
         self.runner = runner
         self.open: dict[int, np.ndarray] = {}  # seq -> indices
         self.attached = False
+        self.accepting = True
 
     @property
     def pid(self):
@@ -207,7 +220,7 @@ class WorkerPool:
         self.ring.on_release = self.release
         self._free = list(range(self.n_slots))
         for handle in self._workers:
-            handle.tasks.send(("ring", self.ring.spec))
+            self._send(handle, ("ring", self.ring.spec))
 
     # -- slot release (any thread, from a lease finalizer: no locks) ----------------------------
     def release(self, slot: int) -> None:
@@ -258,20 +271,28 @@ class WorkerPool:
             self._send_task(self._free.pop())
 
     def _send_task(self, slot: int | None) -> None:
+        live = [h for h in self._workers if h.accepting]
+        if not live:
+            return  # every worker is gone: their sentinels report why
         seq, indices = self.stream.take()
-        handle = min(self._live_workers(), key=lambda h: len(h.open))
+        handle = min(live, key=lambda h: len(h.open))
         handle.open[seq] = indices
-        handle.tasks.send((seq, slot, indices.tobytes()))
+        self._send(handle, (seq, slot, indices.tobytes()))
 
-    def _live_workers(self) -> list[_WorkerHandle]:
-        return [h for h in self._workers if h.results is not None]
+    @staticmethod
+    def _send(handle: _WorkerHandle, message) -> None:
+        try:
+            handle.tasks.send(message)
+        except OSError:
+            handle.accepting = False  # it died: its sentinel (or last message) tells why
 
     def _watch(self) -> selectors.BaseSelector:
         """One selector for the whole run: result pipes, process sentinels, the wake-up pipe."""
         selector = selectors.DefaultSelector()
         selector.register(self._wake_reader, selectors.EVENT_READ, None)
         for handle in self._workers:
-            selector.register(handle.results, selectors.EVENT_READ, (self._receive, handle))
+            if handle.results is not None:
+                selector.register(handle.results, selectors.EVENT_READ, (self._receive, handle))
             if handle.sentinel is not None:
                 selector.register(handle.sentinel, selectors.EVENT_READ, (self._report_death, handle))
         return selector
@@ -333,13 +354,20 @@ class WorkerPool:
             self._free.append(slot)
 
     def _report_death(self, handle: _WorkerHandle, selector: selectors.BaseSelector) -> None:
+        while handle.results is not None and handle.results.poll():
+            self._receive(handle, selector)  # its last words (an init error) explain more
+        handle.runner.join(JOIN_SECONDS)  # its sentinel closed: the exit status follows at once
         code = handle.runner.exitcode
         how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
                else f"exited with code {code}")
-        open_batches = ", ".join(f"{seq} (sample indices {_brief(idx)})" for seq, idx in handle.open.items())
-        raise WorkerDied(f"worker {handle.wid} (pid {handle.pid}) {how}"
-                         + (f" while building batch {open_batches}" if open_batches else ""),
-                         pid=handle.pid, exitcode=code)
+        message = f"worker {handle.wid} (pid {handle.pid}) {how}"
+        if handle.open:  # a worker takes its tasks in order: the first one was in progress
+            current, *queued = sorted(handle.open)
+            message += (f" while building batch {current} (sample indices "
+                        f"{_brief(handle.open[current])})")
+            if queued:
+                message += f"; batches {', '.join(map(str, queued))} were queued for it"
+        raise WorkerDied(message, pid=handle.pid, exitcode=code)
 
     def holder_of(self, seq: int) -> str:
         """Which worker is building ``seq``, for timeout messages."""
@@ -358,28 +386,51 @@ class WorkerPool:
         if self._manager.is_alive():
             self._manager.join(JOIN_SECONDS)
         for handle in self._workers:
-            try:
-                handle.tasks.send(None)
-            except OSError:
-                pass
-        self._join_workers()
+            self._send(handle, None)
+        self._drain_until_exited(time.monotonic() + JOIN_SECONDS)
         for handle in self._workers:
             handle.tasks.close()
             if handle.results is not None:
                 handle.results.close()
+            self._end(handle)
         self._wake_reader.close()
         self._wake_writer.close()
         if self.ring is not None:
             self.ring.unlink()
             self.ring.close()
 
-    def _join_workers(self) -> None:
-        for handle in self._workers:
-            handle.runner.join(JOIN_SECONDS)
-        for handle in self._workers:
-            if handle.runner.is_alive() and hasattr(handle.runner, "kill"):
-                handle.runner.kill()
-                handle.runner.join(JOIN_SECONDS)
+    def _drain_until_exited(self, deadline: float) -> None:
+        """Read and drop late results, so that no worker blocks on a full pipe while leaving."""
+        with self._watch() as selector:
+            while self._still_running(selector) and time.monotonic() < deadline:
+                for key, _ in selector.select(timeout=0.01):
+                    handle = key.data[1] if key.data else None
+                    if handle is None or key.fileobj is not handle.results:
+                        selector.unregister(key.fileobj)  # the wake-up pipe, or an exit
+                        continue
+                    try:
+                        handle.results.recv_bytes()
+                    except (EOFError, OSError):
+                        selector.unregister(handle.results)
+
+    def _still_running(self, selector: selectors.BaseSelector) -> bool:
+        """Processes until their sentinel fired (it stays registered until then); live threads."""
+        registered = selector.get_map()
+        return any(h.runner.is_alive() if h.sentinel is None else h.sentinel in registered
+                   for h in self._workers)
+
+    @staticmethod
+    def _end(handle: _WorkerHandle) -> None:
+        """Kill a process that did not leave in time; a thread cannot be killed, so say so."""
+        if isinstance(handle.runner, threading.Thread):
+            if handle.runner.is_alive():
+                warn_user(f"worker thread {handle.wid} is still inside the worker's code after "
+                          f"{JOIN_SECONDS} s and cannot be stopped: it is left to finish alone")
+            return
+        if handle.runner.is_alive():
+            handle.runner.kill()
+        handle.runner.join(JOIN_SECONDS)
+        handle.runner.close()
 
 
 def _check_picklable(worker, start_method: str) -> None:

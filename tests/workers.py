@@ -41,3 +41,59 @@ class SizedWorker:
     def __getitem__(self, indices):
         n = self.sizes[int(indices[0]) % len(self.sizes)]
         return np.full(n, indices[0] % 256, np.uint8), indices
+
+
+class FailingInit:
+    def __init__(self):
+        raise OSError("cannot open the dataset file")
+
+    def __getitem__(self, indices):
+        return indices
+
+
+class Crash:
+    """Dies the way ``how`` says when it meets sample ``at``."""
+
+    def __init__(self, how, at):
+        self.how, self.at = how, at
+
+    def __getitem__(self, indices):
+        import os
+        import signal
+        if self.at in indices:
+            if self.how == "exit":
+                os._exit(3)
+            os.kill(os.getpid(), getattr(signal, self.how))
+        return indices
+
+
+class Hang:
+    def __init__(self, at):
+        self.at = at
+
+    def __getitem__(self, indices):
+        import time
+        if self.at in indices:
+            time.sleep(3600)
+        return indices
+
+
+class BadReturn:
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __getitem__(self, indices):
+        return {"none": None, "objects": np.array([object()] * len(indices)),
+                "set": (indices, {1, 2})}[self.kind]
+
+
+class Slow:
+    """A worker that takes ``seconds`` a batch: for interrupting a consumer mid-epoch."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __getitem__(self, indices):
+        import time
+        time.sleep(self.seconds)
+        return indices

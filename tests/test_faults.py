@@ -1,0 +1,221 @@
+"""Every failure is reported within seconds, nothing hangs, nothing leaks (leaks: conftest)."""
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import shmseq.ring
+from shmseq import (BatchTimeout, SharedMemoryFull, ShmSeqError, ShmSequence, WorkerDied,
+                    WorkerError)
+from shmseq.convert import HostDevice
+from workers import BadReturn, Crash, FailingInit, Hang, IndexWorker, ImageWorker, Slow
+
+TESTS = Path(__file__).parent
+
+
+def make(worker=IndexWorker, dset_size=40, **options):
+    options = {"batch_size": 4, "num_workers": 2, "shuffle": False, "out_type": "null",
+               "timeout": 30, **options}
+    return ShmSequence(worker, dset_size, **options)
+
+
+@pytest.mark.parametrize("backend", ["proc", "thread"])
+@pytest.mark.parametrize("slot_bytes", [None, 4096])
+def test_a_failing_constructor_fails_start_and_a_later_start_works(backend, slot_bytes):
+    seq = make(FailingInit, thread_type=backend, slot_bytes=slot_bytes)
+    with pytest.raises(WorkerError, match="failed to start.*OSError: cannot open") as info:
+        seq.start()
+    assert isinstance(info.value.__cause__, OSError) and "__init__" in info.value.worker_traceback
+    seq.worker = IndexWorker
+    with seq.start():
+        assert len(list(b.copy() for b in seq)) == 10
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSEGV", "exit"])
+def test_a_dying_worker_is_named_within_seconds(how):
+    seq = make(Crash(how, at=13), dset_size=400, timeout=100)
+    began = time.monotonic()
+    with pytest.raises(WorkerDied) as info:  # from start() or from the iteration
+        with seq.start():
+            for _ in seq:
+                pass
+    assert time.monotonic() - began < 10
+    expected = "exited with code 3" if how == "exit" else f"killed by signal {how}"
+    assert expected in str(info.value) and f"pid {info.value.pid}" in str(info.value)
+    assert "batch 3" in str(info.value) and "12, 13, 14, 15" in str(info.value)
+
+
+def test_a_hanging_worker_times_out_naming_the_batch():
+    seq = make(Hang(at=9), timeout=1.0)
+    with seq.start():
+        began = time.monotonic()
+        with pytest.raises(BatchTimeout, match=r"batch 2 of epoch 0 \(sample indices \[8, 9, 10, 11\]\)"
+                                               r".*timeout=1.0 s.*worker \d \(pid \d+\)"):
+            for _ in seq:
+                pass
+        assert time.monotonic() - began < 10
+
+
+def test_an_error_shuts_the_pipeline_down():
+    seq = make(Crash("SIGKILL", at=25), slot_bytes=4096)
+    with pytest.raises(WorkerDied):
+        seq.start()
+        list(seq)
+    with pytest.raises(RuntimeError, match="not running"):
+        iter(seq)
+
+
+def test_the_consumer_raising_mid_epoch_leaves_nothing():
+    with pytest.raises(ZeroDivisionError):
+        with make(dset_size=400).start() as seq:
+            for k, _ in enumerate(seq):
+                if k == 3:
+                    1 / 0
+
+
+def test_ctrl_c_while_waiting_for_a_batch():
+    main = threading.main_thread().ident
+    timer = threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT))
+    with pytest.raises(KeyboardInterrupt):
+        with make(Slow(0.2), dset_size=400).start() as seq:
+            timer.start()
+            for _ in seq:
+                pass
+    timer.join()
+
+
+def test_a_failing_converter_surfaces(monkeypatch):
+    def convert(self, batch):
+        if batch[0] == 8:
+            raise ValueError("device is gone")
+        return batch
+
+    monkeypatch.setattr(HostDevice, "convert", convert)
+    with make().start() as seq:
+        with pytest.raises(ShmSeqError, match="converting batch 2 failed: ValueError: device is gone"):
+            for _ in seq:
+                pass
+
+
+@pytest.mark.parametrize("slot_bytes", [None, 40 << 20])
+def test_not_enough_shared_memory_is_refused_at_start(monkeypatch, slot_bytes):
+    monkeypatch.setattr(shmseq.ring, "shm_free_bytes", lambda: 64 << 20)
+    seq = make(ImageWorker(1024), dset_size=64, batch_size=8, buffer=10, slot_bytes=slot_bytes)
+    with pytest.raises(SharedMemoryFull, match=r"needs [\d,]+ bytes.*has 67,108,864 free.*--shm-size"):
+        seq.start()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
+    ({"num_workers": -1}, "num_workers must be an integer >= 0, got -1"),
+    ({"buffer": 0}, "buffer must be an integer >= 1, got 0"),
+    ({"slot_bytes": 0}, "slot_bytes must be an integer >= 1 or None, got 0"),
+    ({"num_converters": 0}, "num_converters"),
+    ({"out_type": "gpu"}, "out_type must be .* got 'gpu'"),
+    ({"thread_type": "fiber"}, "thread_type must be one of 'proc', 'thread', got 'fiber'"),
+    ({"start_method": "vfork"}, "start_method must be one of .* got 'vfork'"),
+    ({"timeout": 0}, "timeout must be a number of seconds > 0, got 0"),
+    ({"dset_size": -5}, "dset_size must be >= 0, got -5"),
+    ({"dset_size": np.zeros((3, 2), int)}, r"dset_size .* must be 1-D, got shape \(3, 2\)"),
+])
+def test_bad_arguments_fail_at_construction(options, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        make(**options)
+
+
+def test_a_worker_without_getitem_is_refused():
+    with pytest.raises(TypeError, match="worker must be .* __getitem__"):
+        ShmSequence(object(), 10)
+
+
+@pytest.mark.parametrize("kind, named", [("none", "returned None"), ("objects", "dtype object"),
+                                         ("set", r"batch\[1\] is a builtins.set")])
+def test_an_unsupported_batch_is_named(kind, named):
+    with make(BadReturn(kind), slot_bytes=4096).start() as seq:
+        with pytest.raises(WorkerError, match=named) as info:
+            next(iter(seq))
+    assert info.value.exc_type == "shmseq.errors.UnsupportedBatch"
+    assert info.value.batch_indices.tolist() == [0, 1, 2, 3]
+
+
+def _resources():
+    gc.collect()
+    return (len(os.listdir("/proc/self/fd")), threading.active_count(),
+            len(__import__("multiprocessing").active_children()))
+
+
+def test_two_hundred_start_finish_cycles_leak_nothing():
+    seq = make(num_workers=1, slot_bytes=4096, start_method="fork")
+    for _ in range(3):  # let lazily created objects (selectors, imports) settle first
+        seq.start()
+        seq.finish()
+    before = _resources()
+    for cycle in range(200):
+        seq.start()
+        if cycle % 50 == 0:
+            assert len(next(iter(seq))) == 4
+        seq.finish()
+    assert _resources() == before
+
+
+def _rss_kib(pid):
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS"))
+
+
+def test_soak_twenty_thousand_batches_through_three_slots():
+    seq = make(ImageWorker(4), dset_size=20_000 * 4, buffer=3)
+    with seq.start():
+        pids = [os.getpid()] + [h.pid for h in seq._runtime.pool._workers]
+        for k, batch in enumerate(seq):
+            assert batch["label"][0] == 4 * k and batch["image"][3, 1, 1, 2] == (4 * k + 3) % 251
+            sum(range(200))  # a consumer slower than the workers
+            if k == 2_000:
+                early = [_rss_kib(pid) for pid in pids]
+        late = [_rss_kib(pid) for pid in pids]
+    assert k == 19_999
+    growth = [b - a for a, b in zip(early, late)]
+    assert max(growth) < 8 * 1024, f"resident memory grew by {growth} KiB"
+
+
+def _gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_killing_the_main_process_leaves_no_worker_and_no_segment(method):
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(TESTS)!r})
+        from shmseq import ShmSequence
+        from workers import ImageWorker
+        if __name__ == "__main__":
+            seq = ShmSequence(ImageWorker(64), 10_000, batch_size=4, num_workers=2,
+                              out_type="null", start_method={method!r}).start()
+            batches = iter(seq)
+            next(batches)
+            print(*[h.pid for h in seq._runtime.pool._workers], flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    before = set(os.listdir("/dev/shm"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 5
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_gone(pid) for pid in pids), "workers outlived their killed parent"
+    assert not {n for n in os.listdir("/dev/shm") if "shmseq" in n} - before
