@@ -1,13 +1,13 @@
-"""Converter threads, the output reorder buffer, and the devices batches are delivered to.
+"""Converter threads, the releaser of copied slots, and the output reorder buffer.
 
 A converter takes ``(seq, slot, payload)`` from the middle queue, leases the slot
 from the ring (``ring.lease``), decodes the batch into views of it
-(``layout.read_batch``) and hands it to a device:
+(``layout.read_batch``) and hands it to the device (``devices.py``):
 
-* ``HostDevice``: numpy views (``out_type='null'``) or ``torch.from_numpy`` tensors
-  (``'cpu'``), zero-copy: the delivered arrays keep the lease, so the slot stays
-  busy until the consumer drops them;
-* ``CudaDevice``: copies to the GPU, after which the slot is free again.
+* a host device returns views: the delivered arrays keep the lease, so the slot
+  stays busy until the consumer drops them;
+* a copying device (CUDA) returns a completion: the ``Releaser`` keeps the lease
+  until the copy has completed, and only then can the slot be written again.
 
 Converted batches wait in ``OrderedOutput`` until the consumer asks for their seq.
 """
@@ -17,19 +17,16 @@ import queue
 import threading
 from typing import NamedTuple
 
-import numpy as np
-
-from .errors import ShmSeqError, warn_user
-from .layout import map_arrays, read_batch
-
-OUT_TYPES = ("null", "cpu", "cuda")
+from .errors import ShmSeqError
+from .layout import read_batch
 
 
 class Delivery(NamedTuple):
     batch: object         # what the consumer gets
-    views: object         # the same batch as numpy views of its slot or payload
+    views: object         # the same batch as numpy views of its slot, if it stays in the slot
     slot: int | None      # the ring slot the batch's views live in, if any
-    payload_bytes: int    # size of an out-of-ring payload (probe or overflow), else 0
+    completion: object    # the device's copy still in flight, if any
+    payload_bytes: int    # size of an out-of-ring payload (overflow), else 0
 
 
 class OrderedOutput:
@@ -74,78 +71,27 @@ class OrderedOutput:
         del stale
 
 
-def _to_torch(array: np.ndarray):
-    import torch
-    try:
-        return torch.from_numpy(array)
-    except TypeError:  # a dtype torch lacks (strings, structured): stays a numpy view
-        return array
+class Releaser:
+    """Keeps each slot leased until the device's copy out of it has completed."""
 
+    def __init__(self, device):
+        self.device = device
+        self._held: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="shmseq-releaser", daemon=True)
+        self._thread.start()
 
-class HostDevice:
-    """Batches as views of their slot: numpy arrays, or torch CPU tensors sharing the memory."""
+    def hold(self, completion, region) -> None:
+        self._held.put((completion, region))
 
-    keeps_slot = True
+    def _run(self) -> None:
+        while (item := self._held.get()) is not None:
+            self.device.wait(item[0])
+            del item  # drops the lease: the slot goes back to the ring
 
-    def __init__(self, to_torch: bool):
-        self.to_torch = to_torch
-
-    def convert(self, batch):
-        return map_arrays(batch, _to_torch) if self.to_torch else batch
-
-
-class CudaDevice:
-    """Copies each batch to a CUDA device; the slot is free once the copy is done."""
-
-    keeps_slot = False
-
-    def __init__(self, device: str):
-        import torch
-        self.torch = torch
-        self.device = torch.device(device)
-
-    def convert(self, batch):
-        return map_arrays(batch, lambda a: _cuda_copy(self.torch, a, self.device))
-
-
-def _cuda_copy(torch, array: np.ndarray, device):
-    tensor = _to_torch(array)
-    if isinstance(tensor, np.ndarray):
-        return array.copy()
-    return tensor.to(device)
-
-
-def torch_available() -> bool:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def resolve_out_type(out_type: str) -> str:
-    """The out_type actually served: 'cuda' without CUDA falls back with a warning."""
-    if not out_type.startswith("cuda"):
-        if out_type == "cpu" and not torch_available():
-            raise ImportError("out_type='cpu' delivers torch tensors, but torch is not installed: "
-                              "install torch, or use out_type='null' for numpy arrays")
-        return out_type
-    if not torch_available():
-        warn_user(f"out_type={out_type!r} needs torch, which is not installed: "
-                      "delivering numpy arrays (out_type='null') instead")
-        return "null"
-    import torch
-    if not torch.cuda.is_available():
-        warn_user(f"out_type={out_type!r} but CUDA is not available: delivering CPU tensors "
-                      "(out_type='cpu') instead")
-        return "cpu"
-    return out_type
-
-
-def make_device(out_type: str):
-    if out_type.startswith("cuda"):
-        return CudaDevice(out_type)
-    return HostDevice(to_torch=out_type == "cpu")
+    def stop(self) -> None:
+        """Return once every copy still in flight has completed."""
+        self._held.put(None)
+        self._thread.join()
 
 
 class Converters:
@@ -156,6 +102,7 @@ class Converters:
         self.output = output
         self.pool = pool
         self.device = device
+        self.releaser = None if device.keeps_slot else Releaser(device)
         self._threads = [threading.Thread(target=self._run, name=f"shmseq-converter-{i}", daemon=True)
                          for i in range(count)]
 
@@ -164,15 +111,20 @@ class Converters:
             thread.start()
 
     def stop(self, timeout: float) -> None:
+        """Stop converting, then wait for the copies in flight."""
         for _ in self._threads:
             self.middle.put(None)
         for thread in self._threads:
-            thread.join(timeout)
+            if thread.is_alive():
+                thread.join(timeout)
+        if self.releaser is not None:
+            self.releaser.stop()
 
     def _run(self) -> None:
         try:
             while (item := self.middle.get()) is not None:
                 self._route(*item)
+                del item
         except BaseException as exc:  # noqa: BLE001 - a dead converter must not hang the consumer
             self.output.fail(exc)
 
@@ -189,10 +141,13 @@ class Converters:
         try:
             region = self.pool.ring.lease(slot) if payload is None else payload
             views = read_batch(region)
-            batch = self.device.convert(views)
+            batch, completion = self.device.convert(views)
         except Exception as exc:  # noqa: BLE001 - surfaces in the consumer, in order
             error = ShmSeqError(f"converting batch {seq} failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
             return error
+        if completion is not None:
+            self.releaser.hold(completion, region)
         in_slot = payload is None and self.device.keeps_slot
-        return Delivery(batch, views, slot if in_slot else None, 0 if payload is None else len(payload))
+        return Delivery(batch, views if in_slot else None, slot if in_slot else None, completion,
+                        0 if payload is None else len(payload))

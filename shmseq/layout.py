@@ -203,14 +203,21 @@ def read_batch(region: np.ndarray):
     return _rebuild(skeleton, region)
 
 
-def map_arrays(batch, function):
-    """Apply ``function`` to every array of a decoded batch, keeping its nesting."""
-    if isinstance(batch, np.ndarray):
+def map_arrays(batch, function, leaf_type=np.ndarray):
+    """Apply ``function`` to every array (``leaf_type``) of a batch, keeping its nesting."""
+    if isinstance(batch, leaf_type):
         return function(batch)
     if isinstance(batch, tuple):
-        return tuple(map_arrays(item, function) for item in batch)
+        return tuple(map_arrays(item, function, leaf_type) for item in batch)
     if isinstance(batch, list):
-        return [map_arrays(item, function) for item in batch]
+        return [map_arrays(item, function, leaf_type) for item in batch]
     if isinstance(batch, dict):
-        return {key: map_arrays(item, function) for key, item in batch.items()}
+        return {key: map_arrays(item, function, leaf_type) for key, item in batch.items()}
     return batch
+
+
+def iter_arrays(batch, leaf_type=np.ndarray):
+    """The arrays (``leaf_type``) of a batch, in ``map_arrays`` order."""
+    found = []
+    map_arrays(batch, found.append, leaf_type)
+    return found

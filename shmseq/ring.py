@@ -98,6 +98,11 @@ class Ring:
             segment.close_fd()
         return cls(spec, memory, owner=False)
 
+    @property
+    def address(self) -> int:
+        """Where the ring is mapped in this process (for page-locking it)."""
+        return self._array.ctypes.data
+
     def region(self, slot: int) -> np.ndarray:
         """The slot's bytes, for a writer."""
         start = slot * self.spec.stride

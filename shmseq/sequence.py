@@ -8,7 +8,8 @@ import weakref
 
 import numpy as np
 
-from .convert import OUT_TYPES, Converters, Delivery, OrderedOutput, make_device, resolve_out_type
+from .convert import Converters, Delivery, OrderedOutput
+from .devices import OUT_TYPES, make_device, resolve_out_type
 from .errors import BatchTimeout, PipelineClosed, warn_user
 from .layout import encode_batch, map_arrays, read_batch
 from .plan import BatchStream, EpochPlan, as_index_array
@@ -59,7 +60,7 @@ class ShmSequence:
                  buffer: int = 10, num_workers: int = 4, num_converters: int | None = None,
                  shuffle: bool = True, seed: int | None = None, thread_type: str = "proc",
                  out_type: str = "cuda", start_method: str | None = None, timeout: float = 120.0,
-                 last_batch: str = "keep"):
+                 last_batch: str = "keep", pin_memory: bool | None = None, pin_device_id: int = 0):
         _check_worker(worker)
         _check_int("batch_size", batch_size, 1)
         _check_int("buffer", buffer, 1)
@@ -67,6 +68,7 @@ class ShmSequence:
         _check_int("num_converters", num_converters, 1, optional=True)
         _check_int("slot_bytes", slot_bytes, 1, optional=True)
         _check_int("seed", seed, 0, optional=True)
+        _check_int("pin_device_id", pin_device_id, 0)
         _check_choice("thread_type", thread_type, THREAD_TYPES)
         _check_choice("start_method", start_method, (None, *multiprocessing.get_all_start_methods()))
         _check_out_type(out_type)
@@ -83,6 +85,8 @@ class ShmSequence:
         self.start_method = start_method
         self.timeout = float(timeout)
         self.out_type = resolve_out_type(out_type)
+        self.pin_memory = pin_memory
+        self.pin_device_id = pin_device_id
         self.num_converters = num_converters or (
             max(num_workers // 4, min(num_workers, 4), 1) if self.use_cuda else 1)
         self.epoch = 0
@@ -173,7 +177,7 @@ class _Pipeline:
     def __init__(self, seq: ShmSequence):
         self.length = len(seq)
         self.timeout = seq.timeout
-        self.device = make_device(seq.out_type)
+        self.device = make_device(seq.out_type, seq.pin_memory, seq.pin_device_id)
         self.output = OrderedOutput()
         self.stream = BatchStream(seq._plan, start_seq=seq.epoch * self.length)
         middle = queue.SimpleQueue()
@@ -184,8 +188,10 @@ class _Pipeline:
         self.converters = Converters(seq.num_converters, middle, self.output, self.pool, self.device)
         self._warned: set[str] = set()
         try:
-            self.converters.start()
             self.pool.start(seq.timeout)
+            if self.pool.ring is not None:
+                self.device.attach(self.pool.ring)
+            self.converters.start()
         except BaseException:
             self.close()
             raise
@@ -216,14 +222,15 @@ class _Pipeline:
                 f"Pass slot_bytes={slot_bytes_for(delivery.payload_bytes)} (or more) to keep "
                 "every batch in the ring"))
         if delivery.slot is None:
-            return delivery.batch
+            return self.device.hand_over(delivery.batch, delivery.completion)
         if ring.held_count() + 1 >= ring.spec.n_slots:
             self._warn_once("copy-out", (
                 f"the consumer holds {ring.held_count()} earlier batches of a ring of "
                 f"{ring.spec.n_slots} slots, so handing over this one in place would leave the "
                 "workers no free slot: batches are copied out of the ring instead. Raise buffer, "
                 "or drop references to earlier batches, to stay zero-copy"))
-            return self.device.convert(map_arrays(delivery.views, np.copy))
+            copied, _ = self.device.convert(map_arrays(delivery.views, np.copy))
+            return copied
         ring.held[delivery.slot] = True
         return delivery.batch
 
@@ -233,9 +240,11 @@ class _Pipeline:
             warn_user(message)
 
     def close(self) -> None:
+        """Converters first, then the copies in flight, the device, and last the workers and ring."""
         self.output.fail(PipelineClosed("the sequence was finished or restarted while iterating"))
-        self.pool.stop()
         self.converters.stop(JOIN_SECONDS)
+        self.device.close()
+        self.pool.stop()
 
 
 class _Inline:
@@ -246,15 +255,16 @@ class _Inline:
         self.worker_obj = make_worker(seq.worker)
         self.test_mode = test_mode
         out_type = "cpu" if test_mode == "cpu" and seq.use_cuda else seq.out_type
-        self.device = make_device(out_type)
+        self.device = make_device(out_type, pin_memory=False)
 
     def batches(self, epoch: int):
         for indices in self.plan.batches(epoch):
             batch, _ = build_batch(self.worker_obj, indices, None)
             if self.test_mode != "numpy":
                 # Through the slot format, so that types and layout match start() exactly.
-                batch = self.device.convert(read_batch(encode_batch(batch)))
+                batch = self.device.hand_over(*self.device.convert(read_batch(encode_batch(batch))))
             yield batch
 
     def close(self) -> None:
         self.worker_obj = None
+        self.device.close()

@@ -15,7 +15,7 @@ import pytest
 import shmseq.ring
 from shmseq import (BatchTimeout, SharedMemoryFull, ShmSeqError, ShmSequence, WorkerDied,
                     WorkerError)
-from shmseq.convert import HostDevice
+from shmseq.devices import HostDevice
 from workers import BadReturn, Crash, FailingInit, Hang, IndexWorker, ImageWorker, Slow
 
 TESTS = Path(__file__).parent
@@ -96,7 +96,7 @@ def test_a_failing_converter_surfaces(monkeypatch):
     def convert(self, batch):
         if batch[0] == 8:
             raise ValueError("device is gone")
-        return batch
+        return batch, None
 
     monkeypatch.setattr(HostDevice, "convert", convert)
     with make().start() as seq:

@@ -1,0 +1,128 @@
+"""The slot-release protocol of copying devices, proved against a fake device whose copies
+complete late, on another thread, after random delays."""
+import threading
+
+import numpy as np
+import pytest
+
+import shmseq.sequence
+from shmseq import ShmSeqError, ShmSequence
+from shmseq.convert import Releaser
+from shmseq.devices import FakeDevice, HostDevice, make_device
+from workers import ImageWorker
+
+
+class RecordingFake(FakeDevice):
+    """Also records what the pipeline did to it, and whether the ring was mapped then."""
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self.log = []
+
+    def attach(self, ring):
+        super().attach(ring)
+        self.log.append(("attach", ring._array is not None))
+
+    def close(self):
+        self.log.append(("close", self.attached_ring._array is not None))
+        super().close()
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    devices = []
+
+    def make(max_delay=0.01, fail_on=None):
+        def factory(*args, **kwargs):
+            devices.append(RecordingFake(max_delay=max_delay, fail_on=fail_on))
+            return devices[-1]
+        monkeypatch.setattr(shmseq.sequence, "make_device", factory)
+        return devices
+
+    return make
+
+
+def run(dset_size=400, epochs=2, **options):
+    options = {"batch_size": 4, "num_workers": 2, "shuffle": True, "seed": 2, "buffer": 2,
+               "out_type": "null", "timeout": 30, **options}
+    seq = ShmSequence(ImageWorker(16), dset_size, **options)
+    with seq.start():
+        return [[(b["label"].copy(), b["image"].copy()) for b in seq] for _ in range(epochs)], seq
+
+
+def assert_intact(epochs, seq):
+    for epoch, batches in enumerate(epochs):
+        expected = seq._plan.batches(epoch)
+        assert len(batches) == len(expected)
+        for (labels, images), indices in zip(batches, expected):
+            marker = (indices % 251).astype(np.uint8)[:, None, None, None]
+            intact = labels.tolist() == indices.tolist() and (images == marker).all()
+            assert intact, "a slot was rewritten before its copy completed"
+
+
+@pytest.mark.parametrize("backend", ["proc", "thread"])
+def test_no_slot_is_rewritten_before_its_copy_completes(fake, backend):
+    devices = fake(max_delay=0.004)
+    epochs, seq = run(thread_type=backend)
+    assert_intact(epochs, seq)
+    assert [entry[0] for entry in devices[0].log] == ["attach", "close"]
+
+
+def test_the_identity_check_catches_a_slot_released_too_early(fake, monkeypatch):
+    fake(max_delay=0.002)
+    monkeypatch.setattr(Releaser, "hold", lambda self, completion, region: None)  # the bug
+    epochs, seq = run(dset_size=200, epochs=1)
+    with pytest.raises(AssertionError, match="rewritten before its copy completed"):
+        assert_intact(epochs, seq)
+
+
+def test_the_device_is_closed_before_the_ring_is_unmapped(fake):
+    devices = fake(max_delay=0.05)
+    seq = ShmSequence(ImageWorker(16), 400, batch_size=4, num_workers=2, buffer=3,
+                      out_type="null", timeout=30)
+    seq.start()
+    next(iter(seq))
+    seq.finish()  # copies still in flight
+    assert devices[0].log == [("attach", True), ("close", True)]
+    assert not devices[0]._copier.is_alive()
+
+
+def test_a_failed_copy_surfaces_in_order(fake):
+    fake(fail_on=lambda views: 20 in views["label"])
+    seq = ShmSequence(ImageWorker(16), 400, batch_size=4, num_workers=2, shuffle=False,
+                      out_type="null", timeout=30)
+    with seq.start():
+        got = []
+        with pytest.raises(ShmSeqError, match="copying a batch to the device failed"):
+            for batch in seq:
+                got.append(batch["label"][0])
+    assert got == [0, 4, 8, 12, 16]
+
+
+def test_copied_batches_do_not_hold_slots(fake):
+    fake(max_delay=0.002)
+    seq = ShmSequence(ImageWorker(16), 120, batch_size=4, num_workers=2, buffer=2,
+                      out_type="null", timeout=30, shuffle=False)
+    with seq.start():
+        kept = list(seq)  # keeps every batch: fine, they are copies
+        assert seq._runtime.pool.ring.held_count() == 0
+    assert [b["label"][0] for b in kept] == list(range(0, 120, 4))
+
+
+def test_host_devices_keep_the_slot_and_pin_only_with_cuda():
+    assert make_device("null").keeps_slot and make_device("cpu").keeps_slot
+    if not shmseq.devices.cuda_available():
+        assert make_device("cpu").pin_device is None
+        with pytest.warns(RuntimeWarning, match="pin_memory=True but CUDA is not available"):
+            assert make_device("cpu", pin_memory=True).pin_device is None
+
+
+def test_fake_copies_really_complete_on_another_thread():
+    device = FakeDevice(max_delay=0.05)
+    source = {"x": np.arange(1000)}
+    target, event = device.convert(source)
+    threads = {t.name for t in threading.enumerate()}
+    assert "shmseq-fake-copier" in threads
+    device.wait(event)
+    assert np.array_equal(device.hand_over(target, event)["x"], source["x"])
+    device.close()
