@@ -21,8 +21,9 @@ from .errors import (BatchTimeout, PipelineClosed, SharedMemoryFull, ShmSeqError
                      UnsupportedBatch, WorkerDied, WorkerError)
 from .layout import SlotAllocator
 from .sequence import ShmSequence
+from .stats import LoaderStats
 
 __version__ = "0.1.0"
-__all__ = ["ShmSequence", "MSequence", "MPSequence", "MTSequence", "SlotAllocator",
+__all__ = ["ShmSequence", "MSequence", "MPSequence", "MTSequence", "SlotAllocator", "LoaderStats",
            "ShmSeqError", "WorkerError", "WorkerDied", "BatchTimeout", "UnsupportedBatch",
            "SharedMemoryFull", "PipelineClosed"]

@@ -18,7 +18,7 @@ import threading
 from typing import NamedTuple
 
 from .errors import ShmSeqError
-from .layout import read_batch
+from .layout import iter_arrays, read_batch
 
 
 class Delivery(NamedTuple):
@@ -27,6 +27,7 @@ class Delivery(NamedTuple):
     slot: int | None      # the ring slot the batch's views live in, if any
     completion: object    # the device's copy still in flight, if any
     payload_bytes: int    # size of an out-of-ring payload (overflow), else 0
+    nbytes: int           # the batch's array bytes
 
 
 class OrderedOutput:
@@ -150,4 +151,5 @@ class Converters:
             self.releaser.hold(completion, region)
         in_slot = payload is None and self.device.keeps_slot
         return Delivery(batch, views if in_slot else None, slot if in_slot else None, completion,
-                        0 if payload is None else len(payload))
+                        0 if payload is None else len(payload),
+                        sum(array.nbytes for array in iter_arrays(views)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import multiprocessing
 import numbers
 import queue
+import time
 import weakref
 
 import numpy as np
@@ -13,6 +14,7 @@ from .devices import OUT_TYPES, make_device, resolve_out_type
 from .errors import BatchTimeout, PipelineClosed, warn_user
 from .layout import encode_batch, map_arrays, read_batch
 from .plan import BatchStream, EpochPlan, as_index_array
+from .stats import LoaderStats
 from .workers import JOIN_SECONDS, WorkerPool, build_batch, make_worker, slot_bytes_for
 
 THREAD_TYPES = ("proc", "thread")
@@ -92,6 +94,7 @@ class ShmSequence:
         self.epoch = 0
         self._runtime = None
         self._closer = None
+        self._stats = LoaderStats()
 
     # -- the MDNC attributes --------------------------------------------------------------------
     @property
@@ -108,6 +111,12 @@ class ShmSequence:
 
     def __len__(self) -> int:
         return len(self._plan)
+
+    @property
+    def stats(self) -> LoaderStats:
+        """Counters of the last pipeline started (batches, bytes, worker busy and consumer wait
+        time, overflows, copy-outs), kept after ``finish()``; zeros in test mode."""
+        return self._stats
 
     @property
     def use_cuda(self) -> bool:
@@ -134,6 +143,7 @@ class ShmSequence:
         self.finish()
         runtime = make_runtime()
         self._runtime = runtime
+        self._stats = getattr(runtime, "stats", LoaderStats())
         self._closer = weakref.finalize(self, runtime.close)
         return self
 
@@ -181,10 +191,12 @@ class _Pipeline:
         self.output = OrderedOutput()
         self.stream = BatchStream(seq._plan, start_seq=seq.epoch * self.length)
         middle = queue.SimpleQueue()
+        self.stats = LoaderStats()
         context = multiprocessing.get_context(seq.start_method)
         self.pool = WorkerPool(seq.worker, num_workers=seq.num_workers, backend=seq.thread_type,
                                context=context, stream=self.stream, n_slots=seq.buffer,
-                               slot_bytes=seq.slot_bytes, middle=middle, on_fatal=self.output.fail)
+                               slot_bytes=seq.slot_bytes, middle=middle, on_fatal=self.output.fail,
+                               stats=self.stats)
         self.converters = Converters(seq.num_converters, middle, self.output, self.pool, self.device)
         self._warned: set[str] = set()
         try:
@@ -204,7 +216,9 @@ class _Pipeline:
             yield self._hand_over(seq, self._take(seq))
 
     def _take(self, seq: int) -> Delivery:
+        began = time.perf_counter()
         delivery = self.output.take(seq, self.timeout)
+        self.stats.consumer_wait_s += time.perf_counter() - began
         if delivery is None:
             epoch, position = divmod(seq, self.length)
             raise BatchTimeout(
@@ -215,6 +229,8 @@ class _Pipeline:
 
     def _hand_over(self, seq: int, delivery: Delivery):
         ring = self.pool.ring
+        self.stats.batches += 1
+        self.stats.bytes += delivery.nbytes
         if delivery.payload_bytes > ring.spec.slot_bytes:
             self._warn_once("overflow", (
                 f"batch {seq} needed {delivery.payload_bytes:,} bytes but slot_bytes is "
@@ -229,6 +245,7 @@ class _Pipeline:
                 f"{ring.spec.n_slots} slots, so handing over this one in place would leave the "
                 "workers no free slot: batches are copied out of the ring instead. Raise buffer, "
                 "or drop references to earlier batches, to stay zero-copy"))
+            self.stats.copy_out_count += 1
             copied, _ = self.device.convert(map_arrays(delivery.views, np.copy))
             return copied
         ring.held[delivery.slot] = True

@@ -6,7 +6,7 @@ One batch's trip through this module:
    stream, and sends ``(seq, slot, indices)`` down the least-busy worker's task pipe.
 2. The worker calls ``worker_obj[indices]`` (or ``worker_obj.fill_batch(indices, out)``)
    and writes the batch into the slot (``layout.write_batch``).
-3. It sends back ``("done", seq, slot)``: only ids travel, never the payload.
+3. It sends back ``("done", seq, slot, size, seconds)``: only ids travel, never the payload.
 4. The manager puts ``(seq, slot, None)`` on the middle queue for the converters.
 
 A batch too large for its slot comes back encoded in the message instead (the
@@ -31,6 +31,7 @@ from .errors import ShmSeqError, WorkerDied, WorkerError, warn_user
 from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
 from .plan import BatchStream
 from .ring import PAGE, Ring, RingSpec
+from .stats import LoaderStats
 
 PARENT_POLL_SECONDS = 0.5
 JOIN_SECONDS = 3.0
@@ -80,16 +81,19 @@ def worker_error(info: tuple, *, indices=None, seq=None, what: str) -> WorkerErr
 
 
 def _run_task(worker_obj, ring: Ring | None, seq: int, slot: int | None, indices: np.ndarray):
+    """Build and write one batch; the reply carries its size and the time it took."""
+    began = time.perf_counter()
     region = ring.region(slot) if slot is not None else None
     try:
         batch, allocator = build_batch(worker_obj, indices, region)
         if region is not None:
             try:
-                write_batch(batch, region, allocator)
-                return ("done", seq, slot)
+                size = write_batch(batch, region, allocator)
+                return ("done", seq, slot, size, time.perf_counter() - began)
             except SlotOverflow:
                 pass
-        return ("overflow", seq, slot, encode_batch(batch))
+        payload = encode_batch(batch)
+        return ("overflow", seq, slot, payload, time.perf_counter() - began)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
         return ("error", seq, slot, describe_exception(exc))
 
@@ -162,8 +166,10 @@ class WorkerPool:
     """Starts the workers and runs the manager thread (dispatch, collect, watch)."""
 
     def __init__(self, worker, *, num_workers: int, backend: str, context, stream: BatchStream,
-                 n_slots: int, slot_bytes: int | None, middle: queue.SimpleQueue, on_fatal):
+                 n_slots: int, slot_bytes: int | None, middle: queue.SimpleQueue, on_fatal,
+                 stats: LoaderStats):
         self.stream = stream
+        self.stats = stats
         self.n_slots = n_slots
         self.slot_bytes = slot_bytes
         self.middle = middle
@@ -315,8 +321,9 @@ class WorkerPool:
             return
         kind = message[0]
         if kind == "done":
-            _, seq, slot = message
+            _, seq, slot, size, busy = message
             handle.open.pop(seq, None)
+            self.stats.worker_busy_s += busy
             self.middle.put((seq, slot, None))
         elif kind == "overflow":
             self._overflowed(handle, *message[1:])
@@ -337,8 +344,10 @@ class WorkerPool:
         elif kind == "init_error":
             raise worker_error(message[2], what=f"worker {handle.wid} failed to start")
 
-    def _overflowed(self, handle: _WorkerHandle, seq: int, slot: int | None, payload) -> None:
+    def _overflowed(self, handle: _WorkerHandle, seq: int, slot: int | None, payload,
+                    busy: float) -> None:
         handle.open.pop(seq, None)
+        self.stats.worker_busy_s += busy
         if slot is None:  # the probe that sizes the ring: its batch goes into the first slot
             self._probe_open = False
             self._open_ring(slot_bytes_for(len(payload)))
@@ -346,6 +355,7 @@ class WorkerPool:
             self.ring.region(slot)[:len(payload)] = payload
             self.middle.put((seq, slot, None))
         else:
+            self.stats.overflow_count += 1
             self._give_back(slot)
             self.middle.put((seq, None, payload))
 

@@ -109,6 +109,7 @@ def test_keeping_every_batch_neither_deadlocks_nor_corrupts():
         with pytest.warns(RuntimeWarning, match="copied out of the ring"):
             kept = list(seq)
     assert len(kept) == 15
+    assert seq.stats.copy_out_count >= 13 - 2 and seq.stats.batches == 15
     for k, batch in enumerate(kept):
         assert batch["label"].tolist() == list(range(4 * k, 4 * k + 4))
         assert (batch["image"][:, 3, 3, 1] == batch["label"] % 251).all()
@@ -122,6 +123,7 @@ def test_oversize_batches_arrive_intact_and_name_a_slot_size(backend):
         with pytest.warns(RuntimeWarning, match=r"slot_bytes=\d+") as caught:
             batches = [(data.copy(), labels.copy()) for data, labels in seq]
     assert len([w for w in caught if "overflow" in str(w.message)]) == 1
+    assert seq.stats.overflow_count == 8
     for k, (data, labels) in enumerate(batches):
         assert len(data) == sizes[k % 4] and (data == k % 256).all() and labels.tolist() == [k]
 
@@ -228,3 +230,14 @@ def test_resource_tracker_stays_quiet_with_spawn(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "8"
     assert "resource_tracker" not in done.stderr and "leaked" not in done.stderr, done.stderr
+
+
+def test_stats_count_what_the_loader_did():
+    with make(ImageWorker, dset_size=40).start() as seq:
+        for _ in seq:
+            pass
+        stats = seq.stats
+    assert stats.batches == 10 and stats.bytes == 40 * (8 * 8 * 3 + 8)
+    assert stats.worker_busy_s > 0 and 0 <= stats.stall_fraction <= 1
+    assert stats.overflow_count == stats.copy_out_count == 0
+    assert set(stats.as_dict()) >= {"batches", "bytes", "consumer_wait_s", "stall_fraction"}

@@ -1,0 +1,7 @@
+"""The benchmark: shmseq against PyTorch's DataLoader, a pickling queue and serial loading.
+
+``workloads`` (what a batch is, and how the consumer checks it), ``systems`` (the
+loaders, started and stopped the same way), ``limit`` (building batches with no
+transport), ``runner`` (timing, round-robin), ``report`` (table, targets, JSON,
+chart). Run it with ``python -m shmseq.bench`` (``--help`` for options).
+"""

@@ -1,0 +1,82 @@
+"""``python -m shmseq.bench``: every system on every workload, side by side.
+
+Prints a markdown table and whether the targets are met, and writes
+``results.md``, ``results.json`` and ``results.png`` into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from .report import machine, markdown, summarize, targets, write_chart, write_json
+from .runner import LIMIT, run_matrix
+from .systems import SYSTEMS
+from .workloads import WORKLOADS, image_pool
+
+ALL_SYSTEMS = [LIMIT, *SYSTEMS]
+FULL = {"repeats": 3, "seconds": 2.0, "warmup_seconds": 0.3}
+QUICK = {"repeats": 1, "seconds": 0.3, "warmup_seconds": 0.1}
+
+
+def _names(known: list[str]):
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in names if name not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"choose among {', '.join(known)}")
+        return names
+    return parse
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m shmseq.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="one short repeat of the matrix (under a minute)")
+    parser.add_argument("--workloads", type=_names(list(WORKLOADS)), default=list(WORKLOADS),
+                        help=f"comma-separated, among {', '.join(WORKLOADS)} (default: all)")
+    parser.add_argument("--systems", type=_names(ALL_SYSTEMS), default=ALL_SYSTEMS,
+                        help=f"comma-separated, among {', '.join(ALL_SYSTEMS)} (default: all)")
+    parser.add_argument("--repeats", type=int, help="rounds over the matrix (default: 3, quick: 1)")
+    parser.add_argument("--seconds", type=float,
+                        help="timed seconds per system and workload (default: 2, quick: 0.3)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"),
+                        help="directory for results.md, .json and .png (default: bench-results)")
+    return parser.parse_args(argv)
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    settings = dict(QUICK if args.quick else FULL)
+    settings.update({k: v for k, v in (("repeats", args.repeats), ("seconds", args.seconds))
+                     if v is not None})
+    workloads = [WORKLOADS[name] for name in args.workloads]
+    began = time.perf_counter()
+    for workload in workloads:
+        image_pool(workload.side)  # built before any clock starts, then inherited by every worker
+    runs = run_matrix(args.systems, workloads, log=_log, **settings)
+    cells = summarize(runs)
+    found = targets(cells)
+    info = machine()
+    command = shlex.join(["python", "-m", "shmseq.bench", *argv])
+    text = markdown(cells, found, info, command)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.md").write_text(text)
+    write_json(args.out / "results.json", runs, cells, found, info,
+               {**settings, "workloads": args.workloads, "systems": args.systems})
+    if not write_chart(args.out / "results.png", cells):
+        _log("matplotlib is not installed (pip install 'shmseq[bench]'): no chart")
+    _log(f"wrote {args.out}/results.{{md,json,png}} in {time.perf_counter() - began:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,34 @@
+"""Loader statistics a training loop can log: is the input pipeline keeping up?"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoaderStats:
+    """Counters of one started pipeline (``seq.stats``); read them at any time."""
+
+    batches: int = 0              # batches handed to the consumer
+    bytes: int = 0                # payload bytes of those batches
+    worker_busy_s: float = 0.0    # time workers spent building batches, summed over workers
+    consumer_wait_s: float = 0.0  # time the consumer spent waiting for a batch
+    overflow_count: int = 0       # batches too large for their slot (sent through the pipe)
+    copy_out_count: int = 0       # batches copied out because the consumer held the ring
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    @property
+    def stall_fraction(self) -> float:
+        """Share of the wall time the consumer spent waiting on the loader."""
+        elapsed = self.elapsed_s
+        return self.consumer_wait_s / elapsed if elapsed > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"batches": self.batches, "bytes": self.bytes, "worker_busy_s": self.worker_busy_s,
+                "consumer_wait_s": self.consumer_wait_s, "overflow_count": self.overflow_count,
+                "copy_out_count": self.copy_out_count, "elapsed_s": self.elapsed_s,
+                "stall_fraction": self.stall_fraction}
