@@ -231,7 +231,8 @@ class _Pipeline:
         ring = self.pool.ring
         self.stats.batches += 1
         self.stats.bytes += delivery.nbytes
-        if delivery.payload_bytes > ring.spec.slot_bytes:
+        if delivery.payload_bytes:
+            self.stats.overflow_count += 1
             self._warn_once("overflow", (
                 f"batch {seq} needed {delivery.payload_bytes:,} bytes but slot_bytes is "
                 f"{ring.spec.slot_bytes:,}: it came through the overflow path, with a copy. "

@@ -355,7 +355,6 @@ class WorkerPool:
             self.ring.region(slot)[:len(payload)] = payload
             self.middle.put((seq, slot, None))
         else:
-            self.stats.overflow_count += 1
             self._give_back(slot)
             self.middle.put((seq, None, payload))
 
