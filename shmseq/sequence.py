@@ -10,7 +10,7 @@ import weakref
 import numpy as np
 
 from .convert import Converters, Delivery, OrderedOutput
-from .devices import OUT_TYPES, make_device, resolve_out_type
+from .devices import OUT_TYPES, make_device, resolve_out_type, torch_available
 from .errors import BatchTimeout, PipelineClosed, warn_user
 from .layout import encode_batch, map_arrays, read_batch
 from .plan import BatchStream, EpochPlan, as_index_array
@@ -62,7 +62,8 @@ class ShmSequence:
                  buffer: int = 10, num_workers: int = 4, num_converters: int | None = None,
                  shuffle: bool = True, seed: int | None = None, thread_type: str = "proc",
                  out_type: str = "cuda", start_method: str | None = None, timeout: float = 120.0,
-                 last_batch: str = "keep", pin_memory: bool | None = None, pin_device_id: int = 0):
+                 last_batch: str = "keep", pin_memory: bool | None = None, pin_device_id: int = 0,
+                 rank: int | None = None, world_size: int | None = None, worker_init_fn=None):
         _check_worker(worker)
         _check_int("batch_size", batch_size, 1)
         _check_int("buffer", buffer, 1)
@@ -78,8 +79,8 @@ class ShmSequence:
             raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
         self.worker = worker
         self.seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else int(seed)
-        self._plan = EpochPlan(as_index_array(dset_size), batch_size, shuffle=bool(shuffle),
-                               seed=self.seed, last_batch=last_batch)
+        self._plan = self._make_plan(dset_size, batch_size, shuffle, last_batch, rank, world_size)
+        self.worker_init_fn = worker_init_fn
         self.slot_bytes = slot_bytes
         self.buffer = buffer
         self.num_workers = num_workers
@@ -91,10 +92,18 @@ class ShmSequence:
         self.pin_device_id = pin_device_id
         self.num_converters = num_converters or (
             max(num_workers // 4, min(num_workers, 4), 1) if self.use_cuda else 1)
-        self.epoch = 0
+        self.epoch = 0                   # the epoch the next iteration starts
+        self._resume_at = 0               # ... at this batch (set by load_state_dict)
+        self._last = (-1, 0)              # (epoch, batches delivered) of the last iteration
         self._runtime = None
+        self._restart = None
         self._closer = None
         self._stats = LoaderStats()
+
+    def _make_plan(self, dset_size, batch_size, shuffle, last_batch, rank, world_size):
+        rank, world_size = _distributed_defaults(rank, world_size)
+        return EpochPlan(as_index_array(dset_size), batch_size, shuffle=bool(shuffle),
+                         seed=self.seed, last_batch=last_batch, rank=rank, world_size=world_size)
 
     # -- the MDNC attributes --------------------------------------------------------------------
     @property
@@ -107,10 +116,11 @@ class ShmSequence:
 
     @property
     def length(self) -> int:
-        return len(self._plan)
+        return len(self)
 
     def __len__(self) -> int:
-        return len(self._plan)
+        """Batches in the epoch the next iteration yields (with rollover, epochs differ)."""
+        return self._plan.length(self.epoch) - self._resume_at
 
     @property
     def stats(self) -> LoaderStats:
@@ -128,7 +138,8 @@ class ShmSequence:
 
         ``compat`` is accepted for MDNC compatibility: converters are threads in every mode.
         """
-        return self._run(lambda: _Pipeline(self) if self.num_workers else _Inline(self, "default"))
+        return self._run(lambda: _Pipeline(self) if self.num_workers else _Inline(self, "default"),
+                         lambda: self.start(compat))
 
     def start_test(self, test_mode: str = "default") -> "ShmSequence":
         """Run everything in the calling thread, with the same batches as ``start()``.
@@ -137,12 +148,12 @@ class ShmSequence:
         ``out_type`` is CUDA; ``'numpy'``: the worker's output untouched.
         """
         _check_choice("test_mode", test_mode, TEST_MODES)
-        return self._run(lambda: _Inline(self, test_mode))
+        return self._run(lambda: _Inline(self, test_mode), lambda: self.start_test(test_mode))
 
-    def _run(self, make_runtime) -> "ShmSequence":
+    def _run(self, make_runtime, restart) -> "ShmSequence":
         self.finish()
         runtime = make_runtime()
-        self._runtime = runtime
+        self._runtime, self._restart = runtime, restart
         self._stats = getattr(runtime, "stats", LoaderStats())
         self._closer = weakref.finalize(self, runtime.close)
         return self
@@ -162,17 +173,23 @@ class ShmSequence:
         self.finish()
 
     def __iter__(self):
-        """One epoch; the next iteration is the next epoch."""
+        """One epoch; the next iteration is the next epoch (``break`` leaves the rest)."""
         if self._runtime is None:
             raise RuntimeError("the sequence is not running: call start() or start_test() "
                                "(or use it in a with-block) before iterating")
-        epoch, self.epoch = self.epoch, self.epoch + 1
-        return self._guarded(self._runtime, self._runtime.batches(epoch))
+        epoch, position = self.epoch, self._resume_at
+        if not self._runtime.can_serve(self._plan.start(epoch) + position):
+            self._restart()  # asked to go back before batches already consumed
+        self.epoch, self._resume_at, self._last = epoch + 1, 0, (epoch, position)
+        return self._guarded(self._runtime, epoch, position)
 
-    def _guarded(self, runtime, batches):
-        """Shut the pipeline down when an error or Ctrl-C leaves an epoch (not on ``break``)."""
+    def _guarded(self, runtime, epoch: int, position: int):
+        """Track the position; shut the pipeline down when an error or Ctrl-C leaves an epoch."""
         try:
-            yield from batches
+            for delivered, batch in enumerate(runtime.batches(epoch, position), position + 1):
+                self._last = (epoch, delivered)
+                yield batch
+                del batch
         except GeneratorExit:
             raise
         except BaseException:
@@ -180,23 +197,76 @@ class ShmSequence:
                 self.finish()
             raise
 
+    # -- resuming -------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration yields (as ``DistributedSampler.set_epoch``)."""
+        _check_int("epoch", epoch, 0)
+        self.epoch, self._resume_at = int(epoch), 0
+
+    def state_dict(self) -> dict:
+        """Where the consumer is: a run restored from this yields exactly the batches it had not
+        received yet, in the same order."""
+        epoch, delivered = self._last
+        if self._resume_at or epoch < 0 or delivered >= self._plan.length(epoch):
+            epoch, delivered = self.epoch, self._resume_at  # between epochs
+        plan = self._plan
+        return {"epoch": epoch, "position": delivered, "seed": self.seed,
+                "batch_size": self.batch_size, "dset_size": self.dset_size,
+                "last_batch": getattr(plan, "last_batch", None), "rank": getattr(plan, "rank", 0),
+                "world_size": getattr(plan, "world_size", 1),
+                "rollover_remainder": _remainder(plan, epoch)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()``: the next iteration continues that epoch where it was."""
+        mine = self.state_dict()
+        for key in ("batch_size", "dset_size", "last_batch", "rank", "world_size"):
+            if state.get(key, mine[key]) != mine[key]:
+                raise ValueError(f"state {key}={state[key]!r} does not match this sequence's "
+                                 f"{key}={mine[key]!r}: build the sequence as the saved one was")
+        self.seed = self._plan.seed = int(state["seed"])
+        self.epoch, self._resume_at = int(state["epoch"]), int(state["position"])
+        self._last = (-1, 0)
+        if self._runtime is not None:
+            self._restart()  # batches in flight were planned with the old position
+
+
+def _distributed_defaults(rank, world_size) -> tuple[int, int]:
+    """Explicit values win; else torch.distributed's when it is initialized; else one rank."""
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    if torch_available():
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return (dist.get_rank() if rank is None else rank,
+                    dist.get_world_size() if world_size is None else world_size)
+    return rank or 0, world_size or 1
+
+
+def _remainder(plan, epoch: int) -> list[int]:
+    """The samples an epoch inherits from the previous ones (rollover), for the record."""
+    if getattr(plan, "last_batch", None) != "rollover" or not plan.samples_per_epoch:
+        return []
+    carried = epoch * plan.samples_per_epoch - plan.start(epoch) * plan.batch_size
+    return plan.batches(epoch)[0][:carried].tolist() if carried and plan.length(epoch) else []
+
 
 class _Pipeline:
     """The running machinery of a started sequence."""
 
     def __init__(self, seq: ShmSequence):
-        self.length = len(seq)
+        self.plan = seq._plan
         self.timeout = seq.timeout
         self.device = make_device(seq.out_type, seq.pin_memory, seq.pin_device_id)
         self.output = OrderedOutput()
-        self.stream = BatchStream(seq._plan, start_seq=seq.epoch * self.length)
+        self.consumed_to = self.plan.start(seq.epoch) + seq._resume_at
+        self.stream = BatchStream(self.plan, start_seq=self.consumed_to)
         middle = queue.SimpleQueue()
         self.stats = LoaderStats()
         context = multiprocessing.get_context(seq.start_method)
         self.pool = WorkerPool(seq.worker, num_workers=seq.num_workers, backend=seq.thread_type,
                                context=context, stream=self.stream, n_slots=seq.buffer,
                                slot_bytes=seq.slot_bytes, middle=middle, on_fatal=self.output.fail,
-                               stats=self.stats)
+                               stats=self.stats, seed=seq.seed, worker_init_fn=seq.worker_init_fn)
         self.converters = Converters(seq.num_converters, middle, self.output, self.pool, self.device)
         self._warned: set[str] = set()
         try:
@@ -208,11 +278,16 @@ class _Pipeline:
             self.close()
             raise
 
-    def batches(self, epoch: int):
-        start = epoch * self.length
-        self.pool.seek(start)
-        self.output.drop_below(start)
-        for seq in range(start, start + self.length):
+    def can_serve(self, seq: int) -> bool:
+        """Batches before ``consumed_to`` were handed over (or skipped): they are gone."""
+        return seq >= self.consumed_to
+
+    def batches(self, epoch: int, position: int = 0):
+        start = self.plan.start(epoch)
+        self.pool.seek(start + position)
+        self.output.drop_below(start + position)
+        for seq in range(start + position, start + self.plan.length(epoch)):
+            self.consumed_to = seq + 1
             yield self._hand_over(seq, self._take(seq))
 
     def _take(self, seq: int) -> Delivery:
@@ -220,7 +295,7 @@ class _Pipeline:
         delivery = self.output.take(seq, self.timeout)
         self.stats.consumer_wait_s += time.perf_counter() - began
         if delivery is None:
-            epoch, position = divmod(seq, self.length)
+            epoch, position = self.plan.locate(seq)
             raise BatchTimeout(
                 f"batch {position} of epoch {epoch} (sample indices "
                 f"{self.stream.indices_of(seq).tolist()}) did not arrive within timeout="
@@ -275,8 +350,11 @@ class _Inline:
         out_type = "cpu" if test_mode == "cpu" and seq.use_cuda else seq.out_type
         self.device = make_device(out_type, pin_memory=False)
 
-    def batches(self, epoch: int):
-        for indices in self.plan.batches(epoch):
+    def can_serve(self, seq: int) -> bool:
+        return True
+
+    def batches(self, epoch: int, position: int = 0):
+        for indices in self.plan.batches(epoch)[position:]:
             batch, _ = build_batch(self.worker_obj, indices, None)
             if self.test_mode != "numpy":
                 # Through the slot format, so that types and layout match start() exactly.

@@ -18,12 +18,15 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import random
 import selectors
 import signal
+import sys
 import threading
 import time
 import traceback
 from multiprocessing import connection
+from typing import NamedTuple
 
 import numpy as np
 
@@ -113,14 +116,66 @@ def _parent_alive(parent_pid: int | None) -> bool:
     return state not in (b"Z", b"X")
 
 
-def worker_loop(worker, tasks, results, wid: int, attach, parent_pid: int | None) -> None:
+class WorkerInfo(NamedTuple):
+    """What ``get_worker_info()`` tells the code running inside a worker."""
+    id: int
+    num_workers: int
+    seed: int
+
+
+_current = threading.local()
+
+
+def get_worker_info() -> WorkerInfo | None:
+    """The calling worker's id, the number of workers and its seed; None outside workers."""
+    return getattr(_current, "info", None)
+
+
+def worker_seed(base_seed: int, wid: int) -> int:
+    """A reproducible seed of its own for each worker."""
+    return int(np.random.SeedSequence([base_seed, wid]).generate_state(1, np.uint64)[0])
+
+
+def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn) -> None:
+    """Seed the worker's random generators, then run the user's hook.
+
+    Only processes seed the global generators (``random``, numpy's, torch's): threads
+    share them, and read their own seed from ``get_worker_info()`` instead.
+    """
+    _current.info = info
+    if in_process:
+        random.seed(info.seed)
+        np.random.seed(info.seed % 2**32)
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            torch.manual_seed(info.seed)
+    if worker_init_fn is not None:
+        worker_init_fn(info.id)
+
+
+def pack_indices(indices) -> bytes | list[bytes]:
+    """Indices as raw bytes for the task pipe (a list of arrays for multi-shard batches)."""
+    if isinstance(indices, list):
+        return [part.tobytes() for part in indices]
+    return indices.tobytes()
+
+
+def unpack_indices(packed) -> np.ndarray | list[np.ndarray]:
+    if isinstance(packed, list):
+        return [np.frombuffer(part, np.int64).copy() for part in packed]
+    return np.frombuffer(packed, np.int64).copy()
+
+
+def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn, attach,
+                parent_pid: int | None) -> None:
     """The body of a worker, process or thread. ``parent_pid`` is set in processes."""
     if parent_pid is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
     try:
+        _set_up(info, parent_pid is not None, worker_init_fn)
         worker_obj = make_worker(worker)
     except BaseException as exc:  # noqa: BLE001
-        results.send(("init_error", wid, describe_exception(exc)))
+        results.send(("init_error", info.id, describe_exception(exc)))
         return
     ring = None
     try:
@@ -133,10 +188,10 @@ def worker_loop(worker, tasks, results, wid: int, attach, parent_pid: int | None
                 return
             if message[0] == "ring":
                 ring = attach(message[1])
-                results.send(("attached", wid))
+                results.send(("attached", info.id))
             else:
                 seq, slot, indices = message
-                results.send(_run_task(worker_obj, ring, seq, slot, np.frombuffer(indices, np.int64).copy()))
+                results.send(_run_task(worker_obj, ring, seq, slot, unpack_indices(indices)))
     except (EOFError, OSError):
         return  # the consumer closed the pipes: it is shutting down
 
@@ -167,7 +222,7 @@ class WorkerPool:
 
     def __init__(self, worker, *, num_workers: int, backend: str, context, stream: BatchStream,
                  n_slots: int, slot_bytes: int | None, middle: queue.SimpleQueue, on_fatal,
-                 stats: LoaderStats):
+                 stats: LoaderStats, seed: int = 0, worker_init_fn=None):
         self.stream = stream
         self.stats = stats
         self.n_slots = n_slots
@@ -186,22 +241,24 @@ class WorkerPool:
         os.set_blocking(self._wake_writer.fileno(), False)
         if backend == "proc":
             _check_picklable(worker, context.get_start_method())
-        self._workers = [self._spawn(worker, wid, backend, context) for wid in range(num_workers)]
+        self._workers = [
+            self._spawn(worker, WorkerInfo(wid, num_workers, worker_seed(seed, wid)), backend,
+                        context, worker_init_fn)
+            for wid in range(num_workers)]
         self._manager = threading.Thread(target=self._manage, name="shmseq-manager", daemon=True)
 
     # -- start -------------------------------------------------------------------------------
-    def _spawn(self, worker, wid: int, backend: str, context) -> _WorkerHandle:
+    def _spawn(self, worker, info: WorkerInfo, backend: str, context, worker_init_fn) -> _WorkerHandle:
         task_reader, task_writer = connection.Pipe(duplex=False)
         result_reader, result_writer = connection.Pipe(duplex=False)
+        common = (worker, task_reader, result_writer, info, worker_init_fn)
         if backend == "thread":
-            runner = threading.Thread(target=worker_loop, name=f"shmseq-worker-{wid}", daemon=True,
-                                      args=(worker, task_reader, result_writer, wid,
-                                            self._local_ring, None))
+            runner = threading.Thread(target=worker_loop, name=f"shmseq-worker-{info.id}",
+                                      daemon=True, args=(*common, self._local_ring, None))
         else:
-            runner = context.Process(target=worker_loop, name=f"shmseq-worker-{wid}", daemon=True,
-                                     args=(worker, task_reader, result_writer, wid,
-                                           Ring.attach, os.getpid()))
-        handle = _WorkerHandle(wid, task_writer, result_reader, runner)
+            runner = context.Process(target=worker_loop, name=f"shmseq-worker-{info.id}",
+                                     daemon=True, args=(*common, Ring.attach, os.getpid()))
+        handle = _WorkerHandle(info.id, task_writer, result_reader, runner)
         runner.start()
         if backend != "thread":
             task_reader.close()
@@ -283,7 +340,7 @@ class WorkerPool:
         seq, indices = self.stream.take()
         handle = min(live, key=lambda h: len(h.open))
         handle.open[seq] = indices
-        self._send(handle, (seq, slot, indices.tobytes()))
+        self._send(handle, (seq, slot, pack_indices(indices)))
 
     @staticmethod
     def _send(handle: _WorkerHandle, message) -> None:
