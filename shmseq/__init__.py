@@ -17,13 +17,18 @@ Where to look: ``plan.py`` (which indices), ``workers.py`` (where a batch is wri
 ``convert.py`` (where a batch is read), ``sequence.py`` (the lifecycle).
 """
 from .compat import MPSequence, MSequence, MTSequence
+from .dataloader import DataLoader, default_batchify
 from .errors import (BatchTimeout, PipelineClosed, SharedMemoryFull, ShmSeqError,
                      UnsupportedBatch, WorkerDied, WorkerError)
 from .layout import SlotAllocator
+from .samplers import BatchSampler, RandomSampler, SequentialSampler
 from .sequence import ShmSequence
 from .stats import LoaderStats
+from .workers import WorkerInfo, get_worker_info
 
 __version__ = "0.1.0"
-__all__ = ["ShmSequence", "MSequence", "MPSequence", "MTSequence", "SlotAllocator", "LoaderStats",
+__all__ = ["ShmSequence", "MSequence", "MPSequence", "MTSequence", "DataLoader", "default_batchify",
+           "SequentialSampler", "RandomSampler", "BatchSampler", "get_worker_info", "WorkerInfo",
+           "SlotAllocator", "LoaderStats",
            "ShmSeqError", "WorkerError", "WorkerDied", "BatchTimeout", "UnsupportedBatch",
            "SharedMemoryFull", "PipelineClosed"]

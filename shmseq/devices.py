@@ -243,8 +243,9 @@ class FakeDevice:
 def make_device(out_type: str, pin_memory: bool | None = None, pin_device_id: int = 0):
     if out_type.startswith("cuda"):
         return CudaDevice(out_type)
-    pin = out_type == "cpu" and (cuda_available() if pin_memory is None else pin_memory)
-    if pin and not cuda_available():
+    if pin_memory is None:
+        pin_memory = out_type == "cpu" and cuda_available()
+    elif pin_memory and not cuda_available():
         warn_user("pin_memory=True but CUDA is not available: delivering pageable memory")
-        pin = False
-    return HostDevice(to_torch=out_type == "cpu", pin_device=pin_device_id if pin else None)
+        pin_memory = False
+    return HostDevice(to_torch=out_type == "cpu", pin_device=pin_device_id if pin_memory else None)

@@ -111,8 +111,8 @@ class ShmSequence:
         return len(self._plan.indices)
 
     @property
-    def batch_size(self) -> int:
-        return self._plan.batch_size
+    def batch_size(self) -> int | None:
+        return getattr(self._plan, "batch_size", None)
 
     @property
     def length(self) -> int:

@@ -97,3 +97,36 @@ class Slow:
         import time
         time.sleep(self.seconds)
         return indices
+
+
+class SeedReporter:
+    """Tells which worker built the batch, its seed, and a draw from the global generator."""
+
+    def __getitem__(self, indices):
+        import shmseq
+        info = shmseq.get_worker_info()
+        return np.array([info.id, info.seed % 2**31, np.random.randint(2**31)]), indices
+
+
+def record_init(worker_id):
+    import os
+    os.environ["SHMSEQ_TEST_INIT"] = str(worker_id)
+
+
+class InitReporter:
+    """The id the init hook saw, and the worker's own id."""
+
+    def __getitem__(self, indices):
+        import os
+        import shmseq
+        return np.array([int(os.environ.get("SHMSEQ_TEST_INIT", -1)), shmseq.get_worker_info().id])
+
+
+class PairDataset:
+    """Samples are (image, label, name) tuples, as image datasets return them."""
+
+    def __len__(self):
+        return 30
+
+    def __getitem__(self, i):
+        return np.full((4, 4, 3), i, np.uint8), i, f"img{i}.jpg"

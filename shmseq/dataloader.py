@@ -1,0 +1,171 @@
+"""An MXNet Gluon-style, sample-level ``DataLoader`` on shmseq's engine.
+
+Workers fetch ``dataset[i]`` for each index of a batch and stack the samples
+straight into the slot (``default_batchify`` allocates each field in the slot),
+so there is no intermediate batch array and no pickling of the batch.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+
+import numpy as np
+
+from .layout import SlotAllocator
+from .plan import SamplerPlan
+from .samplers import BatchSampler, RandomSampler, SequentialSampler
+from .sequence import ShmSequence
+
+
+def _as_sample_array(sample):
+    if isinstance(sample, np.ndarray):
+        return sample
+    if hasattr(sample, "numpy") and hasattr(sample, "detach"):  # a torch tensor
+        return sample.detach().cpu().numpy()
+    return None
+
+
+def default_batchify(samples: list, out: SlotAllocator | None = None):
+    """Stack samples into a batch, field by field, writing each field straight into ``out``.
+
+    Arrays (and torch tensors) of one shape are stacked; numbers become a 1-D array;
+    tuples and dicts are batched field by field; anything else (strings) is kept as a list.
+    """
+    out = out or SlotAllocator(None)
+    first = samples[0]
+    if isinstance(first, tuple):
+        return tuple(default_batchify(list(field), out) for field in zip(*samples))
+    if isinstance(first, dict):
+        return {key: default_batchify([s[key] for s in samples], out) for key in first}
+    arrays = [_as_sample_array(s) for s in samples]
+    if arrays[0] is None and isinstance(first, (bool, int, float, complex, np.generic)):
+        arrays = [np.asarray(s) for s in samples]
+    if arrays[0] is None:
+        return list(samples)
+    return _stack(arrays, out)
+
+
+def _stack(arrays: list[np.ndarray], out: SlotAllocator) -> np.ndarray:
+    shape, dtype = arrays[0].shape, arrays[0].dtype
+    batch = out.empty((len(arrays),) + shape, dtype)
+    for row, array in enumerate(arrays):
+        if array.shape != shape:
+            raise ValueError(f"sample {row} of the batch has shape {array.shape} but sample 0 has "
+                             f"{shape}: default_batchify stacks samples of one shape; pad them, "
+                             "or pass a batchify_fn")
+        batch[row] = array
+    return batch
+
+
+class SampleWorker:
+    """Runs in each worker: fetches the samples of a batch and batchifies them into the slot."""
+
+    def __init__(self, dataset, batchify_fn=None):
+        self.dataset = dataset
+        self.batchify_fn = batchify_fn
+
+    def fill_batch(self, indices, out: SlotAllocator):
+        if isinstance(indices, list):  # a multi-shard batch: one batch per shard
+            return [self._batch(part, out) for part in indices]
+        return self._batch(indices, out)
+
+    def _batch(self, indices: np.ndarray, out: SlotAllocator):
+        samples = [self.dataset[int(index)] for index in indices]
+        if self.batchify_fn is not None:
+            return self.batchify_fn(samples)
+        return default_batchify(samples, out)
+
+
+class DataLoader(ShmSequence):
+    """Gluon's ``DataLoader(dataset, batch_size, shuffle, sampler, last_batch, batch_sampler,
+    batchify_fn, num_workers, pin_memory, pin_device_id, prefetch, thread_pool, timeout)``.
+
+    ``dataset`` is anything with ``__getitem__`` and ``__len__`` (numpy arrays included).
+    Iterate it directly: workers start at the first iteration and stay up across epochs
+    until ``close()``. ``num_workers=0`` runs in the calling thread. Batches are numpy
+    arrays (``out_type='null'``) or torch tensors (``'cpu'``, ``'cuda'``). A ``batch_sampler``
+    that yields lists of index lists gives lists of batches, one per shard (GluonNLP's
+    ``ShardedDataLoader``). Beyond Gluon: ``seed``, ``rank``/``world_size`` (distributed
+    sharding of the default samplers), ``state_dict()``, ``set_epoch()``, ``worker_init_fn``.
+    """
+
+    def __init__(self, dataset, batch_size: int | None = None, shuffle: bool = False, sampler=None,
+                 last_batch: str | None = None, batch_sampler=None, batchify_fn=None,
+                 num_workers: int = 0, pin_memory: bool = False, pin_device_id: int = 0,
+                 prefetch: int | None = None, thread_pool: bool = False, timeout: float = 120,
+                 *, out_type: str = "null", seed: int | None = None, rank: int | None = None,
+                 world_size: int | None = None, worker_init_fn=None, slot_bytes: int | None = None,
+                 start_method: str | None = None):
+        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise TypeError(f"dataset must have __getitem__ and __len__, got {type(dataset).__name__}")
+        self.dataset = dataset
+        self.batch_sampler = self._batch_sampler(len(dataset), batch_size, shuffle, sampler,
+                                                 last_batch, batch_sampler, seed)
+        if self.batch_sampler is not None and (rank is not None or world_size is not None):
+            raise ValueError("rank and world_size shard the default samplers: with your own sampler "
+                             "or batch_sampler, deal the indices to the ranks in it")
+        prefetch = 2 * num_workers if prefetch is None else prefetch
+        super().__init__(SampleWorker(dataset, batchify_fn), len(dataset),
+                         batch_size=batch_size or 1, slot_bytes=slot_bytes,
+                         buffer=max(prefetch, num_workers, 1) + 2, num_workers=num_workers,
+                         shuffle=shuffle, seed=seed, last_batch=last_batch or "keep",
+                         thread_type="thread" if thread_pool else "proc", out_type=out_type,
+                         start_method=start_method, timeout=timeout, pin_memory=pin_memory,
+                         pin_device_id=pin_device_id, rank=rank, world_size=world_size,
+                         worker_init_fn=worker_init_fn)
+
+    @staticmethod
+    def _batch_sampler(length, batch_size, shuffle, sampler, last_batch, batch_sampler, seed):
+        """Gluon's argument rules; None when the default, seeded plan does the job."""
+        if batch_sampler is not None:
+            if batch_size is not None or shuffle or sampler is not None or last_batch is not None:
+                raise ValueError("batch_size, shuffle, sampler and last_batch must not be given "
+                                 "with batch_sampler: it decides the batches itself")
+            return batch_sampler
+        if batch_size is None:
+            raise ValueError("batch_size must be given unless batch_sampler is")
+        if sampler is not None:
+            if shuffle:
+                raise ValueError("shuffle must not be given with sampler: the sampler decides the "
+                                 "order (use RandomSampler to shuffle)")
+            return BatchSampler(sampler, batch_size, last_batch or "keep")
+        return None
+
+    def _make_plan(self, dset_size, batch_size, shuffle, last_batch, rank, world_size):
+        if self.batch_sampler is None:
+            return super()._make_plan(dset_size, batch_size, shuffle, last_batch, rank, world_size)
+        return SamplerPlan(self.batch_sampler)
+
+    @property
+    def dset_size(self) -> int:
+        return len(self.dataset)
+
+    def start(self, compat=None) -> "DataLoader":
+        if self.num_workers and self.thread_type == "proc":
+            method = self.start_method or multiprocessing.get_start_method()
+            for name, value in (("batchify_fn", self.worker.batchify_fn), ("dataset", self.dataset)):
+                _check_picklable(name, value, method)
+        return super().start(compat)
+
+    def __iter__(self):
+        if self._runtime is None:
+            self.start()
+        return super().__iter__()
+
+    def close(self) -> None:
+        """Stop the workers (they otherwise stay up between epochs)."""
+        self.finish()
+
+
+def _check_picklable(name: str, value, start_method: str) -> None:
+    if start_method == "fork" or value is None:
+        return
+    try:
+        pickle.dumps(value)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure means the same fix
+        raise TypeError(f"{name} {value!r} cannot be pickled, which worker processes started with "
+                        f"{start_method!r} need ({type(exc).__name__}: {exc}): define it at module "
+                        "level, or use thread_pool=True or start_method='fork'") from exc
+
+
+__all__ = ["DataLoader", "default_batchify", "SequentialSampler", "RandomSampler", "BatchSampler"]

@@ -1,0 +1,220 @@
+import numpy as np
+import pytest
+
+from shmseq import (BatchSampler, DataLoader, RandomSampler, SequentialSampler, ShmSequence,
+                    default_batchify)
+from workers import IndexWorker, InitReporter, PairDataset, SeedReporter, record_init
+
+TEN = np.arange(10)
+
+
+def listed(loader):
+    return [np.asarray(b).tolist() for b in loader]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"batch_size": 2, "shuffle": True, "sampler": SequentialSampler(10)}, "shuffle must not be given"),
+    ({"batch_sampler": [[0]], "batch_size": 2}, "must not be given with batch_sampler"),
+    ({"batch_sampler": [[0]], "shuffle": True}, "must not be given with batch_sampler"),
+    ({"batch_sampler": [[0]], "sampler": SequentialSampler(1)}, "must not be given with batch_sampler"),
+    ({"batch_sampler": [[0]], "last_batch": "keep"}, "must not be given with batch_sampler"),
+    ({}, "batch_size must be given unless batch_sampler is"),
+    ({"batch_size": 2, "last_batch": "sometimes"}, "last_batch must be one of"),
+])
+def test_mxnet_argument_rules(options, message):
+    with pytest.raises(ValueError, match=message):
+        DataLoader(TEN, **options)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_last_batch_policies_as_mxnet(num_workers):
+    keep = DataLoader(TEN, batch_size=4, num_workers=num_workers)
+    discard = DataLoader(TEN, batch_size=4, last_batch="discard", num_workers=num_workers)
+    rollover = DataLoader(TEN, batch_size=4, last_batch="rollover", num_workers=num_workers)
+    try:
+        assert listed(keep) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+        assert listed(discard) == [[0, 1, 2, 3], [4, 5, 6, 7]] and len(discard) == 2
+        assert len(rollover) == 2 and listed(rollover) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert len(rollover) == 3
+        assert listed(rollover) == [[8, 9, 0, 1], [2, 3, 4, 5], [6, 7, 8, 9]]
+    finally:
+        for loader in (keep, discard, rollover):
+            loader.close()
+
+
+def test_shmsequence_takes_the_same_last_batch_policies():
+    seq = ShmSequence(IndexWorker, 10, batch_size=4, shuffle=False, last_batch="rollover",
+                      num_workers=2, out_type="null")
+    with seq.start():
+        assert [listed(seq) for _ in range(2)] == [
+            [[0, 1, 2, 3], [4, 5, 6, 7]], [[8, 9, 0, 1], [2, 3, 4, 5], [6, 7, 8, 9]]]
+
+
+def test_samplers():
+    assert list(SequentialSampler(3, start=2)) == [2, 3, 4]
+    shuffled = RandomSampler(20, seed=1)
+    first, second = list(shuffled), list(shuffled)
+    assert sorted(first) == list(range(20)) and first != second
+    assert first == list(RandomSampler(20, seed=1))
+    batches = BatchSampler(SequentialSampler(10), 4, "rollover")
+    assert len(batches) == 2 and list(batches) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert len(batches) == 3 and list(batches)[0] == [8, 9, 0, 1]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sampler_and_a_batch_sampler_drive_the_loader(num_workers):
+    with DataLoader(TEN, batch_size=3, sampler=SequentialSampler(5, start=5),
+                    num_workers=num_workers) as loader:
+        assert listed(loader) == [[5, 6, 7], [8, 9]]
+    with DataLoader(TEN, batch_sampler=[[9, 0], [3]], num_workers=num_workers) as loader:
+        assert listed(loader) == [[9, 0], [3]] and listed(loader) == [[9, 0], [3]]
+
+
+def test_samples_are_stacked_straight_into_the_slot():
+    with DataLoader(PairDataset(), batch_size=8, num_workers=2, shuffle=True, seed=3) as loader:
+        ring_contains = None
+        seen = []
+        for images, labels, names in loader:
+            ring_contains = loader._runtime.pool.ring.contains
+            assert ring_contains(images) and ring_contains(labels)
+            assert images.shape[1:] == (4, 4, 3) and images.dtype == np.uint8
+            assert labels.dtype == np.asarray(0).dtype
+            assert (images[:, 2, 1, 0] == labels).all() and names == [f"img{i}.jpg" for i in labels]
+            seen += labels.tolist()
+    assert sorted(seen) == list(range(30))
+
+
+def test_default_batchify_fields_and_errors():
+    batch = default_batchify([{"x": np.zeros(2), "y": 1.5}, {"x": np.ones(2), "y": 2.5}])
+    assert batch["x"].shape == (2, 2) and batch["y"].tolist() == [1.5, 2.5]
+    with pytest.raises(ValueError, match=r"sample 1 of the batch has shape \(3,\).*batchify_fn"):
+        default_batchify([np.zeros(2), np.zeros(3)])
+
+
+def test_a_custom_batchify_fn():
+    with DataLoader(TEN, batch_size=5, num_workers=2, batchify_fn=lambda s: np.array(s) * 10) as dl:
+        assert listed(dl) == [[0, 10, 20, 30, 40], [50, 60, 70, 80, 90]]
+
+
+def test_an_unpicklable_batchify_fn_is_named_for_spawn():
+    loader = DataLoader(TEN, batch_size=5, num_workers=1, start_method="spawn",
+                        batchify_fn=lambda samples: samples)
+    with pytest.raises(TypeError, match="batchify_fn .* cannot be pickled.*'spawn'"):
+        loader.start()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_multi_shard_batches_give_one_batch_per_shard(num_workers):
+    sampler = [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    with DataLoader(PairDataset(), batch_sampler=sampler, num_workers=num_workers) as loader:
+        batches = [[(shard[1].tolist(), shard[0].shape) for shard in batch] for batch in loader]
+    assert batches == [[([0, 1], (2, 4, 4, 3)), ([2, 3], (2, 4, 4, 3))],
+                       [([4, 5], (2, 4, 4, 3)), ([6, 7], (2, 4, 4, 3))]]
+
+
+@pytest.mark.parametrize("policy", ["keep", "discard", "rollover"])
+def test_two_ranks_cover_each_epoch_once_with_equal_batch_counts(policy):
+    ranks = [DataLoader(np.arange(23), batch_size=4, shuffle=True, seed=5, last_batch=policy,
+                        num_workers=1, thread_pool=True, rank=r, world_size=2) for r in (0, 1)]
+    try:
+        for epoch in range(3):
+            got = [listed(loader) for loader in ranks]
+            assert len(got[0]) == len(got[1])
+            flat = [i for batches in got for batch in batches for i in batch]
+            if policy == "keep":  # padded by wrapping: one sample twice
+                assert set(flat) == set(range(23)) and len(flat) == 24
+            elif policy == "discard":
+                assert len(set(flat)) == len(flat) and len(flat) == 16
+    finally:
+        for loader in ranks:
+            loader.close()
+
+
+def _resume_case(make, stop_after, epochs=3):
+    """Batches of an uninterrupted run vs. a run stopped after ``stop_after`` and resumed."""
+    with make(seed=7) as reference:
+        expected = [b for _ in range(epochs) for b in listed(reference)]
+    first = make(seed=7)
+    with first:
+        delivered = []
+        for _ in range(epochs):
+            for batch in first:
+                delivered.append(np.asarray(batch).tolist())
+                if len(delivered) == stop_after:
+                    break
+            if len(delivered) == stop_after:
+                break
+        state = first.state_dict()
+    resumed = make(seed=None)
+    resumed.load_state_dict(state)
+    with resumed:
+        rest = [b for _ in range(epochs) for b in listed(resumed)]
+    return expected, delivered + rest[:len(expected) - len(delivered)]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("stop_after", [3, 9])  # mid-epoch 0, mid-epoch 1 (6 batches an epoch)
+@pytest.mark.parametrize("front", ["sequence", "dataloader"])
+def test_a_stopped_run_resumes_with_exactly_the_missing_batches(shuffle, stop_after, front):
+    def make(seed):
+        if front == "sequence":
+            return ShmSequence(IndexWorker, 23, batch_size=4, shuffle=shuffle, seed=seed,
+                               num_workers=3, out_type="null")
+        return DataLoader(np.arange(23), batch_size=4, shuffle=shuffle, seed=seed, num_workers=3)
+
+    expected, got = _resume_case(make, stop_after)
+    assert got == expected
+
+
+def test_rollover_state_resumes_and_records_the_remainder():
+    def make(seed):
+        return DataLoader(np.arange(10), batch_size=4, last_batch="rollover", shuffle=True,
+                          seed=seed, num_workers=2)
+
+    expected, got = _resume_case(make, stop_after=3)
+    assert got == expected
+    loader = make(1)
+    with loader:
+        listed(loader)
+        state = loader.state_dict()
+    assert state["epoch"] == 1 and state["position"] == 0 and len(state["rollover_remainder"]) == 2
+
+
+def test_a_state_from_another_configuration_is_refused():
+    state = ShmSequence(IndexWorker, 10, batch_size=4, out_type="null").state_dict()
+    other = ShmSequence(IndexWorker, 10, batch_size=5, out_type="null")
+    with pytest.raises(ValueError, match="state batch_size=4 does not match .* batch_size=5"):
+        other.load_state_dict(state)
+
+
+def test_set_epoch_goes_back_and_forth():
+    seq = ShmSequence(IndexWorker, 12, batch_size=4, seed=2, num_workers=2, out_type="null")
+    with seq.start():
+        epochs = [listed(seq) for _ in range(3)]
+        seq.set_epoch(1)
+        assert listed(seq) == epochs[1] and seq.epoch == 2
+
+
+@pytest.mark.parametrize("backend", ["proc", "thread"])
+def test_each_worker_has_its_own_reproducible_seed(backend):
+    def draws():
+        seq = ShmSequence(SeedReporter, 64, batch_size=1, seed=11, num_workers=2, shuffle=False,
+                          thread_type=backend, out_type="null")
+        with seq.start():
+            return {int(info[0]): int(info[1]) for info, _ in seq}
+
+    first, second = draws(), draws()
+    assert first == second and len(set(first.values())) == 2
+
+
+def test_worker_processes_seed_their_global_generators_and_run_the_init_hook():
+    seq = ShmSequence(SeedReporter, 8, batch_size=1, seed=11, num_workers=1, shuffle=False,
+                      out_type="null")
+    with seq.start():
+        draws = [int(info[2]) for info, _ in seq]
+    with seq.start():
+        assert [int(info[2]) for info, _ in seq] == draws
+    init = ShmSequence(InitReporter, 40, batch_size=2, num_workers=2, out_type="null",
+                       worker_init_fn=record_init)
+    with init.start():
+        assert all(hook == worker for hook, worker in (b.tolist() for b in init))
