@@ -13,12 +13,13 @@ from pathlib import Path
 
 from .report import machine, markdown, summarize, targets, write_chart, write_json
 from .runner import LIMIT, run_matrix
-from .systems import SYSTEMS
+from .systems import OPT_IN, SYSTEMS
 from .workloads import WORKLOADS, image_pool
 
 ALL_SYSTEMS = [LIMIT, *SYSTEMS]
+DEFAULT_SYSTEMS = [name for name in ALL_SYSTEMS if name not in OPT_IN]
 FULL = {"repeats": 3, "seconds": 2.0, "warmup_seconds": 0.3}
-QUICK = {"repeats": 1, "seconds": 0.3, "warmup_seconds": 0.1}
+QUICK = {"repeats": 1, "seconds": 0.5, "warmup_seconds": 0.1}
 
 
 def _names(known: list[str]):
@@ -38,11 +39,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="one short repeat of the matrix (under a minute)")
     parser.add_argument("--workloads", type=_names(list(WORKLOADS)), default=list(WORKLOADS),
                         help=f"comma-separated, among {', '.join(WORKLOADS)} (default: all)")
-    parser.add_argument("--systems", type=_names(ALL_SYSTEMS), default=ALL_SYSTEMS,
-                        help=f"comma-separated, among {', '.join(ALL_SYSTEMS)} (default: all)")
+    parser.add_argument("--systems", type=_names(ALL_SYSTEMS), default=DEFAULT_SYSTEMS,
+                        help=f"comma-separated, among {', '.join(ALL_SYSTEMS)} "
+                             f"(default: all but {', '.join(OPT_IN)})")
     parser.add_argument("--repeats", type=int, help="rounds over the matrix (default: 3, quick: 1)")
     parser.add_argument("--seconds", type=float,
-                        help="timed seconds per system and workload (default: 2, quick: 0.3)")
+                        help="timed seconds per system and workload (default: 2, quick: 0.5)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
                         help="directory for results.md, .json and .png (default: bench-results)")
     return parser.parse_args(argv)
@@ -66,15 +68,18 @@ def main(argv: list[str]) -> int:
     found = targets(cells)
     info = machine()
     command = shlex.join(["python", "-m", "shmseq.bench", *argv])
-    text = markdown(cells, found, info, command)
+    text = markdown(cells, found, info, settings, command)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(text)
     write_json(args.out / "results.json", runs, cells, found, info,
                {**settings, "workloads": args.workloads, "systems": args.systems})
-    if not write_chart(args.out / "results.png", cells):
+    written = "md, json"
+    if write_chart(args.out / "results.png", cells):
+        written += ", png"
+    else:
         _log("matplotlib is not installed (pip install 'shmseq[bench]'): no chart")
-    _log(f"wrote {args.out}/results.{{md,json,png}} in {time.perf_counter() - began:.0f} s")
+    _log(f"wrote results.{{{written}}} into {args.out} in {time.perf_counter() - began:.0f} s")
     return 0
 
 

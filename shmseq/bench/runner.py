@@ -31,8 +31,14 @@ class Run:
     first_batch_seconds: float | None = None
 
 
-def _enough(count: int, minimum: int, since: float, seconds: float) -> bool:
-    return count >= minimum and time.perf_counter() - since >= seconds
+def _consume(batches, workload: Workload, k: int, minimum: int, seconds: float) -> int:
+    """Take and check batches ``k``, ``k + 1``, ... for at least ``minimum`` batches and
+    ``seconds``; the next ``k``."""
+    first, since = k, time.perf_counter()
+    while k - first < minimum or time.perf_counter() - since < seconds:
+        check_batch(workload, k, next(batches))
+        k += 1
+    return k
 
 
 def measure(name: str, workload: Workload, repeat: int, seconds: float,
@@ -43,21 +49,14 @@ def measure(name: str, workload: Workload, repeat: int, seconds: float,
     """
     if name == LIMIT:
         return Run(name, workload.name, repeat, limit_rate(workload, seconds))
-    system = SYSTEMS[name]
     start = time.perf_counter()
-    with system(workload) as batches:
+    with SYSTEMS[name](workload) as batches:
         check_batch(workload, 0, next(batches))
         first_batch = time.perf_counter() - start
-        k, since = 1, time.perf_counter()
-        while not _enough(k - 1, WARMUP_BATCHES, since, warmup_seconds):
-            check_batch(workload, k, next(batches))
-            k += 1
-        k0, cpu0, t0 = k, time.process_time(), time.perf_counter()
-        while not _enough(k - k0, MIN_BATCHES, t0, seconds):
-            check_batch(workload, k, next(batches))
-            k += 1
+        k = _consume(batches, workload, 1, WARMUP_BATCHES, warmup_seconds)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        timed = _consume(batches, workload, k, MIN_BATCHES, seconds) - k
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    timed = k - k0
     return Run(name, workload.name, repeat, timed / elapsed, cpu / timed * 1e6, first_batch)
 
 

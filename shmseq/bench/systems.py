@@ -88,11 +88,10 @@ class _Batches:
 
 
 @contextmanager
-def _dataloader(dataset, **kwargs) -> Iterator[Batches]:
-    """Persistent workers, and tensors shared by file name rather than by passing descriptors:
-    the ``file_system`` strategy delivered small batches about 1.4x faster here."""
+def _dataloader(dataset, strategy: str, **kwargs) -> Iterator[Batches]:
+    """Persistent workers; ``strategy`` is how torch shares a batch's tensors with the consumer."""
     previous = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
+    torch.multiprocessing.set_sharing_strategy(strategy)
     try:
         loader = DataLoader(dataset, num_workers=NUM_WORKERS, persistent_workers=True,
                             prefetch_factor=IN_FLIGHT // NUM_WORKERS,
@@ -106,15 +105,15 @@ def _dataloader(dataset, **kwargs) -> Iterator[Batches]:
         torch.multiprocessing.set_sharing_strategy(previous)
 
 
-def torch_samples(workload: Workload) -> ContextManager[Batches]:
+def torch_samples(workload: Workload, strategy: str = "file_descriptor") -> ContextManager[Batches]:
     """Sample-level: default collate stacks each batch straight into fresh shared memory."""
-    return _dataloader(_Samples(workload), batch_size=workload.batch_size,
+    return _dataloader(_Samples(workload), strategy, batch_size=workload.batch_size,
                        sampler=_Endless(workload))
 
 
-def torch_batches(workload: Workload) -> ContextManager[Batches]:
+def torch_batches(workload: Workload, strategy: str = "file_descriptor") -> ContextManager[Batches]:
     """Batch-level: one ``__getitem__`` per batch, ``batch_size=None`` turns off collation."""
-    return _dataloader(_Batches(workload), batch_size=None,
+    return _dataloader(_Batches(workload), strategy, batch_size=None,
                        sampler=BatchSampler(_Endless(workload), workload.batch_size, drop_last=False))
 
 
@@ -183,6 +182,12 @@ SYSTEMS: dict[str, System] = {
     "shmseq-thread": functools.partial(_shmseq, worker_class=InPlaceWorker, thread_type="thread"),
     "torch-sample": torch_samples,
     "torch-batch": torch_batches,
+    "torch-sample-fs": functools.partial(torch_samples, strategy="file_system"),
+    "torch-batch-fs": functools.partial(torch_batches, strategy="file_system"),
     "mp-queue": pickling_queue,
     "serial": serial,
 }
+
+# Run only when asked for: torch's ``file_system`` sharing is faster on small batches, but the
+# files of batches still in flight when a loader stops stay in /dev/shm until this process exits.
+OPT_IN = ("torch-sample-fs", "torch-batch-fs")

@@ -1,0 +1,139 @@
+"""Per-stage costs of one batch's trip, with pytest-benchmark: ``python -m pytest bench -q``.
+
+Encode and decode a batch's slot layout, lease and give back a slot, hand a slot
+id to another process and back, and make the consumer's view and tensor.
+Payload-sized stages run on a cifar and an imagenet64 batch; the others do not
+depend on the batch size.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import struct
+
+import numpy as np
+import pytest
+
+from shmseq import SlotAllocator
+from shmseq.bench.workloads import WORKLOADS, Workload
+from shmseq.layout import encode_batch, read_batch, write_batch
+from shmseq.ring import Ring
+
+SLACK = 64 * 1024
+VIEW_SHAPE = (256, 32, 32, 3)
+VIEW_OFFSET = 64
+_SEQ_SLOT = struct.Struct("<qq")
+_STOP = b"stop"
+
+
+def _batch(workload: Workload) -> tuple[np.ndarray, np.ndarray]:
+    images = np.full((workload.batch_size, *workload.image_shape), 7, np.uint8)
+    return images, np.arange(workload.batch_size, dtype=np.int64)
+
+
+def _region(workload: Workload) -> np.ndarray:
+    region = np.empty(workload.batch_bytes + SLACK, np.uint8)
+    region.fill(0)  # faulted in, as the ring's slots are
+    return region
+
+
+@pytest.fixture(params=["cifar", "imagenet64"])
+def workload(request) -> Workload:
+    return WORKLOADS[request.param]
+
+
+@pytest.fixture
+def ring():
+    ring = Ring.create(4, 1 << 20)
+    yield ring
+    ring.unlink()
+    ring.close()
+
+
+def test_write_batch(benchmark, workload):
+    """Worker side, returning worker: the payload copy plus the header."""
+    batch, region = _batch(workload), _region(workload)
+    benchmark(write_batch, batch, region)
+
+
+def test_write_batch_in_place(benchmark):
+    """Worker side, in-place worker: arrays already in the slot, only the header is written."""
+    workload = WORKLOADS["imagenet64"]
+    region = _region(workload)
+    allocator = SlotAllocator(region)
+    images = allocator.empty((workload.batch_size, *workload.image_shape), np.uint8)
+    labels = allocator.empty(workload.batch_size, np.int64)
+    benchmark(write_batch, (images, labels), region, allocator)
+
+
+def test_encode_batch(benchmark, workload):
+    """The overflow path and sizing probe: the batch into a buffer of its own."""
+    benchmark(encode_batch, _batch(workload))
+
+
+def test_read_batch(benchmark):
+    """Consumer side: the skeleton unpickled, the arrays rebuilt as views (size-independent)."""
+    workload = WORKLOADS["imagenet64"]
+    region = _region(workload)
+    write_batch(_batch(workload), region)
+    benchmark(read_batch, region)
+
+
+def _lease_and_drop(ring: Ring) -> None:
+    ring.lease(0)  # dropped at once: its finalizer gives the slot back
+
+
+def test_lease_and_release(benchmark, ring):
+    benchmark(_lease_and_drop, ring)
+
+
+def _echo(connection) -> None:
+    while (message := connection.recv_bytes()) != _STOP:
+        connection.send_bytes(message)
+
+
+@pytest.fixture
+def echo():
+    ours, theirs = multiprocessing.Pipe()
+    process = multiprocessing.get_context("fork").Process(target=_echo, args=(theirs,), daemon=True)
+    process.start()
+    yield ours
+    ours.send_bytes(_STOP)
+    process.join(5)
+    ours.close()
+    theirs.close()
+
+
+def _round_trip(connection) -> tuple[int, int]:
+    connection.send((1234, 5))
+    return connection.recv()
+
+
+def _round_trip_raw(connection) -> tuple[int, int]:
+    connection.send_bytes(_SEQ_SLOT.pack(1234, 5))
+    return _SEQ_SLOT.unpack(connection.recv_bytes())
+
+
+def test_handoff_round_trip(benchmark, echo):
+    """A (seq, slot) message to another process and back: what crosses instead of a batch."""
+    assert benchmark(_round_trip, echo) == (1234, 5)
+
+
+def test_handoff_round_trip_raw(benchmark, echo):
+    """The same as packed bytes: what pickling the message adds to the trip."""
+    assert benchmark(_round_trip_raw, echo) == (1234, 5)
+
+
+def test_view(benchmark, ring):
+    lease = ring.lease(0)
+    view = benchmark(np.ndarray, VIEW_SHAPE, np.uint8, buffer=lease, offset=VIEW_OFFSET)
+    assert view.base is lease
+    del view, lease
+
+
+def test_from_numpy(benchmark, ring):
+    torch = pytest.importorskip("torch")
+    lease = ring.lease(0)
+    view = np.ndarray(VIEW_SHAPE, np.uint8, buffer=lease, offset=VIEW_OFFSET)
+    tensor = benchmark(torch.from_numpy, view)
+    assert tensor.data_ptr() == view.ctypes.data
+    del tensor, view, lease
