@@ -1,21 +1,24 @@
-"""Converter threads, the releaser of copied slots, and the output reorder buffer.
+"""Where a batch is read: slot -> views -> device, in order, and when a copied slot is freed.
 
-A converter takes ``(seq, slot, payload)`` from the middle queue, leases the slot
-from the ring (``ring.lease``), decodes the batch into views of it
-(``layout.read_batch``) and hands it to the device (``devices.py``):
+The manager hands ``(seq, slot, payload)`` items on (``payload`` is None for a batch
+in its slot, the encoded batch for an overflow, or the error to raise for that
+batch). ``to_delivery`` leases the slot from the ring (``ring.lease``), decodes the
+batch into views of it (``layout.read_batch``) and gives them to the device:
 
-* a host device returns views: the delivered arrays keep the lease, so the slot
-  stays busy until the consumer drops them;
-* a copying device (CUDA) returns a completion: the ``Releaser`` keeps the lease
-  until the copy has completed, and only then can the slot be written again.
+* host devices (numpy, torch CPU) return views: mapping a slot costs a few
+  microseconds, less than a thread hand-off, so it happens in the consumer's thread
+  as the batch is handed over (``DirectHandOver``); the delivered arrays keep the
+  lease, and the slot stays busy until the consumer drops them;
+* copying devices (CUDA) need time and a stream: ``Converters`` threads start the
+  copies, and the ``Releaser`` keeps each lease until its copy has completed.
 
-Converted batches wait in ``OrderedOutput`` until the consumer asks for their seq.
+Either way, items wait in ``OrderedOutput`` until the consumer asks for their seq.
 """
 from __future__ import annotations
 
 import queue
 import threading
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from .errors import ShmSeqError
 from .layout import iter_arrays, read_batch
@@ -30,20 +33,48 @@ class Delivery(NamedTuple):
     nbytes: int           # the batch's array bytes
 
 
-class OrderedOutput:
-    """Converted batches keyed by seq, taken strictly in order by the consumer."""
+def to_delivery(seq: int, slot: int | None, payload, ring, device):
+    """The item as a Delivery (or the error to raise for its batch), and the region a
+    copy still in flight reads (None when nothing is in flight)."""
+    if isinstance(payload, BaseException):
+        return payload, None
+    try:
+        region = ring.lease(slot) if payload is None else payload
+        views = read_batch(region)
+        batch, completion = device.convert(views)
+    except Exception as exc:  # noqa: BLE001 - surfaces in the consumer, in order
+        error = ShmSeqError(f"converting batch {seq} failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error, None
+    in_slot = payload is None and device.keeps_slot
+    delivery = Delivery(batch, views if in_slot else None, slot if in_slot else None, completion,
+                        0 if payload is None else len(payload),
+                        sum(array.nbytes for array in iter_arrays(views)))
+    return delivery, (region if completion is not None else None)
 
-    def __init__(self):
+
+class OrderedOutput:
+    """Items keyed by seq, taken strictly in order by the consumer.
+
+    ``on_drop`` is called (outside the lock) with every item that is dropped unread:
+    a stale batch of an epoch left early still owns its slot.
+    """
+
+    def __init__(self, on_drop: Callable[[object], None] = lambda item: None):
         self._cond = threading.Condition()
         self._items: dict[int, object] = {}
         self._failure: BaseException | None = None
+        self._on_drop = on_drop
         self.floor = 0
 
     def put(self, seq: int, item) -> None:
         with self._cond:
-            if seq >= self.floor:
+            stale = seq < self.floor
+            if not stale:
                 self._items[seq] = item
-                self._cond.notify_all()
+                self._cond.notify()
+        if stale:
+            self._on_drop(item)
 
     def fail(self, exc: BaseException) -> None:
         with self._cond:
@@ -55,21 +86,29 @@ class OrderedOutput:
         """The item for ``seq``; ``None`` after ``timeout`` s. A pipeline failure wins over
         batches still waiting: once the pipeline is broken or closed, every take raises."""
         with self._cond:
-            if not self._cond.wait_for(lambda: seq in self._items or self._failure, timeout):
-                return None
+            if seq not in self._items and self._failure is None:
+                self._cond.wait_for(lambda: seq in self._items or self._failure, timeout)
             if self._failure is not None:
                 raise self._failure
-            item = self._items.pop(seq)
-        if isinstance(item, BaseException):
-            raise item
-        return item
+            return self._items.pop(seq, None)
 
     def drop_below(self, seq: int) -> None:
-        """Forget batches before ``seq`` (an epoch left early); their slots come back."""
+        """Forget items before ``seq`` (an epoch left early)."""
         with self._cond:
             self.floor = max(self.floor, seq)
             stale = [self._items.pop(key) for key in list(self._items) if key < seq]
-        del stale
+        for item in stale:
+            self._on_drop(item)
+
+
+class DirectHandOver:
+    """The middle queue of host devices: items go straight to the output, unconverted."""
+
+    def __init__(self, output: OrderedOutput):
+        self.output = output
+
+    def put(self, item: tuple) -> None:
+        self.output.put(item[0], item)
 
 
 class Releaser:
@@ -96,14 +135,14 @@ class Releaser:
 
 
 class Converters:
-    """``count`` threads turning middle-queue items into deliveries."""
+    """``count`` threads starting the device copies of middle-queue items."""
 
     def __init__(self, count: int, middle: queue.SimpleQueue, output: OrderedOutput, pool, device):
         self.middle = middle
         self.output = output
         self.pool = pool
         self.device = device
-        self.releaser = None if device.keeps_slot else Releaser(device)
+        self.releaser = Releaser(device)
         self._threads = [threading.Thread(target=self._run, name=f"shmseq-converter-{i}", daemon=True)
                          for i in range(count)]
 
@@ -118,8 +157,7 @@ class Converters:
         for thread in self._threads:
             if thread.is_alive():
                 thread.join(timeout)
-        if self.releaser is not None:
-            self.releaser.stop()
+        self.releaser.stop()
 
     def _run(self) -> None:
         try:
@@ -130,26 +168,11 @@ class Converters:
             self.output.fail(exc)
 
     def _route(self, seq: int, slot: int | None, payload) -> None:
-        if isinstance(payload, BaseException):
-            self.output.put(seq, payload)
-        elif seq < self.output.floor:
+        if seq < self.output.floor:
             if slot is not None:
                 self.pool.release(slot)
-        else:
-            self.output.put(seq, self._convert(seq, slot, payload))
-
-    def _convert(self, seq: int, slot: int | None, payload):
-        try:
-            region = self.pool.ring.lease(slot) if payload is None else payload
-            views = read_batch(region)
-            batch, completion = self.device.convert(views)
-        except Exception as exc:  # noqa: BLE001 - surfaces in the consumer, in order
-            error = ShmSeqError(f"converting batch {seq} failed: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-            return error
-        if completion is not None:
-            self.releaser.hold(completion, region)
-        in_slot = payload is None and self.device.keeps_slot
-        return Delivery(batch, views if in_slot else None, slot if in_slot else None, completion,
-                        0 if payload is None else len(payload),
-                        sum(array.nbytes for array in iter_arrays(views)))
+            return
+        delivery, in_flight = to_delivery(seq, slot, payload, self.pool.ring, self.device)
+        if in_flight is not None:
+            self.releaser.hold(delivery.completion, in_flight)
+        self.output.put(seq, delivery)

@@ -191,7 +191,7 @@ class BatchStream:
     def __init__(self, plan, start_seq: int = 0):
         self.plan = plan
         self.next_seq = start_seq
-        self._epoch = None
+        self._first = self._end = 0   # the seqs of the epoch at hand
         self._batches: list = []
 
     def __bool__(self) -> bool:
@@ -202,12 +202,13 @@ class BatchStream:
         self.next_seq = max(self.next_seq, seq)
 
     def take(self):
-        epoch, position = self.plan.locate(self.next_seq)
-        if epoch != self._epoch:
-            self._epoch, self._batches = epoch, self.plan.batches(epoch)
         seq = self.next_seq
+        if not self._first <= seq < self._end:
+            epoch, position = self.plan.locate(seq)
+            self._batches = self.plan.batches(epoch)
+            self._first, self._end = seq - position, seq - position + len(self._batches)
         self.next_seq += 1
-        return seq, self._batches[position]
+        return seq, self._batches[seq - self._first]
 
     def indices_of(self, seq: int):
         epoch, position = self.plan.locate(seq)

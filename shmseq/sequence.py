@@ -9,7 +9,7 @@ import weakref
 
 import numpy as np
 
-from .convert import Converters, Delivery, OrderedOutput
+from .convert import Converters, Delivery, DirectHandOver, OrderedOutput, to_delivery
 from .devices import OUT_TYPES, make_device, resolve_out_type, torch_available
 from .errors import BatchTimeout, PipelineClosed, warn_user
 from .layout import encode_batch, map_arrays, read_batch
@@ -257,23 +257,25 @@ class _Pipeline:
         self.plan = seq._plan
         self.timeout = seq.timeout
         self.device = make_device(seq.out_type, seq.pin_memory, seq.pin_device_id)
-        self.output = OrderedOutput()
+        self.output = OrderedOutput(on_drop=self._discard)
         self.consumed_to = self.plan.start(seq.epoch) + seq._resume_at
         self.stream = BatchStream(self.plan, start_seq=self.consumed_to)
-        middle = queue.SimpleQueue()
+        middle = DirectHandOver(self.output) if self.device.keeps_slot else queue.SimpleQueue()
         self.stats = LoaderStats()
         context = multiprocessing.get_context(seq.start_method)
         self.pool = WorkerPool(seq.worker, num_workers=seq.num_workers, backend=seq.thread_type,
                                context=context, stream=self.stream, n_slots=seq.buffer,
                                slot_bytes=seq.slot_bytes, middle=middle, on_fatal=self.output.fail,
                                stats=self.stats, seed=seq.seed, worker_init_fn=seq.worker_init_fn)
-        self.converters = Converters(seq.num_converters, middle, self.output, self.pool, self.device)
+        self.converters = (None if self.device.keeps_slot else
+                           Converters(seq.num_converters, middle, self.output, self.pool, self.device))
         self._warned: set[str] = set()
         try:
             self.pool.start(seq.timeout)
             if self.pool.ring is not None:
                 self.device.attach(self.pool.ring)
-            self.converters.start()
+            if self.converters is not None:
+                self.converters.start()
         except BaseException:
             self.close()
             raise
@@ -290,17 +292,26 @@ class _Pipeline:
             self.consumed_to = seq + 1
             yield self._hand_over(seq, self._take(seq))
 
+    def _discard(self, item) -> None:
+        """An item dropped unread: a raw batch still owns its slot (a Delivery's lease frees it)."""
+        if type(item) is tuple and item[1] is not None:
+            self.pool.release(item[1])
+
     def _take(self, seq: int) -> Delivery:
         began = time.perf_counter()
-        delivery = self.output.take(seq, self.timeout)
+        item = self.output.take(seq, self.timeout)
         self.stats.consumer_wait_s += time.perf_counter() - began
-        if delivery is None:
+        if type(item) is tuple:  # straight from the workers: map the slot here
+            item, _ = to_delivery(*item, self.pool.ring, self.device)
+        if isinstance(item, BaseException):
+            raise item
+        if item is None:
             epoch, position = self.plan.locate(seq)
             raise BatchTimeout(
                 f"batch {position} of epoch {epoch} (sample indices "
                 f"{self.stream.indices_of(seq).tolist()}) did not arrive within timeout="
                 f"{self.timeout} s; it is with {self.pool.holder_of(seq)}")
-        return delivery
+        return item
 
     def _hand_over(self, seq: int, delivery: Delivery):
         ring = self.pool.ring
@@ -335,7 +346,8 @@ class _Pipeline:
     def close(self) -> None:
         """Converters first, then the copies in flight, the device, and last the workers and ring."""
         self.output.fail(PipelineClosed("the sequence was finished or restarted while iterating"))
-        self.converters.stop(JOIN_SECONDS)
+        if self.converters is not None:
+            self.converters.stop(JOIN_SECONDS)
         self.device.close()
         self.pool.stop()
 

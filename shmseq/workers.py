@@ -236,6 +236,7 @@ class WorkerPool:
         self._released: queue.SimpleQueue = queue.SimpleQueue()
         self._seek: queue.SimpleQueue = queue.SimpleQueue()
         self._probe_open = False
+        self._idle = True
         self._stopping = False
         self._wake_reader, self._wake_writer = connection.Pipe(duplex=False)
         os.set_blocking(self._wake_writer.fileno(), False)
@@ -288,7 +289,8 @@ class WorkerPool:
     # -- slot release (any thread, from a lease finalizer: no locks) ----------------------------
     def release(self, slot: int) -> None:
         self._released.put(slot)
-        self._wake()
+        if self._idle:  # else the next worker reply wakes the manager anyway
+            self._wake()
 
     def seek(self, seq: int) -> None:
         """Skip the stream forward to ``seq`` (the consumer left an epoch early)."""
@@ -310,7 +312,10 @@ class WorkerPool:
                 while not self._stopping:
                     self._apply_seeks_and_releases()
                     self._dispatch()
-                    self._wait_and_handle(selector)
+                    # A freed slot must wake us only while some worker has nothing to do.
+                    self._idle = any(not h.open for h in self._workers if h.accepting)
+                    if not (self._idle and not self._released.empty()):
+                        self._wait_and_handle(selector)
         except BaseException as exc:  # noqa: BLE001 - reported to the consumer
             self.failure = exc
             self.ready.set()
@@ -370,12 +375,15 @@ class WorkerPool:
                 handler(handle, selector)
 
     def _receive(self, handle: _WorkerHandle, selector: selectors.BaseSelector) -> None:
+        """Every reply the worker has sent so far."""
         try:
-            message = handle.results.recv()
+            while handle.results.poll():
+                self._handle(handle, handle.results.recv())
         except (EOFError, OSError):
             selector.unregister(handle.results)
             handle.results = None  # a dying process: its sentinel tells how
-            return
+
+    def _handle(self, handle: _WorkerHandle, message: tuple) -> None:
         kind = message[0]
         if kind == "done":
             _, seq, slot, size, busy = message
