@@ -1,6 +1,6 @@
 """Where a batch is read: slot -> views -> device, in order, and when a copied slot is freed.
 
-The manager hands ``(seq, slot, payload)`` items on (``payload`` is None for a batch
+The pool hands ``(seq, slot, payload)`` items on (``payload`` is None for a batch
 in its slot, the encoded batch for an overflow, or the error to raise for that
 batch). ``to_delivery`` leases the slot from the ring (``ring.lease``), decodes the
 batch into views of it (``layout.read_batch``) and gives them to the device:
@@ -53,6 +53,9 @@ def to_delivery(seq: int, slot: int | None, payload, ring, device):
     return delivery, (region if completion is not None else None)
 
 
+MISSING = object()
+
+
 class OrderedOutput:
     """Items keyed by seq, taken strictly in order by the consumer.
 
@@ -61,40 +64,36 @@ class OrderedOutput:
     """
 
     def __init__(self, on_drop: Callable[[object], None] = lambda item: None):
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._items: dict[int, object] = {}
         self._failure: BaseException | None = None
         self._on_drop = on_drop
         self.floor = 0
 
     def put(self, seq: int, item) -> None:
-        with self._cond:
+        with self._lock:
             stale = seq < self.floor
             if not stale:
                 self._items[seq] = item
-                self._cond.notify()
         if stale:
             self._on_drop(item)
 
     def fail(self, exc: BaseException) -> None:
-        with self._cond:
+        with self._lock:
             if self._failure is None:
                 self._failure = exc
-            self._cond.notify_all()
 
-    def take(self, seq: int, timeout: float):
-        """The item for ``seq``; ``None`` after ``timeout`` s. A pipeline failure wins over
-        batches still waiting: once the pipeline is broken or closed, every take raises."""
-        with self._cond:
-            if seq not in self._items and self._failure is None:
-                self._cond.wait_for(lambda: seq in self._items or self._failure, timeout)
-            if self._failure is not None:
-                raise self._failure
-            return self._items.pop(seq, None)
+    def pop(self, seq: int):
+        """The item for ``seq``, or ``MISSING``. A pipeline failure wins over batches still
+        waiting: once the pipeline is broken or closed, every pop raises."""
+        if self._failure is not None:
+            raise self._failure
+        with self._lock:
+            return self._items.pop(seq, MISSING)
 
     def drop_below(self, seq: int) -> None:
         """Forget items before ``seq`` (an epoch left early)."""
-        with self._cond:
+        with self._lock:
             self.floor = max(self.floor, seq)
             stale = [self._items.pop(key) for key in list(self._items) if key < seq]
         for item in stale:
@@ -166,6 +165,7 @@ class Converters:
                 del item
         except BaseException as exc:  # noqa: BLE001 - a dead converter must not hang the consumer
             self.output.fail(exc)
+            self.pool.wake()
 
     def _route(self, seq: int, slot: int | None, payload) -> None:
         if seq < self.output.floor:
@@ -176,3 +176,4 @@ class Converters:
         if in_flight is not None:
             self.releaser.hold(delivery.completion, in_flight)
         self.output.put(seq, delivery)
+        self.pool.wake()

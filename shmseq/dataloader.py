@@ -7,7 +7,6 @@ so there is no intermediate batch array and no pickling of the batch.
 from __future__ import annotations
 
 import multiprocessing
-import pickle
 
 import numpy as np
 
@@ -15,6 +14,7 @@ from .layout import SlotAllocator
 from .plan import SamplerPlan
 from .samplers import BatchSampler, RandomSampler, SequentialSampler
 from .sequence import ShmSequence
+from .workers import check_picklable
 
 
 def _as_sample_array(sample):
@@ -144,7 +144,7 @@ class DataLoader(ShmSequence):
         if self.num_workers and self.thread_type == "proc":
             method = self.start_method or multiprocessing.get_start_method()
             for name, value in (("batchify_fn", self.worker.batchify_fn), ("dataset", self.dataset)):
-                _check_picklable(name, value, method)
+                check_picklable(name, value, method, "or use thread_pool=True or start_method='fork'")
         return super().start(compat)
 
     def __iter__(self):
@@ -155,17 +155,6 @@ class DataLoader(ShmSequence):
     def close(self) -> None:
         """Stop the workers (they otherwise stay up between epochs)."""
         self.finish()
-
-
-def _check_picklable(name: str, value, start_method: str) -> None:
-    if start_method == "fork" or value is None:
-        return
-    try:
-        pickle.dumps(value)
-    except Exception as exc:  # noqa: BLE001 - any pickling failure means the same fix
-        raise TypeError(f"{name} {value!r} cannot be pickled, which worker processes started with "
-                        f"{start_method!r} need ({type(exc).__name__}: {exc}): define it at module "
-                        "level, or use thread_pool=True or start_method='fork'") from exc
 
 
 __all__ = ["DataLoader", "default_batchify", "SequentialSampler", "RandomSampler", "BatchSampler"]

@@ -94,6 +94,9 @@ class EpochPlan:
             return epoch * self.samples_per_epoch // self.batch_size
         return epoch * self.length(0)
 
+    def forget_before(self, epoch: int) -> None:
+        """Nothing to forget: any epoch can be rebuilt."""
+
     def has_batches(self) -> bool:
         n = self.samples_per_epoch
         return n >= self.batch_size if self.last_batch == "discard" else n > 0
@@ -138,17 +141,16 @@ def as_batch(indices):
 class SamplerPlan:
     """Batches from a user's batch sampler (any iterable of index lists), one pass per epoch.
 
-    Epochs are drawn in order, once, and the last few are kept, so the dispatcher and
-    the consumer (different threads) agree on them.
+    Epochs are drawn in order, once, and kept until the consumer is past them
+    (``forget_before``), so that the dispatcher and the consumer agree on them.
     """
-
-    KEEP_EPOCHS = 3
 
     def __init__(self, batch_sampler):
         self.batch_sampler = batch_sampler
         self._epochs: dict[int, tuple[int, list]] = {}
         self._drawn = 0
         self._next_start = 0
+        self._has_batches: bool | None = None
         self._lock = threading.Lock()
 
     def _epoch(self, epoch: int) -> tuple[int, list]:
@@ -156,13 +158,17 @@ class SamplerPlan:
             while self._drawn <= epoch:
                 batches = [as_batch(indices) for indices in self.batch_sampler]
                 self._epochs[self._drawn] = (self._next_start, batches)
-                self._epochs.pop(self._drawn - self.KEEP_EPOCHS, None)
                 self._next_start += len(batches)
                 self._drawn += 1
             if epoch not in self._epochs:
-                raise ValueError(f"epoch {epoch} of a batch sampler is gone: only the last "
-                                 f"{self.KEEP_EPOCHS} epochs drawn are kept")
+                raise ValueError(f"epoch {epoch} of a batch sampler is gone: a sampler is drawn "
+                                 "once per epoch, in order, and cannot go back")
             return self._epochs[epoch]
+
+    def forget_before(self, epoch: int) -> None:
+        with self._lock:
+            for old in [e for e in self._epochs if e < epoch]:
+                del self._epochs[old]
 
     def length(self, epoch: int) -> int:
         return len(self._epoch(epoch)[1])
@@ -174,7 +180,9 @@ class SamplerPlan:
         return self._epoch(epoch)[1]
 
     def has_batches(self) -> bool:
-        return self.length(0) > 0
+        if self._has_batches is None:
+            self._has_batches = self.length(0) > 0  # a sampler yields as many every epoch
+        return self._has_batches
 
     def locate(self, seq: int) -> tuple[int, int]:
         epoch = max(self._drawn - 1, 0)

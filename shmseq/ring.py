@@ -65,6 +65,7 @@ class Ring:
         self._array = np.frombuffer(memory, np.uint8)
         self.held = [False] * spec.n_slots
         self.leased = [False] * spec.n_slots
+        self._watches: list[weakref.ref | None] = [None] * spec.n_slots  # one per live lease
         self.on_release: Callable[[int], None] = lambda slot: None
 
     @classmethod
@@ -115,11 +116,13 @@ class Ring:
         self.leased[slot] = True
         lease = np.frombuffer(self._mmap, np.uint8, count=self.spec.slot_bytes,
                               offset=slot * self.spec.stride)
-        weakref.finalize(lease, self._returned, slot).atexit = False
+        self._watches[slot] = weakref.ref(lease, self._returned)
         return lease
 
-    def _returned(self, slot: int) -> None:
+    def _returned(self, watch: weakref.ref) -> None:
         # Runs in whatever thread drops the last view: no locks here.
+        slot = self._watches.index(watch)
+        self._watches[slot] = None
         self.held[slot] = self.leased[slot] = False
         self.on_release(slot)
 

@@ -9,13 +9,14 @@ import weakref
 
 import numpy as np
 
-from .convert import Converters, Delivery, DirectHandOver, OrderedOutput, to_delivery
+from .convert import MISSING, Converters, Delivery, DirectHandOver, OrderedOutput, to_delivery
 from .devices import OUT_TYPES, make_device, resolve_out_type, torch_available
 from .errors import BatchTimeout, PipelineClosed, warn_user
 from .layout import encode_batch, map_arrays, read_batch
 from .plan import BatchStream, EpochPlan, as_index_array
 from .stats import LoaderStats
-from .workers import JOIN_SECONDS, WorkerPool, build_batch, make_worker, slot_bytes_for
+from .pool import JOIN_SECONDS, WorkerPool
+from .workers import build_batch, make_worker, slot_bytes_for
 
 THREAD_TYPES = ("proc", "thread")
 TEST_MODES = ("default", "cpu", "numpy")
@@ -265,8 +266,8 @@ class _Pipeline:
         context = multiprocessing.get_context(seq.start_method)
         self.pool = WorkerPool(seq.worker, num_workers=seq.num_workers, backend=seq.thread_type,
                                context=context, stream=self.stream, n_slots=seq.buffer,
-                               slot_bytes=seq.slot_bytes, middle=middle, on_fatal=self.output.fail,
-                               stats=self.stats, seed=seq.seed, worker_init_fn=seq.worker_init_fn)
+                               slot_bytes=seq.slot_bytes, deliver=middle.put, stats=self.stats,
+                               seed=seq.seed, worker_init_fn=seq.worker_init_fn)
         self.converters = (None if self.device.keeps_slot else
                            Converters(seq.num_converters, middle, self.output, self.pool, self.device))
         self._warned: set[str] = set()
@@ -286,6 +287,7 @@ class _Pipeline:
 
     def batches(self, epoch: int, position: int = 0):
         start = self.plan.start(epoch)
+        self.plan.forget_before(epoch)
         self.pool.seek(start + position)
         self.output.drop_below(start + position)
         for seq in range(start + position, start + self.plan.length(epoch)):
@@ -298,20 +300,27 @@ class _Pipeline:
             self.pool.release(item[1])
 
     def _take(self, seq: int) -> Delivery:
+        """Drive the pool until batch ``seq`` is out (or ``timeout`` passes)."""
         began = time.perf_counter()
-        item = self.output.take(seq, self.timeout)
+        deadline = began + self.timeout
+        while (item := self.output.pop(seq)) is MISSING:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                self._timed_out(seq)
+            self.pool.pump(remaining)
         self.stats.consumer_wait_s += time.perf_counter() - began
         if type(item) is tuple:  # straight from the workers: map the slot here
             item, _ = to_delivery(*item, self.pool.ring, self.device)
         if isinstance(item, BaseException):
             raise item
-        if item is None:
-            epoch, position = self.plan.locate(seq)
-            raise BatchTimeout(
-                f"batch {position} of epoch {epoch} (sample indices "
-                f"{self.stream.indices_of(seq).tolist()}) did not arrive within timeout="
-                f"{self.timeout} s; it is with {self.pool.holder_of(seq)}")
         return item
+
+    def _timed_out(self, seq: int):
+        epoch, position = self.plan.locate(seq)
+        raise BatchTimeout(
+            f"batch {position} of epoch {epoch} (sample indices "
+            f"{self.stream.indices_of(seq).tolist()}) did not arrive within timeout="
+            f"{self.timeout} s; it is with {self.pool.holder_of(seq)}")
 
     def _hand_over(self, seq: int, delivery: Delivery):
         ring = self.pool.ring
