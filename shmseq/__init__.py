@@ -2,19 +2,20 @@
 
 ::
 
- main thread --(seq, batch indices)--> task pipes --> worker 1..N (processes or threads)
-                                                       | worker_obj[bidx] -> batch
-                                                       | written into a free slot of the ring
- ring of `buffer` slots x `slot_bytes`  <--------------+ (POSIX shared memory, preallocated)
-                                                       | only (seq, slot id) -> middle queue
- converter threads (num_converters) <------------------+
-   map slot -> numpy view / torch tensor (zero-copy), or copy to CUDA
-                                                       |
- main thread iterator <-- ordered output <-------------+  (in order)
+ consumer thread, while it waits for a batch (pool.py):
+   free slot + next (seq, indices) --> task pipe --> worker 1..N (processes or threads)
+                                                      | worker_obj[indices] -> batch
+                                                      | written once into its slot (workers.py)
+ ring of `buffer` slots x `slot_bytes`  <-------------+ (POSIX shared memory, preallocated)
+                                                      | only ("done", seq, slot) comes back
+ consumer thread: reply pipes + worker sentinels <----+
+   numpy/CPU output: slot -> views (zero copy), in order, as the batch is handed over
+   CUDA output: converter threads copy on their own streams; a slot is freed when its copy is done
 
-Where to look: ``plan.py`` (which indices), ``workers.py`` (where a batch is written),
-``layout.py`` (the bytes of a slot), ``ring.py`` (slots and their leases),
-``convert.py`` (where a batch is read), ``sequence.py`` (the lifecycle).
+Where to look: ``plan.py`` (which indices), ``pool.py`` (dispatch and replies),
+``workers.py`` (where a batch is written), ``layout.py`` (the bytes of a slot),
+``ring.py`` (slots, leases, when a slot is freed), ``convert.py`` (where a batch is
+read), ``devices.py`` (numpy, torch, CUDA), ``sequence.py`` (the lifecycle).
 """
 from .compat import MPSequence, MSequence, MTSequence
 from .dataloader import DataLoader, default_batchify
