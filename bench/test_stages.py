@@ -8,9 +8,11 @@ depend on the batch size.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import struct
 
 import numpy as np
+import posix_ipc
 import pytest
 
 from shmseq import SlotAllocator
@@ -121,6 +123,39 @@ def test_handoff_round_trip(benchmark, echo):
 def test_handoff_round_trip_raw(benchmark, echo):
     """The same as packed bytes: what pickling the message adds to the trip."""
     assert benchmark(_round_trip_raw, echo) == (1234, 5)
+
+
+def _echo_queue(inbox_name: str, outbox_name: str) -> None:
+    inbox, outbox = posix_ipc.MessageQueue(inbox_name), posix_ipc.MessageQueue(outbox_name)
+    while (message := inbox.receive()[0]) != _STOP:
+        outbox.send(message)
+
+
+@pytest.fixture
+def echo_queue():
+    """The same echo through two kernel message queues (posix_ipc), the alternative to pipes."""
+    names = [f"/shmseq-bench-{os.getpid()}-{side}" for side in ("to", "from")]
+    to_child, from_child = (posix_ipc.MessageQueue(name, posix_ipc.O_CREX, max_messages=8)
+                            for name in names)
+    process = multiprocessing.get_context("fork").Process(target=_echo_queue, args=names, daemon=True)
+    process.start()
+    yield to_child, from_child
+    to_child.send(_STOP)
+    process.join(5)
+    for queue in (to_child, from_child):
+        queue.close()
+        queue.unlink()
+
+
+def _round_trip_queue(queues) -> tuple[int, int]:
+    to_child, from_child = queues
+    to_child.send(_SEQ_SLOT.pack(1234, 5))
+    return _SEQ_SLOT.unpack(from_child.receive()[0])
+
+
+def test_handoff_round_trip_message_queue(benchmark, echo_queue):
+    """Slot ids through posix_ipc message queues: measured against the pipes shmseq uses."""
+    assert benchmark(_round_trip_queue, echo_queue) == (1234, 5)
 
 
 def test_view(benchmark, ring):
