@@ -12,6 +12,7 @@ A slot handed to the consumer is a *lease*: an array over the slot whose death
 from __future__ import annotations
 
 import errno
+import functools
 import mmap
 import os
 import secrets
@@ -116,12 +117,11 @@ class Ring:
         self.leased[slot] = True
         lease = np.frombuffer(self._mmap, np.uint8, count=self.spec.slot_bytes,
                               offset=slot * self.spec.stride)
-        self._watches[slot] = weakref.ref(lease, self._returned)
+        self._watches[slot] = weakref.ref(lease, functools.partial(self._returned, slot))
         return lease
 
-    def _returned(self, watch: weakref.ref) -> None:
+    def _returned(self, slot: int, watch: weakref.ref) -> None:
         # Runs in whatever thread drops the last view: no locks here.
-        slot = self._watches.index(watch)
         self._watches[slot] = None
         self.held[slot] = self.leased[slot] = False
         self.on_release(slot)

@@ -14,8 +14,8 @@ from .devices import OUT_TYPES, make_device, resolve_out_type, torch_available
 from .errors import BatchTimeout, PipelineClosed, warn_user
 from .layout import encode_batch, map_arrays, read_batch
 from .plan import BatchStream, EpochPlan, as_index_array
-from .stats import LoaderStats
 from .pool import JOIN_SECONDS, WorkerPool
+from .stats import LoaderStats
 from .workers import build_batch, make_worker, slot_bytes_for
 
 THREAD_TYPES = ("proc", "thread")
@@ -375,6 +375,7 @@ class _Inline:
         return True
 
     def batches(self, epoch: int, position: int = 0):
+        self.plan.forget_before(epoch)
         for indices in self.plan.batches(epoch)[position:]:
             batch, _ = build_batch(self.worker_obj, indices, None)
             if self.test_mode != "numpy":

@@ -1,5 +1,4 @@
 """Real-GPU tests: skipped where CUDA is not available."""
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

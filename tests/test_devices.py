@@ -8,7 +8,7 @@ import pytest
 import shmseq.sequence
 from shmseq import ShmSeqError, ShmSequence
 from shmseq.convert import Releaser
-from shmseq.devices import FakeDevice, HostDevice, make_device
+from shmseq.devices import FakeDevice, make_device
 from workers import ImageWorker
 
 

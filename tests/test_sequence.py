@@ -1,4 +1,3 @@
-import multiprocessing
 import subprocess
 import sys
 import textwrap
