@@ -56,7 +56,7 @@ class ShmSequence:
     array of sample indices and returns the batch: an ndarray, or a tuple / list /
     dict nesting of ndarrays plus small extras. Workers may instead define
     ``fill_batch(indices, out)`` and allocate their arrays with ``out.empty(shape,
-    dtype)``, straight in the slot. See the README for the full contract.
+    dtype)``, straight in the slot. The full contract: docs/reference.md.
     """
 
     def __init__(self, worker, dset_size, *, batch_size: int = 32, slot_bytes: int | None = None,
@@ -91,8 +91,9 @@ class ShmSequence:
         self.out_type = resolve_out_type(out_type)
         self.pin_memory = pin_memory
         self.pin_device_id = pin_device_id
-        self.num_converters = num_converters or (
-            max(num_workers // 4, min(num_workers, 4), 1) if self.use_cuda else 1)
+        # MDNC's default; converter threads only run for CUDA output (host batches are
+        # mapped in the consumer's thread).
+        self.num_converters = num_converters or max(num_workers // 4, min(num_workers, 4), 1)
         self.epoch = 0                   # the epoch the next iteration starts
         self._resume_at = 0               # ... at this batch (set by load_state_dict)
         self._last = (-1, 0)              # (epoch, batches delivered) of the last iteration
@@ -135,7 +136,7 @@ class ShmSequence:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, compat=None) -> "ShmSequence":
-        """Start the workers and converters; interrupts a running pipeline first.
+        """Start the workers (and, for CUDA output, the converters); interrupts a running pipeline first.
 
         ``compat`` is accepted for MDNC compatibility: converters are threads in every mode.
         """
