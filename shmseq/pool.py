@@ -71,6 +71,7 @@ class WorkerPool:
         self._free: list[int] = []
         self._released: queue.SimpleQueue = queue.SimpleQueue()
         self._probe_open = False
+        self._waiting = False
         self._stopped = False
         self._wake_reader, self._wake_writer = connection.Pipe(duplex=False)
         os.set_blocking(self._wake_writer.fileno(), False)
@@ -137,11 +138,17 @@ class WorkerPool:
 
     # -- called from any thread ----------------------------------------------------------------
     def release(self, slot: int) -> None:
-        """A slot is free again (from a lease finalizer, in any thread: no locks here)."""
+        """A slot is free again (from a lease finalizer, in any thread: no locks here).
+
+        Freed in another thread (the releaser of CUDA copies, a thread the user hands
+        batches to) while the consumer waits, it must wake the consumer: that wait may be
+        for a batch only this slot can carry."""
         self._released.put(slot)
+        if self._waiting:
+            self.wake()
 
     def wake(self) -> None:
-        """Cut a ``pump`` short: a converter thread has put a batch out."""
+        """Cut a ``pump`` short: a converter put a batch out, or a slot came free."""
         try:
             self._wake_writer.send_bytes(b"")
         except (BlockingIOError, OSError):
@@ -157,7 +164,14 @@ class WorkerPool:
 
         Raises what went wrong with a worker (it died, or failed to start)."""
         self._dispatch()
-        for key, _ in self._selector.select(timeout):
+        self._waiting = True
+        try:
+            if not self._released.empty():  # freed before we said we wait: no wake came
+                timeout = 0
+            ready = self._selector.select(timeout)
+        finally:
+            self._waiting = False
+        for key, _ in ready:
             if key.data is None:
                 while self._wake_reader.poll():
                     self._wake_reader.recv_bytes()

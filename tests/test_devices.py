@@ -126,3 +126,16 @@ def test_fake_copies_really_complete_on_another_thread():
     device.wait(event)
     assert np.array_equal(device.hand_over(target, event)["x"], source["x"])
     device.close()
+
+
+def test_a_slot_freed_when_its_copy_completes_wakes_the_consumer(fake):
+    """One slot: each batch needs the slot whose copy the releaser thread frees, while the
+    consumer already waits; the release must wake it (not the timeout)."""
+    import time
+    fake(max_delay=0.002)
+    seq = ShmSequence(ImageWorker(16), 60, batch_size=4, num_workers=1, buffer=1, shuffle=False,
+                      out_type="null", timeout=60)
+    began = time.monotonic()
+    with seq.start():
+        assert [b["label"][0] for b in seq] == list(range(0, 60, 4))
+    assert time.monotonic() - began < 10, "the consumer slept through a freed slot"
