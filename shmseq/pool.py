@@ -78,10 +78,10 @@ class WorkerPool:
         if backend == "proc":
             check_picklable("worker", worker, context.get_start_method(),
                             "or use start_method='fork' or thread_type='thread'")
-        self._workers = [
-            self._spawn(worker, WorkerInfo(wid, num_workers, worker_seed(seed, wid)), backend,
-                        context, worker_init_fn)
-            for wid in range(num_workers)]
+        self._workers: list[_WorkerHandle] = []
+        for wid in range(num_workers):
+            info = WorkerInfo(wid, num_workers, worker_seed(seed, wid))
+            self._workers.append(self._spawn(worker, info, backend, context, worker_init_fn))
         self._selector = self._watch()
 
     # -- start -------------------------------------------------------------------------------
@@ -93,14 +93,25 @@ class WorkerPool:
             runner = threading.Thread(target=worker_loop, name=f"shmseq-worker-{info.id}",
                                       daemon=True, args=(*common, self._local_ring, None))
         else:
+            ours = self._our_ends(task_writer, result_reader, context.get_start_method())
             runner = context.Process(target=worker_loop, name=f"shmseq-worker-{info.id}",
-                                     daemon=True, args=(*common, Ring.attach, os.getpid()))
+                                     daemon=True, args=(*common, Ring.attach, os.getpid(), ours))
         handle = _WorkerHandle(info.id, task_writer, result_reader, runner)
         runner.start()
         if backend != "thread":
             task_reader.close()
             result_writer.close()
         return handle
+
+    def _our_ends(self, task_writer, result_reader, start_method: str) -> tuple[int, ...]:
+        """The consumer's pipe ends a forked worker inherits, for it to close: once the
+        consumer is gone, nothing may keep its reply pipe open, or a worker blocked on a
+        full pipe would never learn it (spawned workers inherit nothing)."""
+        if start_method != "fork":
+            return ()
+        ends = [task_writer, result_reader, self._wake_reader, self._wake_writer]
+        ends += [end for h in self._workers for end in (h.tasks, h.results)]
+        return tuple(end.fileno() for end in ends)
 
     def _local_ring(self, spec: RingSpec) -> Ring:
         return self.ring

@@ -192,10 +192,13 @@ def decode(data: bytes):
 
 
 def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn, attach,
-                parent_pid: int | None) -> None:
-    """The body of a worker, process or thread. ``parent_pid`` is set in processes."""
+                parent_pid: int | None, consumer_fds: tuple[int, ...] = ()) -> None:
+    """The body of a worker, process or thread. ``parent_pid`` is set in processes;
+    ``consumer_fds`` are the consumer's pipe ends a forked process inherited."""
     if parent_pid is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
+        for fd in consumer_fds:
+            os.close(fd)
     try:
         _set_up(info, parent_pid is not None, worker_init_fn)
         worker_obj = make_worker(worker)

@@ -194,8 +194,9 @@ def _gone(pid):
         return True
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
-def test_killing_the_main_process_leaves_no_worker_and_no_segment(method):
+@pytest.mark.parametrize("method, slot_bytes", [("fork", None), ("forkserver", None),
+                                                 ("fork", 4096)])  # 4096: workers blocked sending
+def test_killing_the_main_process_leaves_no_worker_and_no_segment(method, slot_bytes):
     script = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {str(TESTS)!r})
@@ -203,10 +204,12 @@ def test_killing_the_main_process_leaves_no_worker_and_no_segment(method):
         from workers import ImageWorker
         if __name__ == "__main__":
             seq = ShmSequence(ImageWorker(64), 10_000, batch_size=4, num_workers=2,
-                              out_type="null", start_method={method!r}).start()
+                              out_type="null", start_method={method!r},
+                              slot_bytes={slot_bytes!r}).start()
             batches = iter(seq)
             next(batches)
             print(*[h.pid for h in seq._runtime.pool._workers], flush=True)
+            seq._runtime.pool.pump(0.5)  # overflowing workers now block on full pipes
             os.kill(os.getpid(), signal.SIGKILL)
     """)
     before = set(os.listdir("/dev/shm"))
