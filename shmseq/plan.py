@@ -209,14 +209,20 @@ class BatchStream:
         """Jump forward to ``seq`` (never backwards: those batches are in flight already)."""
         self.next_seq = max(self.next_seq, seq)
 
-    def take(self):
+    def peek(self):
+        """The next ``(seq, indices)``, left in the stream."""
         seq = self.next_seq
         if not self._first <= seq < self._end:
             epoch, position = self.plan.locate(seq)
             self._batches = self.plan.batches(epoch)
             self._first, self._end = seq - position, seq - position + len(self._batches)
-        self.next_seq += 1
         return seq, self._batches[seq - self._first]
+
+    def take(self):
+        """The next ``(seq, indices)``, taken out of the stream."""
+        taken = self.peek()
+        self.next_seq += 1
+        return taken
 
     def indices_of(self, seq: int):
         epoch, position = self.plan.locate(seq)

@@ -33,6 +33,7 @@ from .workers import (WorkerInfo, check_picklable, decode, encode, slot_bytes_fo
                       worker_loop, worker_seed)
 
 JOIN_SECONDS = 3.0
+TASK_PIPE_ROOM = 32 << 10  # under the smallest pipe capacity Linux gives by default (64 KiB)
 
 
 class _WorkerHandle:
@@ -43,9 +44,26 @@ class _WorkerHandle:
         self.tasks = tasks
         self.results = results
         self.runner = runner
-        self.open: dict[int, np.ndarray] = {}  # seq -> indices
+        self.open: dict[int, np.ndarray] = {}  # seq -> indices, in the order sent
+        self.unread = 0                        # bytes of those task messages
+        self._sizes: dict[int, int] = {}
         self.attached = False
         self.accepting = True
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a task of ``nbytes`` fits in its pipe beside the tasks it has not done yet:
+        a worker that stopped reading must never make the consumer block on a full pipe."""
+        return not self.open or self.unread + nbytes <= TASK_PIPE_ROOM
+
+    def opened(self, seq: int, indices, nbytes: int) -> None:
+        self.open[seq] = indices
+        self._sizes[seq] = nbytes
+        self.unread += nbytes
+
+    def closed(self, seq: int):
+        """The task ``seq`` is done (or failed): its indices."""
+        self.unread -= self._sizes.pop(seq, 0)
+        return self.open.pop(seq, None)
 
     @property
     def pid(self):
@@ -198,25 +216,28 @@ class WorkerPool:
             return
         if self.ring is None:
             if not self._probe_open:
-                self._probe_open = True
-                self._send_task(None)
+                self._probe_open = self._send_task(None)
             return
-        while self._free:
-            self._send_task(self._free.pop())
+        while self._free and self._send_task(self._free[-1]):
+            self._free.pop()
 
-    def _send_task(self, slot: int | None) -> None:
-        live = [h for h in self._workers if h.accepting]
-        if not live:
-            return  # every worker is gone: their sentinels report why
-        seq, indices = self.stream.take()
-        handle = min(live, key=lambda h: len(h.open))
-        handle.open[seq] = indices
-        self._send(handle, ("task", seq, slot, indices))
+    def _send_task(self, slot: int | None) -> bool:
+        """Send the next batch to the least-busy worker with room; False if none has."""
+        seq, indices = self.stream.peek()
+        data = encode(("task", seq, slot, indices))
+        ready = [h for h in self._workers if h.accepting and h.has_room(len(data))]
+        if not ready:
+            return False  # busy (their replies come), or gone (their sentinels say why)
+        handle = min(ready, key=lambda h: len(h.open))
+        self.stream.take()
+        handle.opened(seq, indices, len(data))
+        self._send(handle, data)
+        return True
 
     @staticmethod
     def _send(handle: _WorkerHandle, message) -> None:
         try:
-            handle.tasks.send_bytes(encode(message))
+            handle.tasks.send_bytes(message if isinstance(message, bytes) else encode(message))
         except OSError:
             handle.accepting = False  # it died: its sentinel (or last message) tells why
 
@@ -234,14 +255,14 @@ class WorkerPool:
         kind = message[0]
         if kind == "done":
             _, seq, slot, size, busy = message
-            handle.open.pop(seq, None)
+            handle.closed(seq)
             self.stats.worker_busy_s += busy
             self.deliver((seq, slot, None))
         elif kind == "overflow":
             self._overflowed(handle, *message[1:])
         elif kind == "error":
             _, seq, slot, info = message
-            indices = handle.open.pop(seq, None)
+            indices = handle.closed(seq)
             error = worker_error(info, indices=indices, seq=seq, what=(
                 f"worker {handle.wid} failed on batch {seq} (sample indices {_brief(indices)})"))
             if slot is None:
@@ -255,7 +276,7 @@ class WorkerPool:
 
     def _overflowed(self, handle: _WorkerHandle, seq: int, slot: int | None, payload,
                     busy: float) -> None:
-        handle.open.pop(seq, None)
+        handle.closed(seq)
         self.stats.worker_busy_s += busy
         if slot is None:  # the probe that sizes the ring: its batch goes into the first slot
             self._probe_open = False

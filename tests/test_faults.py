@@ -64,6 +64,16 @@ def test_a_hanging_worker_times_out_naming_the_batch():
         assert time.monotonic() - began < 10
 
 
+@pytest.mark.timeout(60)
+def test_a_hanging_worker_with_large_index_batches_still_times_out():
+    """Tasks pile up unread in a hung worker's pipe: sending them must never block the consumer."""
+    seq = make(Hang(at=0), dset_size=40_000, batch_size=4096, num_workers=1, buffer=10,
+               slot_bytes=1 << 16, timeout=1.0)
+    with seq.start():
+        with pytest.raises(BatchTimeout, match="batch 0 of epoch 0"):
+            next(iter(seq))
+
+
 def test_an_error_shuts_the_pipeline_down():
     seq = make(Crash("SIGKILL", at=25), slot_bytes=4096)
     with pytest.raises(WorkerDied):
