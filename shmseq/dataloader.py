@@ -10,19 +10,11 @@ import multiprocessing
 
 import numpy as np
 
-from .layout import SlotAllocator
+from .layout import SlotAllocator, as_ndarray
 from .plan import SamplerPlan
 from .samplers import BatchSampler, RandomSampler, SequentialSampler
 from .sequence import ShmSequence
 from .workers import check_picklable
-
-
-def _as_sample_array(sample):
-    if isinstance(sample, np.ndarray):
-        return sample
-    if hasattr(sample, "numpy") and hasattr(sample, "detach"):  # a torch tensor
-        return sample.detach().cpu().numpy()
-    return None
 
 
 def default_batchify(samples: list, out: SlotAllocator | None = None):
@@ -37,7 +29,7 @@ def default_batchify(samples: list, out: SlotAllocator | None = None):
         return tuple(default_batchify(list(field), out) for field in zip(*samples))
     if isinstance(first, dict):
         return {key: default_batchify([s[key] for s in samples], out) for key in first}
-    arrays = [_as_sample_array(s) for s in samples]
+    arrays = [as_ndarray(s) for s in samples]
     if arrays[0] is None and isinstance(first, (bool, int, float, complex, np.generic)):
         arrays = [np.asarray(s) for s in samples]
     if arrays[0] is None:

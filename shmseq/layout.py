@@ -96,7 +96,8 @@ def _in_place_offset(array: np.ndarray, region: np.ndarray | None) -> int | None
     return None
 
 
-def _as_ndarray(obj):
+def as_ndarray(obj) -> np.ndarray | None:
+    """``obj`` as a numpy array if it is one, or a torch tensor (on the CPU, without a copy)."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         return obj.detach().cpu().numpy()
@@ -112,7 +113,7 @@ class _Packer:
         self.copies: list = []
 
     def skeleton(self, obj, path: str):
-        array = _as_ndarray(obj)
+        array = as_ndarray(obj)
         if array is not None:
             return self.array(array, path)
         if isinstance(obj, tuple):
