@@ -204,8 +204,10 @@ def _gone(pid):
         return True
 
 
-@pytest.mark.parametrize("method, slot_bytes", [("fork", None), ("forkserver", None),
-                                                 ("fork", 4096)])  # 4096: workers blocked sending
+@pytest.mark.parametrize("method, slot_bytes", [
+    ("fork", None), ("forkserver", None),
+    ("fork", 4096),  # overflowing batches: workers blocked sending to the dead consumer
+])
 def test_killing_the_main_process_leaves_no_worker_and_no_segment(method, slot_bytes):
     script = textwrap.dedent(f"""
         import os, signal, sys
