@@ -199,10 +199,11 @@ class FakeDevice:
         self._random = random.Random(seed)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._copier = threading.Thread(target=self._copy_late, name="shmseq-fake-copier", daemon=True)
-        self._copier.start()
 
     def attach(self, ring) -> None:
+        """Start copying (a thread: only now, after the workers were forked)."""
         self.attached_ring = ring
+        self._copier.start()
 
     def convert(self, views):
         targets = map_arrays(views, np.empty_like)
@@ -235,8 +236,9 @@ class FakeDevice:
         event.done.wait()
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._copier.join()
+        if self._copier.is_alive():
+            self._jobs.put(None)
+            self._copier.join()
         self.attached_ring = None
 
 

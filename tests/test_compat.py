@@ -12,6 +12,7 @@ EXAMPLE = Path(__file__).parent.parent / "examples" / "mdnc_example.py"
 
 
 def test_the_mdnc_documentation_example_prints_every_index_in_order():
+    pytest.importorskip("torch")  # the example prints torch tensors
     done = subprocess.run([sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()

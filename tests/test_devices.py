@@ -119,6 +119,7 @@ def test_host_devices_keep_the_slot_and_pin_only_with_cuda():
 
 def test_fake_copies_really_complete_on_another_thread():
     device = FakeDevice(max_delay=0.05)
+    device.attach(None)
     source = {"x": np.arange(1000)}
     target, event = device.convert(source)
     threads = {t.name for t in threading.enumerate()}
