@@ -221,7 +221,10 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn, attach
                 _, seq, slot, indices = message
                 results.send_bytes(encode(_run_task(worker_obj, ring, seq, slot, indices)))
     except (EOFError, OSError):
-        return  # the consumer closed the pipes: it is shutting down
+        return  # the consumer closed the pipes: it is shutting down, or gone
+    finally:
+        if ring is not None and not _parent_alive(parent_pid):
+            ring.unlink()  # the consumer died before it could (it unlinks once all attached)
 
 
 def check_picklable(what: str, value, start_method: str, fix: str) -> None:

@@ -234,3 +234,26 @@ def test_killing_the_main_process_leaves_no_worker_and_no_segment(method, slot_b
         time.sleep(0.05)
     assert all(_gone(pid) for pid in pids), "workers outlived their killed parent"
     assert not {n for n in os.listdir("/dev/shm") if "shmseq" in n} - before
+
+
+def test_killing_the_main_process_during_start_leaves_no_segment():
+    """Killed while waiting for its workers to map the ring (before it unlinks the name):
+    the workers unlink it when they find their consumer gone."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys, threading
+        sys.path.insert(0, {str(TESTS)!r})
+        from shmseq import ShmSequence
+        from workers import SlowStart
+        if __name__ == "__main__":
+            seq = ShmSequence(SlowStart, 100, batch_size=4, num_workers=2, out_type="null",
+                              slot_bytes=4096, start_method="fork")
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            seq.start()
+    """)
+    before = set(os.listdir("/dev/shm"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    deadline = time.monotonic() + 5
+    while {n for n in os.listdir("/dev/shm") if "shmseq" in n} - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not {n for n in os.listdir("/dev/shm") if "shmseq" in n} - before

@@ -130,3 +130,14 @@ class PairDataset:
 
     def __getitem__(self, i):
         return np.full((4, 4, 3), i, np.uint8), i, f"img{i}.jpg"
+
+
+class SlowStart:
+    """Takes ``seconds`` to construct: the consumer waits in ``start()`` meanwhile."""
+
+    def __init__(self, seconds=1.0):
+        import time
+        time.sleep(seconds)
+
+    def __getitem__(self, indices):
+        return indices
