@@ -97,10 +97,14 @@ class WorkerPool:
             check_picklable("worker", worker, context.get_start_method(),
                             "or use start_method='fork' or thread_type='thread'")
         self._workers: list[_WorkerHandle] = []
-        for wid in range(num_workers):
-            info = WorkerInfo(wid, num_workers, worker_seed(seed, wid))
-            self._workers.append(self._spawn(worker, info, backend, context, worker_init_fn))
-        self._selector = self._watch()
+        try:
+            for wid in range(num_workers):
+                info = WorkerInfo(wid, num_workers, worker_seed(seed, wid))
+                self._workers.append(self._spawn(worker, info, backend, context, worker_init_fn))
+        finally:
+            self._selector = self._watch()
+            if len(self._workers) < num_workers:  # a start failed: stop those that did start
+                self.stop()
 
     # -- start -------------------------------------------------------------------------------
     def _spawn(self, worker, info: WorkerInfo, backend: str, context, worker_init_fn) -> _WorkerHandle:

@@ -74,6 +74,24 @@ def test_a_hanging_worker_with_large_index_batches_still_times_out():
             next(iter(seq))
 
 
+def test_a_worker_that_cannot_start_stops_the_ones_that_did(monkeypatch):
+    import multiprocessing
+    real = multiprocessing.get_context("fork")
+
+    class SecondForkFails:
+        def get_start_method(self):
+            return "fork"
+
+        def Process(self, *args, name, **kwargs):
+            if name.endswith("-1"):
+                raise OSError("cannot fork: resource temporarily unavailable")
+            return real.Process(*args, name=name, **kwargs)
+
+    monkeypatch.setattr(multiprocessing, "get_context", lambda method=None: SecondForkFails())
+    with pytest.raises(OSError, match="cannot fork"):
+        make(num_workers=3).start()
+
+
 def test_an_error_shuts_the_pipeline_down():
     seq = make(Crash("SIGKILL", at=25), slot_bytes=4096)
     with pytest.raises(WorkerDied):
