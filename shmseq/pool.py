@@ -167,7 +167,7 @@ class WorkerPool:
         self.ring.on_release = self.release
         self._free = list(range(self.n_slots))
         for handle in self._workers:
-            self._send(handle, ("ring", self.ring.spec))
+            self._send(handle, encode(("ring", self.ring.spec)))
 
     # -- called from any thread ----------------------------------------------------------------
     def release(self, slot: int) -> None:
@@ -239,18 +239,19 @@ class WorkerPool:
         return True
 
     @staticmethod
-    def _send(handle: _WorkerHandle, message) -> None:
+    def _send(handle: _WorkerHandle, data: bytes) -> None:
         try:
-            handle.tasks.send_bytes(message if isinstance(message, bytes) else encode(message))
+            handle.tasks.send_bytes(data)
         except OSError:
             handle.accepting = False  # it died: its sentinel (or last message) tells why
 
     def _receive(self, handle: _WorkerHandle) -> None:
         """Every reply the worker has sent so far."""
         try:
-            self._handle(handle, decode(handle.results.recv_bytes()))
-            while handle.results.poll():
+            while True:
                 self._handle(handle, decode(handle.results.recv_bytes()))
+                if not handle.results.poll():
+                    return
         except (EOFError, OSError):
             self._selector.unregister(handle.results)
             handle.results = None  # a dying process: its sentinel tells how
@@ -322,7 +323,7 @@ class WorkerPool:
             return
         self._stopped = True
         for handle in self._workers:
-            self._send(handle, None)
+            self._send(handle, encode(None))
         self._drain_until_exited(time.monotonic() + JOIN_SECONDS)
         self._selector.close()
         for handle in self._workers:
