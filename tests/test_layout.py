@@ -83,3 +83,47 @@ def test_allocator_spills_to_heap_when_the_slot_is_full():
     assert not np.shares_memory(big, region)
     with pytest.raises(SlotOverflow):
         write_batch(big, region, out)
+
+
+def _batches():
+    from hypothesis import strategies as st
+    from hypothesis.extra import numpy as hnp
+    dtypes = st.sampled_from([np.uint8, np.int16, np.int64, np.float32, np.float64, np.bool_,
+                              np.complex64, "U3", "S2", [("a", "i4"), ("b", "f2")]])
+    arrays = dtypes.flatmap(lambda dtype: hnp.arrays(
+        np.dtype(dtype), hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=5)))
+    extras = st.one_of(st.none(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
+                       st.text(max_size=8), st.binary(max_size=8))
+    leaves = st.one_of(arrays, extras)
+    return st.recursive(leaves, lambda children: st.one_of(
+        st.lists(children, max_size=3), st.tuples(children, children),
+        st.dictionaries(st.text(max_size=4), children, max_size=3)),
+        max_leaves=8).filter(lambda batch: batch is not None)  # a None batch is refused
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray):
+        return (isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
+                and a.tobytes() == b.tobytes())
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a == b and type(a) is type(b)
+
+
+def test_any_batch_survives_the_slot_exactly():
+    from hypothesis import given, settings
+
+    @settings(max_examples=200, deadline=None)
+    @given(batch=_batches())
+    def check(batch):
+        encoded = encode_batch(batch)
+        assert _same(batch, read_batch(encoded))
+        region = np.zeros(len(encoded) + 128, np.uint8)
+        write_batch(batch, region)
+        assert _same(batch, read_batch(region))
+        with pytest.raises(SlotOverflow):
+            write_batch(batch, np.zeros(len(encoded) - 1, np.uint8))
+
+    check()
