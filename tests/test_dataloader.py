@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from shmseq import (BatchSampler, DataLoader, RandomSampler, SequentialSampler, ShmSequence,
                     default_batchify)
@@ -218,3 +219,28 @@ def test_worker_processes_seed_their_global_generators_and_run_the_init_hook():
                        worker_init_fn=record_init)
     with init.start():
         assert all(hook == worker for hook, worker in (b.tolist() for b in init))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 30), size=st.integers(1, 7), stop=st.integers(0, 25),
+       policy=st.sampled_from(["keep", "discard", "rollover"]), shuffle=st.booleans())
+def test_resuming_anywhere_continues_the_same_stream(n, size, stop, policy, shuffle):
+    def make(seed):
+        return ShmSequence(IndexWorker, n, batch_size=size, shuffle=shuffle, seed=seed,
+                           last_batch=policy, num_workers=0, out_type="null")
+
+    reference = make(4).start_test("numpy")
+    expected = [b.tolist() for _ in range(4) for b in reference]
+    first = make(4).start_test("numpy")
+    delivered = []
+    while len(delivered) < min(stop, len(expected)):
+        for batch in first:
+            delivered.append(batch.tolist())
+            if len(delivered) == stop:
+                break
+    resumed = make(None)
+    resumed.load_state_dict(first.state_dict())
+    resumed.start_test("numpy")
+    while len(delivered) < len(expected):
+        delivered += [b.tolist() for b in resumed]
+    assert delivered[:len(expected)] == expected
