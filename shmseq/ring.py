@@ -65,7 +65,6 @@ class Ring:
         self._mmap = memory
         self._array = np.frombuffer(memory, np.uint8)
         self.held = [False] * spec.n_slots
-        self.leased = [False] * spec.n_slots
         self._watches: list[weakref.ref | None] = [None] * spec.n_slots  # one per live lease
         self.on_release: Callable[[int], None] = lambda slot: None
 
@@ -112,9 +111,8 @@ class Ring:
 
     def lease(self, slot: int) -> np.ndarray:
         """The slot's bytes for the consumer; the slot comes back when this array dies."""
-        if self.leased[slot]:
+        if self._watches[slot] is not None:
             raise RuntimeError(f"slot {slot} is leased twice: it would be rewritten while in use")
-        self.leased[slot] = True
         lease = np.frombuffer(self._mmap, np.uint8, count=self.spec.slot_bytes,
                               offset=slot * self.spec.stride)
         self._watches[slot] = weakref.ref(lease, functools.partial(self._returned, slot))
@@ -123,7 +121,7 @@ class Ring:
     def _returned(self, slot: int, watch: weakref.ref) -> None:
         # Runs in whatever thread drops the last view: no locks here.
         self._watches[slot] = None
-        self.held[slot] = self.leased[slot] = False
+        self.held[slot] = False
         self.on_release(slot)
 
     def held_count(self) -> int:
