@@ -91,6 +91,10 @@ class OrderedOutput:
         with self._lock:
             return self._items.pop(seq, MISSING)
 
+    def drop(self, item) -> None:
+        """Let go of an item never put in (a stale batch a converter did not convert)."""
+        self._on_drop(item)
+
     def drop_below(self, seq: int) -> None:
         """Forget items before ``seq`` (an epoch left early)."""
         with self._lock:
@@ -169,8 +173,7 @@ class Converters:
 
     def _route(self, seq: int, slot: int | None, payload) -> None:
         if seq < self.output.floor:
-            if slot is not None:
-                self.pool.release(slot)
+            self.output.drop((seq, slot, payload))
             return
         delivery, in_flight = to_delivery(seq, slot, payload, self.pool.ring, self.device)
         if in_flight is not None:
