@@ -1,182 +1,188 @@
-"""Where a batch is read: slot -> views -> device, in order, and when a copied slot is freed.
+"""Where a batch is read: every arrival takes one route, slot -> device -> consumer, in order.
 
-The pool hands ``(seq, slot, payload)`` items on (``payload`` is None for a batch
-in its slot, the encoded batch for an overflow, or the error to raise for that
-batch). ``to_delivery`` leases the slot from the ring (``ring.lease``), decodes the
-batch into views of it (``layout.read_batch``) and gives them to the device:
+As each reply arrives (in the consumer's thread, while it waits), ``Route.arrive`` leases
+the batch's slot from the ring, decodes the batch into views of it
+(``layout.read_batch``) and gives them to the device. A host device's "copy" completes at
+once: the batch *is* the views, and the lease lives as long as they do. A copying device
+(CUDA) starts its copy on a stream of its own; the views die at once and the ring keeps
+the slot until the copy is done. Either way the ``Delivery`` waits in ``OrderedOutput``
+until the consumer asks for its seq, and ``Route.hand_over`` gives it out.
 
-* host devices (numpy, torch CPU) return views: mapping a slot costs a few
-  microseconds, less than a thread hand-off, so it happens in the consumer's thread
-  as the batch is handed over (``DirectHandOver``); the delivered arrays keep the
-  lease, and the slot stays busy until the consumer drops them;
-* copying devices (CUDA) need time and a stream: ``Converters`` threads start the
-  copies, and the ``Releaser`` keeps each lease until its copy has completed.
-
-Either way, items wait in ``OrderedOutput`` until the consumer asks for their seq.
+A consumer holding every batch it received (``list(seq)``) would leave the workers no
+slot: the batch that would take the last one is handed over as a copy instead.
 """
 from __future__ import annotations
 
-import queue
-import threading
+import functools
+import traceback
 from typing import Callable, NamedTuple
 
-from .errors import ShmSeqError
-from .layout import iter_arrays, read_batch
+import numpy as np
+
+from .errors import PipelineClosed, ShmSeqError, warn_user
+from .layout import iter_arrays, map_arrays, read_batch
+from .pool import Arrival
+from .ring import LEASED
+from .stats import LoaderStats
+from .workers import slot_bytes_for
 
 
 class Delivery(NamedTuple):
-    batch: object         # what the consumer gets
-    views: object         # the same batch as numpy views of its slot, if it stays in the slot
-    slot: int | None      # the ring slot the batch's views live in, if any
-    completion: object    # the device's copy still in flight, if any
-    payload_bytes: int    # size of an out-of-ring payload (overflow), else 0
-    nbytes: int           # the batch's array bytes
-
-
-def to_delivery(seq: int, slot: int | None, payload, ring, device):
-    """The item as a Delivery (or the error to raise for its batch), and the region a
-    copy still in flight reads (None when nothing is in flight)."""
-    if isinstance(payload, BaseException):
-        return payload, None
-    try:
-        region = ring.lease(slot) if payload is None else payload
-        views = read_batch(region)
-        batch, completion = device.convert(views)
-    except Exception as exc:  # noqa: BLE001 - surfaces in the consumer, in order
-        error = ShmSeqError(f"converting batch {seq} failed: {type(exc).__name__}: {exc}")
-        error.__cause__ = exc
-        return error, None
-    in_slot = payload is None and device.keeps_slot
-    delivery = Delivery(batch, views if in_slot else None, slot if in_slot else None, completion,
-                        0 if payload is None else len(payload),
-                        sum(array.nbytes for array in iter_arrays(views)))
-    return delivery, (region if completion is not None else None)
-
-
-MISSING = object()
+    """A batch ready for the consumer (or the error to raise in its place)."""
+    batch: object          # what the consumer gets
+    copy: object = None    # the device's copy still in flight, if any
+    in_slot: bool = False  # the batch is views of a leased slot
+    payload_bytes: int = 0  # size of an out-of-ring payload (overflow), else 0
+    nbytes: int = 0         # the batch's array bytes
+    error: Callable[[], BaseException] | None = None  # makes the error (see pool.Arrival)
 
 
 class OrderedOutput:
-    """Items keyed by seq, taken strictly in order by the consumer.
+    """Deliveries keyed by seq, taken strictly in order by the consumer.
 
-    ``on_drop`` is called (outside the lock) with every item that is dropped unread:
-    a stale batch of an epoch left early still owns its slot.
-    """
+    Only the consumer's thread puts and pops; ``close`` may come from any thread (a
+    ``finish()`` elsewhere), and wins over deliveries still waiting."""
 
-    def __init__(self, on_drop: Callable[[object], None] = lambda item: None):
-        self._lock = threading.Lock()
-        self._items: dict[int, object] = {}
-        self._failure: BaseException | None = None
-        self._on_drop = on_drop
+    def __init__(self):
+        self._items: dict[int, Delivery] = {}
+        self._closed: str | None = None
         self.floor = 0
+        self.waiting_in_slots = 0  # deliveries here holding a leased slot
 
-    def put(self, seq: int, item) -> None:
-        with self._lock:
-            stale = seq < self.floor
-            if not stale:
-                self._items[seq] = item
-        if stale:
-            self._on_drop(item)
+    def put(self, seq: int, delivery: Delivery) -> None:
+        if seq >= self.floor:
+            self._items[seq] = delivery
+            self.waiting_in_slots += delivery.in_slot
 
-    def fail(self, exc: BaseException) -> None:
-        with self._lock:
-            if self._failure is None:
-                self._failure = exc
+    def close(self, reason: str) -> None:
+        if self._closed is None:
+            self._closed = reason
 
-    def pop(self, seq: int):
-        """The item for ``seq``, or ``MISSING``. A pipeline failure wins over batches still
-        waiting: once the pipeline is broken or closed, every pop raises."""
-        if self._failure is not None:
-            raise self._failure
-        with self._lock:
-            return self._items.pop(seq, MISSING)
+    def check(self) -> None:
+        """Raise ``PipelineClosed`` once closed (a new one each time: see pool.Arrival)."""
+        if self._closed is not None:
+            raise PipelineClosed(self._closed)
 
-    def drop(self, item) -> None:
-        """Let go of an item never put in (a stale batch a converter did not convert)."""
-        self._on_drop(item)
+    def pop(self, seq: int) -> Delivery | None:
+        self.check()
+        delivery = self._items.pop(seq, None)
+        if delivery is not None:
+            self.waiting_in_slots -= delivery.in_slot
+        return delivery
 
     def drop_below(self, seq: int) -> None:
-        """Forget items before ``seq`` (an epoch left early)."""
-        with self._lock:
-            self.floor = max(self.floor, seq)
-            stale = [self._items.pop(key) for key in list(self._items) if key < seq]
-        for item in stale:
-            self._on_drop(item)
+        """Forget deliveries before ``seq`` (an epoch left early): their leases die here."""
+        self.floor = max(self.floor, seq)
+        for key in [key for key in self._items if key < seq]:
+            self.waiting_in_slots -= self._items.pop(key).in_slot
+
+    def clear(self) -> None:
+        self.drop_below(float("inf"))
 
 
-class DirectHandOver:
-    """The middle queue of host devices: items go straight to the output, unconverted."""
+class Route:
+    """Arrivals -> deliveries through the device; deliveries -> the consumer."""
 
-    def __init__(self, output: OrderedOutput):
-        self.output = output
-
-    def put(self, item: tuple) -> None:
-        self.output.put(item[0], item)
-
-
-class Releaser:
-    """Keeps each slot leased until the device's copy out of it has completed."""
-
-    def __init__(self, device):
+    def __init__(self, device, output: OrderedOutput, stats: LoaderStats):
         self.device = device
-        self._held: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="shmseq-releaser", daemon=True)
-        self._thread.start()
-
-    def hold(self, completion, region) -> None:
-        self._held.put((completion, region))
-
-    def _run(self) -> None:
-        while (item := self._held.get()) is not None:
-            self.device.wait(item[0])
-            del item  # drops the lease: the slot goes back to the ring
-
-    def stop(self) -> None:
-        """Return once every copy still in flight has completed."""
-        self._held.put(None)
-        self._thread.join()
-
-
-class Converters:
-    """``count`` threads starting the device copies of middle-queue items."""
-
-    def __init__(self, count: int, middle: queue.SimpleQueue, output: OrderedOutput, pool, device):
-        self.middle = middle
         self.output = output
-        self.pool = pool
-        self.device = device
-        self.releaser = Releaser(device)
-        self._threads = [threading.Thread(target=self._run, name=f"shmseq-converter-{i}", daemon=True)
-                         for i in range(count)]
+        self.stats = stats
+        self.ring = None
+        self._warned: set[str] = set()
 
-    def start(self) -> None:
-        for thread in self._threads:
-            thread.start()
-
-    def stop(self, timeout: float) -> None:
-        """Stop converting, then wait for the copies in flight."""
-        for _ in self._threads:
-            self.middle.put(None)
-        for thread in self._threads:
-            if thread.is_alive():
-                thread.join(timeout)
-        self.releaser.stop()
-
-    def _run(self) -> None:
-        try:
-            while (item := self.middle.get()) is not None:
-                self._route(*item)
-                del item
-        except BaseException as exc:  # noqa: BLE001 - a dead converter must not hang the consumer
-            self.output.fail(exc)
-            self.pool.wake()
-
-    def _route(self, seq: int, slot: int | None, payload) -> None:
-        if seq < self.output.floor:
-            self.output.drop((seq, slot, payload))
+    def arrive(self, arrival: Arrival) -> None:
+        """Convert an arrival as soon as it is there (a copy starts while the consumer works)."""
+        if arrival.seq < self.output.floor:
+            if arrival.slot is not None:
+                self.ring.discard(arrival.slot)  # stale: its epoch was left
             return
-        delivery, in_flight = to_delivery(seq, slot, payload, self.pool.ring, self.device)
-        if in_flight is not None:
-            self.releaser.hold(delivery.completion, in_flight)
-        self.output.put(seq, delivery)
-        self.pool.wake()
+        self.output.put(arrival.seq, self._deliver(arrival))
+
+    def _deliver(self, arrival: Arrival) -> Delivery:
+        if arrival.error is not None:
+            return Delivery(None, error=arrival.error)
+        try:
+            return self._convert(arrival)
+        except Exception as exc:  # noqa: BLE001 - surfaces in the consumer, in order
+            return Delivery(None, error=_conversion_failed(arrival.seq, exc))
+
+    def _convert(self, arrival: Arrival) -> Delivery:
+        region = arrival.payload if arrival.slot is None else self.ring.lease(arrival.slot)
+        views = read_batch(region)
+        batch, copy = self.device.convert(views)
+        if copy is not None and arrival.slot is not None:
+            self.ring.track_copy(arrival.slot, functools.partial(self.device.wait, copy))
+        in_slot = arrival.slot is not None and copy is None and _has_arrays(views)
+        payload = arrival.payload
+        return Delivery(batch, copy, in_slot, 0 if payload is None else len(payload),
+                        sum(array.nbytes for array in iter_arrays(views)))
+
+    def hand_over(self, seq: int, delivery: Delivery):
+        """The batch as the consumer gets it; copied out when keeping it would starve the ring."""
+        if delivery.error is not None:
+            raise delivery.error()
+        self.stats.batches += 1
+        self.stats.bytes += delivery.nbytes
+        if delivery.payload_bytes:
+            self._overflowed(seq, delivery.payload_bytes)
+        if delivery.in_slot and self._held() >= self.ring.spec.n_slots:
+            return self._copied_out(delivery.batch)
+        return self.device.hand_over(delivery.batch, delivery.copy)
+
+    def _held(self) -> int:
+        """Slots the consumer holds batches of (leased, and no longer waiting here), counting
+        the one being handed over."""
+        return self.ring.count(LEASED) - self.output.waiting_in_slots
+
+    def _copied_out(self, batch):
+        self._warn_once("copy-out", (
+            f"the consumer holds {self._held() - 1} earlier batches of a ring of "
+            f"{self.ring.spec.n_slots} "
+            "slots, so handing over this one in place would leave the workers no free slot: "
+            "batches are copied out of the ring instead. Raise buffer, or drop references to "
+            "earlier batches, to stay zero-copy"))
+        self.stats.copy_out_count += 1
+        copied = map_arrays(batch, _copy_array, _array_types())
+        return self.device.hand_over(copied, None)
+
+    def _overflowed(self, seq: int, payload_bytes: int) -> None:
+        self.stats.overflow_count += 1
+        self._warn_once("overflow", (
+            f"batch {seq} needed {payload_bytes:,} bytes but slot_bytes is "
+            f"{self.ring.spec.slot_bytes:,}: it came through the overflow path, with a copy. "
+            f"Pass slot_bytes={slot_bytes_for(payload_bytes)} (or more) to keep every batch "
+            "in the ring"))
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warn_user(message)
+
+
+def _conversion_failed(seq: int, exc: Exception) -> Callable[[], ShmSeqError]:
+    """What makes the consumer's error. The failure's traceback travels as text: its frames
+    (and the frames that called them) hold the slot's views, and the delivery itself."""
+    text = "".join(traceback.format_exception(exc))
+    exc.__traceback__ = None
+    return functools.partial(_raised_in_conversion, seq, exc, text)
+
+
+def _raised_in_conversion(seq: int, exc: Exception, text: str) -> ShmSeqError:
+    error = ShmSeqError(f"converting batch {seq} failed: {type(exc).__name__}: {exc}\n\n"
+                        f"Conversion traceback:\n{text}")
+    error.__cause__ = exc
+    return error
+
+
+def _has_arrays(views) -> bool:
+    return bool(iter_arrays(views))
+
+
+def _array_types() -> tuple[type, ...]:
+    import sys
+    torch = sys.modules.get("torch")
+    return (np.ndarray, torch.Tensor) if torch is not None else (np.ndarray,)
+
+
+def _copy_array(array):
+    return array.copy() if isinstance(array, np.ndarray) else array.clone()

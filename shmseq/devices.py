@@ -2,26 +2,30 @@
 
 A device turns a batch of numpy views of a slot into what the consumer gets:
 
-``attach(ring)``        once the ring exists (page-lock it for CUDA)
-``convert(views)``      -> (batch, completion): ``completion`` is None when the batch
-                        is ready now, else the copy still runs and the slot must stay
-                        leased until ``wait(completion)`` returns
+``attach(ring)``        once the ring exists (page-lock it)
+``convert(views)``      -> (batch, copy): ``copy`` is None when the batch *is* the views
+                        (host output: a copy that completes at once), else the device copy
+                        still reading the slot, which stays busy until ``wait(copy)`` returns
 ``hand_over(batch, c)`` in the consumer's thread, just before the batch is yielded
+``fence()``             when the last view of a batch dies: a completion (a callable that
+                        blocks until done) for copies the consumer may have enqueued from the
+                        slot, or None. Only page-locked slots need one: a ``non_blocking``
+                        copy from them still reads the slot after the view is gone.
 ``close()``             after the last copy completed, before the ring is unmapped
 
-``keeps_slot``: whether delivered batches are views of the slot (host devices) or
-copies (CUDA, fake), after which the slot is free again.
-
-* ``HostDevice``: numpy views or ``torch.from_numpy`` tensors, page-locked in place
-  when a pinning device is given (MXNet's ``pin_memory``), zero-copy.
-* ``CudaDevice``: the whole ring page-locked in place (``cudaHostRegister``), each
-  converter thread copying on its own stream, an event per batch.
-* ``FakeDevice``: for tests without a GPU: copies complete late, on another thread,
-  after random delays, so a slot reused too early shows up as a torn batch.
+* ``HostDevice``: numpy views or ``torch.from_numpy`` tensors, zero-copy; page-locked in
+  place when a pinning device is given (MXNet's ``pin_memory``), with a CUDA event recorded
+  on that device's current stream as each batch's fence.
+* ``CudaDevice``: the whole ring page-locked in place (``cudaHostRegister``), each batch
+  copied on one of ``num_converters`` streams, an event per batch.
+* ``FakeDevice``, ``FakePinnedDevice``, ``FakeStream``: for tests without a GPU. Copies
+  run late, on another thread, after random delays, reading raw addresses as a DMA engine
+  does, so a slot reused too early shows up as a torn batch.
 """
 from __future__ import annotations
 
 import ctypes
+import itertools
 import queue
 import random
 import threading
@@ -81,6 +85,8 @@ class PageLock:
 
     def __init__(self, ring, device_index: int):
         import torch
+        self.torch = torch
+        self.device_index = device_index
         self.cudart = torch.cuda.cudart()
         self.address = ring.address
         with torch.cuda.device(device_index):
@@ -90,14 +96,20 @@ class PageLock:
                               f"with CUDA error {int(error)}: lower buffer or slot_bytes, or raise "
                               "the locked-memory limit (ulimit -l)")
 
+    def fence(self):
+        """An event after everything enqueued so far on the device's current stream."""
+        event = self.torch.cuda.Event()
+        event.record(self.torch.cuda.current_stream(self.device_index))
+        return event.synchronize
+
     def release(self) -> None:
+        """Unregister once no copy can still read the ring."""
+        self.torch.cuda.synchronize(self.device_index)
         self.cudart.cudaHostUnregister(self.address)
 
 
 class HostDevice:
     """Batches as views of their slot: numpy arrays, or torch CPU tensors sharing the memory."""
-
-    keeps_slot = True
 
     def __init__(self, to_torch: bool, pin_device: int | None = None):
         self.to_torch = to_torch
@@ -111,44 +123,39 @@ class HostDevice:
     def convert(self, views):
         return (map_arrays(views, _to_torch) if self.to_torch else views), None
 
-    def hand_over(self, batch, completion):
+    def hand_over(self, batch, copy):
         return batch
 
-    def wait(self, completion) -> None:
+    def fence(self):
+        return self._lock.fence() if self._lock is not None else None
+
+    def wait(self, copy) -> None:
         pass
 
     def close(self) -> None:
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
 
 class CudaDevice:
-    """Copies each batch to the GPU on its converter's own stream; an event marks the end."""
+    """Copies each batch to the GPU on one of its own streams; an event marks the end."""
 
-    keeps_slot = False
-
-    def __init__(self, device: str):
+    def __init__(self, device: str, num_streams: int = 1):
         import torch
         self.torch = torch
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._streams = threading.local()
+        self._streams = itertools.cycle([torch.cuda.Stream(self.device) for _ in range(num_streams)])
         self._lock: PageLock | None = None
 
     def attach(self, ring) -> None:
         self._lock = PageLock(ring, self.device.index)
 
-    def _stream(self):
-        stream = getattr(self._streams, "stream", None)
-        if stream is None:
-            stream = self._streams.stream = self.torch.cuda.Stream(self.device)
-        return stream
-
     def convert(self, views):
         torch = self.torch
-        stream = self._stream()
+        stream = next(self._streams)
         with torch.cuda.stream(stream):
             batch = map_arrays(views, self._copy)
             event = torch.cuda.Event()
@@ -164,90 +171,158 @@ class CudaDevice:
     def hand_over(self, batch, event):
         current = self.torch.cuda.current_stream(self.device)
         current.wait_event(event)
-
         for tensor in iter_arrays(batch, self.torch.Tensor):
             tensor.record_stream(current)  # the allocator must not reuse it under the consumer
         return batch
+
+    def fence(self):
+        return None  # batches are copies: nothing delivered reads the slot
 
     def wait(self, event) -> None:
         event.synchronize()
 
     def close(self) -> None:
-        if self._lock is not None:
-            self.torch.cuda.synchronize(self.device)
-            self._lock.release()
-            self._lock = None
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
 
-class FakeEvent:
-    """Completion of one fake copy; carries the copy's error, if any."""
-
-    def __init__(self):
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-
-
-class FakeDevice:
-    """A device whose copies complete late, from another thread, after random delays."""
-
-    keeps_slot = False
-
-    def __init__(self, max_delay: float = 0.01, seed: int = 0, fail_on=None):
-        self.max_delay = max_delay
-        self.fail_on = fail_on          # a predicate on the batch's views: that copy fails
-        self.attached_ring = None
-        self._random = random.Random(seed)
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._copier = threading.Thread(target=self._copy_late, name="shmseq-fake-copier", daemon=True)
-
-    def attach(self, ring) -> None:
-        """Start copying (a thread: only now, after the workers were forked)."""
-        self.attached_ring = ring
-        self._copier.start()
-
-    def convert(self, views):
-        targets = map_arrays(views, np.empty_like)
-        event = FakeEvent()
-        if self.fail_on is not None and self.fail_on(views):
-            event.error = RuntimeError("fake copy failed")
-        # Like a DMA engine, the copy keeps raw addresses, not references: only the
-        # pipeline's lease keeps the slot from being rewritten before the copy runs.
-        copies = [(target.ctypes.data, source.ctypes.data, source.nbytes)
-                  for source, target in zip(iter_arrays(views), iter_arrays(targets))]
-        self._jobs.put((copies, event))
-        return targets, event
-
-    def _copy_late(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            copies, event = job
-            time.sleep(self._random.uniform(0, self.max_delay))
-            if event.error is None:
-                for target, source, nbytes in copies:
-                    ctypes.memmove(target, source, nbytes)
-            event.done.set()
-
-    def hand_over(self, batch, event):
-        event.done.wait()  # the consumer's stream waits on the copy's event
-        if event.error is not None:
-            raise ShmSeqError(f"copying a batch to the device failed: {event.error}") from event.error
-        return batch
-
-    def wait(self, event) -> None:
-        event.done.wait()
-
-    def close(self) -> None:
-        if self._copier.is_alive():
-            self._jobs.put(None)
-            self._copier.join()
-        self.attached_ring = None
-
-
-def make_device(out_type: str, pin_memory: bool | None = None, pin_device_id: int = 0):
+def make_device(out_type: str, pin_memory: bool | None = None, pin_device_id: int = 0,
+                num_streams: int = 1):
     if out_type.startswith("cuda"):
-        return CudaDevice(out_type)
+        return CudaDevice(out_type, num_streams)
     if pin_memory is None:
         pin_memory = out_type == "cpu" and cuda_available()
     elif pin_memory and not cuda_available():
         warn_user("pin_memory=True but CUDA is not available: delivering pageable memory")
         pin_memory = False
     return HostDevice(to_torch=out_type == "cpu", pin_device=pin_device_id if pin_memory else None)
+
+
+# -- fakes, for tests without a GPU -------------------------------------------------------------
+class FakeEvent:
+    """Completion of fake copies; carries the error that ``wait`` raises, if any."""
+
+    def __init__(self, error: BaseException | None = None):
+        self.done = threading.Event()
+        self.error = error
+        self.copy_failed = False
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class FakeStream:
+    """A stream of a fake GPU: copies by raw address and events, run in order on a thread of
+    its own, each copy after a random delay.
+
+    As with CUDA, only a copy from page-locked memory (``register``) is asynchronous; one
+    from pageable memory is done before ``copy`` returns."""
+
+    def __init__(self, max_delay: float = 0.01, seed: int = 0):
+        self.max_delay = max_delay
+        self._random = random.Random(seed)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._locked: list[tuple[int, int]] = []
+
+    def register(self, address: int, nbytes: int) -> None:
+        self._locked.append((address, address + nbytes))
+
+    def _put(self, job) -> None:
+        if self._thread is None:  # started at first use: after the workers were forked
+            self._thread = threading.Thread(target=self._run, name="shmseq-fake-stream",
+                                            daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def copy(self, source: np.ndarray) -> np.ndarray:
+        """``source.cuda(non_blocking=True)``: a copy from page-locked memory reads it later."""
+        target = np.empty_like(source)
+        start = source.ctypes.data
+        if any(low <= start and start + source.nbytes <= high for low, high in self._locked):
+            self._put((target, start, source.nbytes))  # the device's memory, the source's address
+        else:
+            target[...] = source
+        return target
+
+    def record(self, error: BaseException | None = None) -> FakeEvent:
+        event = FakeEvent(error)
+        self._put(event)
+        return event
+
+    def synchronize(self) -> None:
+        self.record().wait()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            if isinstance(job, FakeEvent):
+                job.done.set()
+                continue
+            time.sleep(self._random.uniform(0, self.max_delay))
+            target, source, nbytes = job
+            ctypes.memmove(target.ctypes.data, source, nbytes)
+            del job, target
+
+    def close(self) -> None:
+        """Stop once every job enqueued has run."""
+        if self._thread is not None and self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+
+
+class FakeDevice:
+    """A copying device (as CUDA) on a ``FakeStream``: copies complete late, on its thread.
+
+    ``fail_on(views)``: that batch's copy fails (raised at hand-over); ``fail_wait_on(views)``:
+    waiting for that copy fails (a sticky error, seen by the releaser)."""
+
+    def __init__(self, max_delay: float = 0.01, seed: int = 0, fail_on=None, fail_wait_on=None):
+        self.stream = FakeStream(max_delay, seed)
+        self.fail_on = fail_on
+        self.fail_wait_on = fail_wait_on
+        self.attached_ring = None
+
+    def attach(self, ring) -> None:
+        self.attached_ring = ring.spec
+        self.stream.register(ring.address, ring.spec.total_bytes)
+
+    def convert(self, views):
+        failed = self.fail_on is not None and self.fail_on(views)
+        targets = map_arrays(views, np.empty_like if failed else self.stream.copy)
+        stuck = self.fail_wait_on is not None and self.fail_wait_on(views)
+        event = self.stream.record(RuntimeError("fake wait failed") if stuck else None)
+        event.copy_failed = failed
+        return targets, event
+
+    def hand_over(self, batch, event):
+        event.done.wait()  # the consumer's stream waits on the copy's event
+        if event.copy_failed:
+            raise ShmSeqError("copying a batch to the device failed: fake copy failed")
+        return batch
+
+    def fence(self):
+        return None
+
+    def wait(self, event) -> None:
+        event.wait()
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class FakePinnedDevice(HostDevice):
+    """Host views of page-locked slots, with the consumer's copies on a fake current stream:
+    ``stream.copy(view)`` is the user's ``view.cuda(non_blocking=True)``."""
+
+    def __init__(self, stream: FakeStream):
+        super().__init__(to_torch=False)
+        self.stream = stream
+
+    def attach(self, ring) -> None:
+        self.stream.register(ring.address, ring.spec.total_bytes)
+
+    def fence(self):
+        return self.stream.record().wait

@@ -1,20 +1,21 @@
 """Epoch index plans: which sample indices go into which batch, epoch after epoch.
 
-Batches are numbered across epochs by ``seq``: epoch ``e`` holds batches
-``start(e) .. start(e) + length(e) - 1``. Two plans:
+Two plans with one contract: ``length(epoch)``, ``batches(epoch)``, ``open(epoch)`` (the
+consumer starts that epoch) and ``is_open(epoch)`` (its batches may be dispatched):
 
 * ``EpochPlan``: a pure function of (indices, batch_size, shuffle, seed, last_batch,
   rank, world_size, epoch), so the pipeline, ``start_test()`` and a resumed run all
-  see exactly the same batches, and any epoch can be rebuilt on its own.
-* ``SamplerPlan``: batches drawn from a user's batch sampler, once per epoch, in order.
+  see exactly the same batches, and any epoch can be planned ahead of the consumer.
+* ``SamplerPlan``: batches drawn from a user's batch sampler, one pass when the consumer
+  opens an epoch (after its ``set_epoch``), never ahead of it.
 
-``BatchStream`` walks a plan for the workers' dispatcher: an endless stream of
-``(seq, indices)`` that can jump forward.
+``BatchStream`` walks a plan for the dispatcher, as a node of ``torchdata.nodes`` does
+(``next``, ``state``, ``reset`` from a state), numbering batches by ``seq`` in the order
+they are dispatched, across epochs.
 """
 from __future__ import annotations
 
 import numbers
-import threading
 
 import numpy as np
 
@@ -94,23 +95,16 @@ class EpochPlan:
             return epoch * self.samples_per_epoch // self.batch_size
         return epoch * self.length(0)
 
-    def forget_before(self, epoch: int) -> None:
-        """Nothing to forget: any epoch can be rebuilt."""
+    def open(self, epoch: int) -> bool:
+        """Nothing to draw: any epoch can be rebuilt, and is the same however often."""
+        return False
+
+    def is_open(self, epoch: int) -> bool:
+        return True
 
     def has_batches(self) -> bool:
         n = self.samples_per_epoch
         return n >= self.batch_size if self.last_batch == "discard" else n > 0
-
-    def locate(self, seq: int) -> tuple[int, int]:
-        """(epoch, position in the epoch) of batch ``seq``."""
-        if self.last_batch != "rollover":
-            return divmod(seq, self.length(0))
-        epoch = seq * self.batch_size // self.samples_per_epoch
-        while self.start(epoch + 1) <= seq:
-            epoch += 1
-        while self.start(epoch) > seq:
-            epoch -= 1
-        return epoch, seq - self.start(epoch)
 
     def batches(self, epoch: int) -> list[np.ndarray]:
         """The epoch's batches, each a contiguous int64 array of sample indices."""
@@ -139,91 +133,105 @@ def as_batch(indices):
 
 
 class SamplerPlan:
-    """Batches from a user's batch sampler (any iterable of index lists), one pass per epoch.
-
-    Epochs are drawn in order, once, and kept until the consumer is past them
-    (``forget_before``), so that the dispatcher and the consumer agree on them.
-    """
+    """Batches from a user's batch sampler (any iterable of index lists), one pass per epoch,
+    drawn when the consumer opens the epoch: a sampler told ``set_epoch(e)`` before epoch
+    ``e`` starts is drawn after it, as in a serial loop."""
 
     def __init__(self, batch_sampler):
         self.batch_sampler = batch_sampler
-        self._epochs: dict[int, tuple[int, list]] = {}
-        self._drawn = 0
-        self._next_start = 0
-        self._has_batches: bool | None = None
-        self._lock = threading.Lock()
+        self._drawn: dict[int, list] = {}
 
-    def _epoch(self, epoch: int) -> tuple[int, list]:
-        with self._lock:
-            while self._drawn <= epoch:
-                batches = [as_batch(indices) for indices in self.batch_sampler]
-                self._epochs[self._drawn] = (self._next_start, batches)
-                self._next_start += len(batches)
-                self._drawn += 1
-            if epoch not in self._epochs:
-                raise ValueError(f"epoch {epoch} of a batch sampler is gone: a sampler is drawn "
-                                 "once per epoch, in order, and cannot go back")
-            return self._epochs[epoch]
+    def open(self, epoch: int) -> bool:
+        self._drawn = {epoch: [as_batch(indices) for indices in self.batch_sampler]}
+        return True
 
-    def forget_before(self, epoch: int) -> None:
-        with self._lock:
-            for old in [e for e in self._epochs if e < epoch]:
-                del self._epochs[old]
-
-    def length(self, epoch: int) -> int:
-        return len(self._epoch(epoch)[1])
-
-    def start(self, epoch: int) -> int:
-        return self._epoch(epoch)[0]
-
-    def batches(self, epoch: int) -> list:
-        return self._epoch(epoch)[1]
+    def is_open(self, epoch: int) -> bool:
+        return epoch in self._drawn
 
     def has_batches(self) -> bool:
-        if self._has_batches is None:
-            self._has_batches = self.length(0) > 0  # a sampler yields as many every epoch
-        return self._has_batches
+        return True  # known only once drawn: an empty pass simply yields nothing
 
-    def locate(self, seq: int) -> tuple[int, int]:
-        epoch = max(self._drawn - 1, 0)
-        while self.start(epoch) > seq:
-            epoch -= 1
-        while seq >= self.start(epoch) + self.length(epoch):
-            epoch += 1
-        return epoch, seq - self.start(epoch)
+    def batches(self, epoch: int) -> list:
+        if epoch not in self._drawn:
+            raise ValueError(f"epoch {epoch} of the batch sampler was not drawn: a sampler is "
+                             "drawn when the consumer starts its epoch")
+        return self._drawn[epoch]
+
+    def length(self, epoch: int) -> int:
+        if epoch in self._drawn:
+            return len(self._drawn[epoch])
+        try:
+            return len(self.batch_sampler)
+        except TypeError:
+            raise TypeError(f"the batch sampler {type(self.batch_sampler).__name__} has no len(), "
+                            "so neither has this loader before its epoch starts") from None
 
 
 class BatchStream:
-    """An endless stream of ``(seq, batch indices)``, epoch after epoch, for the dispatcher."""
+    """The dispatcher's cursor: the plan's batches as ``(seq, indices)``, epoch after epoch.
 
-    def __init__(self, plan, start_seq: int = 0):
+    ``seq`` counts batches in the order they are dispatched, so that a consumer going back
+    (``set_epoch``, ``load_state_dict``) restarts the cursor with fresh seqs, and whatever
+    is still in flight from before is told apart and dropped. The cursor runs ahead into
+    epochs the plan has open; ``open(epoch, position)`` tells it where the consumer is.
+    """
+
+    def __init__(self, plan, epoch: int = 0, position: int = 0):
         self.plan = plan
-        self.next_seq = start_seq
-        self._first = self._end = 0   # the seqs of the epoch at hand
-        self._batches: list = []
+        self._seq = 0
+        self._segments: list[list[int]] = []  # [first seq, epoch, first position, count] taken
+        self.reset({"epoch": epoch, "position": position})
 
-    def __bool__(self) -> bool:
-        return self.plan.has_batches()
+    def state(self) -> dict:
+        """Where the next batch dispatched comes from."""
+        return {"epoch": self._epoch, "position": self._position}
 
-    def seek(self, seq: int) -> None:
-        """Jump forward to ``seq`` (never backwards: those batches are in flight already)."""
-        self.next_seq = max(self.next_seq, seq)
+    def reset(self, state: dict) -> None:
+        """Go on from ``state`` with fresh seqs; what was taken before is stale."""
+        self._epoch, self._position = int(state["epoch"]), int(state["position"])
+        self._batches: list | None = None
+        self._segments = []
+
+    def open(self, epoch: int, position: int) -> int:
+        """The consumer starts ``epoch`` at ``position``: the seq that batch comes as."""
+        drew = self.plan.open(epoch)
+        seq = None if drew else self._seq_of(epoch, position)
+        if seq is None:
+            self.reset({"epoch": epoch, "position": position})
+            seq = self._seq
+        self._segments = [s for s in self._segments if s[0] + s[3] > seq]
+        return seq
+
+    def _seq_of(self, epoch: int, position: int) -> int | None:
+        for first, taken_epoch, first_position, count in self._segments:
+            if taken_epoch == epoch and first_position <= position < first_position + count:
+                return first + position - first_position
+        return None
 
     def peek(self):
-        """The next ``(seq, indices)``, left in the stream."""
-        seq = self.next_seq
-        if not self._first <= seq < self._end:
-            epoch, position = self.plan.locate(seq)
-            self._batches = self.plan.batches(epoch)
-            self._first, self._end = seq - position, seq - position + len(self._batches)
-        return seq, self._batches[seq - self._first]
+        """The next ``(seq, indices)``, left in the stream; None while the next batch's epoch
+        is not open (a user's sampler waits for the consumer) or the plan has none."""
+        if not self.plan.has_batches():
+            return None
+        while True:
+            if self._batches is None:
+                if not self.plan.is_open(self._epoch):
+                    return None
+                self._batches = self.plan.batches(self._epoch)
+            if self._position < len(self._batches):
+                return self._seq, self._batches[self._position]
+            self._epoch, self._position, self._batches = self._epoch + 1, 0, None
 
-    def take(self):
-        """The next ``(seq, indices)``, taken out of the stream."""
-        taken = self.peek()
-        self.next_seq += 1
-        return taken
-
-    def indices_of(self, seq: int):
-        epoch, position = self.plan.locate(seq)
-        return self.plan.batches(epoch)[position]
+    def next(self):
+        """The next ``(seq, indices)``, taken out of the stream (None as for ``peek``)."""
+        item = self.peek()
+        if item is None:
+            return None
+        last = self._segments[-1] if self._segments else None
+        if last and last[1] == self._epoch and last[0] + last[3] == self._seq:
+            last[3] += 1
+        else:
+            self._segments.append([self._seq, self._epoch, self._position, 1])
+        self._seq += 1
+        self._position += 1
+        return item

@@ -2,38 +2,91 @@
 
 The consumer's thread drives the pool (``pump``) whenever it waits for a batch:
 
-1. slots freed since the last pump (``release``, called by lease finalizers) go back
-   to the free list, and each free slot is sent with the next ``(seq, indices)`` of
-   the stream down the least-busy worker's task pipe;
-2. it waits on every worker's reply pipe and process sentinel at once, so a worker
-   that dies is reported at once, as ``concurrent.futures`` and ``loky`` do;
-3. each ``("done", seq, slot, ...)`` reply is delivered: ``deliver((seq, slot, None))``.
+1. each free slot of the ring goes, with the next ``(seq, indices)`` of the stream, down
+   the least-busy worker's task pipe;
+2. it waits on every worker's reply pipe and process sentinel at once (and on the waker,
+   which other threads use to cut the wait short), so that a worker that dies is reported
+   at once, as ``concurrent.futures`` and ``loky`` do;
+3. each reply becomes an ``Arrival``: a batch written in its slot, an encoded batch too
+   large for it (or the probe that sizes the ring), or the worker's error.
 
 Doing this in the consumer's thread spares two thread hand-offs per batch; the ring
-bounds how far workers run ahead anyway, so nothing is lost while the consumer
-computes. The first batch sizes the ring when ``slot_bytes`` is not given (the probe).
+bounds how far workers run ahead anyway, so nothing is lost while the consumer computes.
 """
 from __future__ import annotations
 
+import functools
 import os
-import queue
 import selectors
 import signal
 import threading
 import time
 from multiprocessing import connection
+from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .errors import ShmSeqError, WorkerDied, warn_user
+from .errors import WorkerDied, warn_user
 from .plan import BatchStream
-from .ring import Ring, RingSpec
+from .ring import Ring
 from .stats import LoaderStats
-from .workers import (WorkerInfo, check_picklable, decode, encode, slot_bytes_for, worker_error,
-                      worker_loop, worker_seed)
+from .workers import WorkerInfo, check_picklable, decode, encode, worker_error, worker_loop, worker_seed
 
 JOIN_SECONDS = 3.0
 TASK_PIPE_ROOM = 32 << 10  # under the smallest pipe capacity Linux gives by default (64 KiB)
+
+
+class Arrival(NamedTuple):
+    """What a reply brings: batch ``seq`` in ``slot``, or as ``payload`` bytes (too large for
+    a slot, or the probe), or ``error``, which makes the error to raise in its place (made
+    when raised: an exception kept in a frame of its own traceback is a reference cycle,
+    which would keep the consumer's batches, and their ring, until a garbage collection)."""
+    seq: int
+    slot: int | None
+    payload: np.ndarray | None = None
+    error: Callable[[], BaseException] | None = None
+
+
+class Waker:
+    """Cuts the consumer's wait short from any thread: a slot came free, ``finish()`` was called."""
+
+    def __init__(self):
+        self._reader, self._writer = os.pipe()
+        os.set_blocking(self._reader, False)
+        os.set_blocking(self._writer, False)
+        self._lock = threading.Lock()  # never held where a weakref callback could run
+        self.waiting = False
+
+    def fileno(self) -> int:
+        return self._reader
+
+    def fds(self) -> tuple[int, int]:
+        return self._reader, self._writer
+
+    def wake(self) -> None:
+        with self._lock:
+            if self._writer >= 0:
+                try:
+                    os.write(self._writer, b"\0")
+                except BlockingIOError:
+                    pass  # already woken
+
+    def wake_if_waiting(self) -> None:
+        if self.waiting:
+            self.wake()
+
+    def drain(self) -> None:
+        try:
+            while os.read(self._reader, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in (self._reader, self._writer):
+                os.close(fd)
+            self._reader = self._writer = -1
 
 
 class _WorkerHandle:
@@ -47,6 +100,7 @@ class _WorkerHandle:
         self.open: dict[int, np.ndarray] = {}  # seq -> indices, in the order sent
         self.unread = 0                        # bytes of those task messages
         self._sizes: dict[int, int] = {}
+        self.ready = False
         self.attached = False
         self.accepting = True
 
@@ -78,21 +132,13 @@ class WorkerPool:
     """Starts the workers, feeds them free slots, collects their replies, watches them."""
 
     def __init__(self, worker, *, num_workers: int, backend: str, context, stream: BatchStream,
-                 n_slots: int, slot_bytes: int | None, deliver, stats: LoaderStats,
-                 seed: int = 0, worker_init_fn=None):
+                 waker: Waker, stats: LoaderStats, seed: int = 0, worker_init_fn=None):
         self.stream = stream
         self.stats = stats
-        self.n_slots = n_slots
-        self.slot_bytes = slot_bytes
-        self.deliver = deliver
         self.ring: Ring | None = None
-        self._free: list[int] = []
-        self._released: queue.SimpleQueue = queue.SimpleQueue()
-        self._probe_open = False
-        self._waiting = False
+        self._waker = waker
+        self._probe_sent = False  # the first batch, sent without a slot to size the ring
         self._stopped = False
-        self._wake_reader, self._wake_writer = connection.Pipe(duplex=False)
-        os.set_blocking(self._wake_writer.fileno(), False)
         if backend == "proc":
             check_picklable("worker", worker, context.get_start_method(),
                             "or use start_method='fork' or thread_type='thread'")
@@ -113,11 +159,11 @@ class WorkerPool:
         common = (worker, task_reader, result_writer, info, worker_init_fn)
         if backend == "thread":
             runner = threading.Thread(target=worker_loop, name=f"shmseq-worker-{info.id}",
-                                      daemon=True, args=(*common, self._local_ring, None))
+                                      daemon=True, args=(*common, None, None))
         else:
-            ours = self._our_ends(task_writer, result_reader, context.get_start_method())
+            inherited = self._our_ends(task_writer, result_reader, context.get_start_method())
             runner = context.Process(target=worker_loop, name=f"shmseq-worker-{info.id}",
-                                     daemon=True, args=(*common, Ring.attach, os.getpid(), ours))
+                                     daemon=True, args=(*common, os.getpid(), inherited))
         handle = _WorkerHandle(info.id, task_writer, result_reader, runner)
         runner.start()
         if backend != "thread":
@@ -125,115 +171,88 @@ class WorkerPool:
             result_writer.close()
         return handle
 
-    def _our_ends(self, task_writer, result_reader, start_method: str) -> tuple[int, ...]:
+    def _our_ends(self, task_writer, result_reader, start_method: str) -> tuple[int, ...] | None:
         """The consumer's pipe ends a forked worker inherits, for it to close: once the
         consumer is gone, nothing may keep its reply pipe open, or a worker blocked on a
-        full pipe would never learn it (spawned workers inherit nothing)."""
+        full pipe would never learn it. None: not forked, nothing inherited."""
         if start_method != "fork":
-            return ()
-        ends = [task_writer, result_reader, self._wake_reader, self._wake_writer]
-        ends += [end for h in self._workers for end in (h.tasks, h.results)]
-        return tuple(end.fileno() for end in ends)
-
-    def _local_ring(self, spec: RingSpec) -> Ring:
-        return self.ring
+            return None
+        ends = [task_writer.fileno(), result_reader.fileno(), *self._waker.fds()]
+        ends += [end.fileno() for h in self._workers for end in (h.tasks, h.results)]
+        return tuple(ends)
 
     def _watch(self) -> selectors.BaseSelector:
-        """One selector for the whole run: reply pipes, process sentinels, the wake-up pipe."""
+        """One selector for the whole run: reply pipes, process sentinels, the waker."""
         selector = selectors.DefaultSelector()
-        selector.register(self._wake_reader, selectors.EVENT_READ, None)
+        selector.register(self._waker, selectors.EVENT_READ, None)
         for handle in self._workers:
             selector.register(handle.results, selectors.EVENT_READ, (self._receive, handle))
             if handle.sentinel is not None:
                 selector.register(handle.sentinel, selectors.EVENT_READ, (self._report_death, handle))
         return selector
 
-    def start(self, timeout: float) -> None:
-        """Create the ring (now, or once the probe batch sizes it); return when every worker
-        maps it, after which its name is unlinked: nothing can be left in /dev/shm."""
-        if self.slot_bytes is not None and self.stream:
-            self._open_ring(self.slot_bytes)
-        deadline = time.monotonic() + timeout
-        while self.stream and not all(h.attached for h in self._workers):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ShmSeqError(f"the workers did not start within timeout={timeout} s")
-            self.pump(remaining)
-        if self.ring is not None:
-            self.ring.unlink()
-
-    def _open_ring(self, slot_bytes: int) -> None:
-        self.ring = Ring.create(self.n_slots, slot_bytes)
-        self.ring.on_release = self.release
-        self._free = list(range(self.n_slots))
+    def use_ring(self, ring: Ring) -> None:
+        """Send the ring to every worker; its name is unlinked once they all mapped it."""
+        self.ring = ring
         for handle in self._workers:
-            self._send(handle, encode(("ring", self.ring.spec)))
+            self._send(handle, encode(("ring", ring.spec)))
 
-    # -- called from any thread ----------------------------------------------------------------
-    def release(self, slot: int) -> None:
-        """A slot is free again (from a lease finalizer, in any thread: no locks here).
+    def started(self) -> bool:
+        """Every worker built its worker object and, once there is a ring, mapped it."""
+        return all(h.ready and (self.ring is None or h.attached) for h in self._workers)
 
-        Freed in another thread (the releaser of CUDA copies, a thread the user hands
-        batches to) while the consumer waits, it must wake the consumer: that wait may be
-        for a batch only this slot can carry."""
-        self._released.put(slot)
-        if self._waiting:
-            self.wake()
-
-    def wake(self) -> None:
-        """Cut a ``pump`` short: a converter put a batch out, or a slot came free."""
-        try:
-            self._wake_writer.send_bytes(b"")
-        except (BlockingIOError, OSError):
-            pass  # already woken, or stopped
+    def which_not_started(self) -> str:
+        late = [h for h in self._workers if not (h.ready and (self.ring is None or h.attached))]
+        return ", ".join(f"worker {h.wid}" + (f" (pid {h.pid})" if h.pid else "") for h in late)
 
     # -- the consumer's thread -----------------------------------------------------------------
-    def seek(self, seq: int) -> None:
-        """Skip the stream forward to ``seq`` (the consumer left an epoch early)."""
-        self.stream.seek(seq)
-
-    def pump(self, timeout: float) -> None:
-        """Hand free slots to workers, then wait up to ``timeout`` s for replies and handle them.
+    def pump(self, timeout: float) -> list[Arrival]:
+        """Hand free slots to workers, then wait up to ``timeout`` s for replies: what arrived.
 
         Raises what went wrong with a worker (it died, or failed to start)."""
-        self._dispatch()
-        self._waiting = True
+        self.dispatch()
+        self._waker.waiting = True
         try:
-            if not self._released.empty():  # freed before we said we wait: no wake came
+            if self.ring is not None and self.ring.has_news():  # freed before we said we wait
                 timeout = 0
             ready = self._selector.select(timeout)
         finally:
-            self._waiting = False
+            self._waker.waiting = False
+        arrivals: list[Arrival] = []
         for key, _ in ready:
             if key.data is None:
-                while self._wake_reader.poll():
-                    self._wake_reader.recv_bytes()
+                self._waker.drain()
             else:
                 handler, handle = key.data
-                handler(handle)
-        self._dispatch()
+                handler(handle, arrivals)
+        self.dispatch()
+        return arrivals
 
-    def _dispatch(self) -> None:
-        while not self._released.empty():
-            self._free.append(self._released.get())
-        if not self.stream:
-            return
+    def dispatch(self) -> None:
+        """Send the next batches of the stream with free slots (the probe, before the ring)."""
         if self.ring is None:
-            if not self._probe_open:
-                self._probe_open = self._send_task(None)
+            if not self._probe_sent and (item := self.stream.peek()) is not None:
+                self._probe_sent = self._send_task(item, None)
+                if self._probe_sent:
+                    self.stream.next()
             return
-        while self._free and self._send_task(self._free[-1]):
-            self._free.pop()
+        while (item := self.stream.peek()) is not None:
+            slot = self.ring.acquire()
+            if slot is None:
+                return
+            if not self._send_task(item, slot):
+                self.ring.unused(slot)
+                return
+            self.stream.next()
 
-    def _send_task(self, slot: int | None) -> bool:
-        """Send the next batch to the least-busy worker with room; False if none has."""
-        seq, indices = self.stream.peek()
+    def _send_task(self, item: tuple, slot: int | None) -> bool:
+        """Send a task to the least-busy worker with room; False if none has."""
+        seq, indices = item
         data = encode(("task", seq, slot, indices))
         ready = [h for h in self._workers if h.accepting and h.has_room(len(data))]
         if not ready:
             return False  # busy (their replies come), or gone (their sentinels say why)
         handle = min(ready, key=lambda h: len(h.open))
-        self.stream.take()
         handle.opened(seq, indices, len(data))
         self._send(handle, data)
         return True
@@ -245,57 +264,56 @@ class WorkerPool:
         except OSError:
             handle.accepting = False  # it died: its sentinel (or last message) tells why
 
-    def _receive(self, handle: _WorkerHandle) -> None:
+    def _receive(self, handle: _WorkerHandle, arrivals: list[Arrival]) -> None:
         """Every reply the worker has sent so far."""
-        try:
-            while True:
-                self._handle(handle, decode(handle.results.recv_bytes()))
-                if not handle.results.poll():
-                    return
-        except (EOFError, OSError):
-            self._selector.unregister(handle.results)
-            handle.results = None  # a dying process: its sentinel tells how
+        while True:
+            try:
+                data = handle.results.recv_bytes()
+            except (EOFError, OSError):
+                self._selector.unregister(handle.results)
+                handle.results = None  # a dying process: its sentinel tells how
+                return
+            self._handle(handle, decode(data), arrivals)
+            if not handle.results.poll():
+                return
 
-    def _handle(self, handle: _WorkerHandle, message: tuple) -> None:
+    def _handle(self, handle: _WorkerHandle, message: tuple, arrivals: list[Arrival]) -> None:
         kind = message[0]
         if kind == "done":
             _, seq, slot, size, busy = message
             handle.closed(seq)
             self.stats.worker_busy_s += busy
-            self.deliver((seq, slot, None))
+            self.ring.written(slot)
+            arrivals.append(Arrival(seq, slot))
         elif kind == "overflow":
-            self._overflowed(handle, *message[1:])
+            _, seq, slot, payload, busy = message
+            handle.closed(seq)
+            self.stats.worker_busy_s += busy
+            self._give_back(slot)
+            arrivals.append(Arrival(seq, None, payload))
         elif kind == "error":
             _, seq, slot, info = message
             indices = handle.closed(seq)
-            error = worker_error(info, indices=indices, seq=seq, what=(
-                f"worker {handle.wid} failed on batch {seq} (sample indices {_brief(indices)})"))
-            if slot is None:
-                raise error  # the probe failed: the ring cannot be sized, start() reports it
-            self._free.append(slot)
-            self.deliver((seq, None, error))
+            self._give_back(slot)
+            what = f"worker {handle.wid} failed on batch {seq} (sample indices {_brief(indices)})"
+            arrivals.append(Arrival(seq, None, error=functools.partial(
+                worker_error, info, indices=indices, seq=seq, what=what)))
+        elif kind == "ready":
+            handle.ready = True
         elif kind == "attached":
             handle.attached = True
+            if all(h.attached for h in self._workers):
+                self.ring.unlink()  # every worker maps it: nothing can be left in /dev/shm
         elif kind == "init_error":
             raise worker_error(message[2], what=f"worker {handle.wid} failed to start")
 
-    def _overflowed(self, handle: _WorkerHandle, seq: int, slot: int | None, payload,
-                    busy: float) -> None:
-        handle.closed(seq)
-        self.stats.worker_busy_s += busy
-        if slot is None:  # the probe that sizes the ring: its batch goes into the first slot
-            self._probe_open = False
-            self._open_ring(slot_bytes_for(len(payload)))
-            slot = self._free.pop()
-            self.ring.region(slot)[:len(payload)] = payload
-            self.deliver((seq, slot, None))
-        else:
-            self._free.append(slot)
-            self.deliver((seq, None, payload))
+    def _give_back(self, slot: int | None) -> None:
+        if slot is not None:  # None: the probe, which sizes the ring
+            self.ring.unused(slot)
 
-    def _report_death(self, handle: _WorkerHandle) -> None:
+    def _report_death(self, handle: _WorkerHandle, arrivals: list[Arrival]) -> None:
         if handle.results is not None and handle.results.poll():
-            self._receive(handle)  # its last words (an init error) explain more
+            self._receive(handle, arrivals)  # its last words (an init error) explain more
         handle.runner.join(JOIN_SECONDS)  # its sentinel closed: the exit status follows at once
         code = handle.runner.exitcode
         how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
@@ -318,24 +336,21 @@ class WorkerPool:
 
     # -- stop ----------------------------------------------------------------------------------
     def stop(self) -> None:
-        """Stop the workers, then free the ring. Safe to call twice."""
+        """Stop the workers. Safe to call twice."""
         if self._stopped:
             return
         self._stopped = True
         for handle in self._workers:
             self._send(handle, encode(None))
-        self._drain_until_exited(time.monotonic() + JOIN_SECONDS)
-        self._selector.close()
-        for handle in self._workers:
-            handle.tasks.close()
-            if handle.results is not None:
-                handle.results.close()
-            self._end(handle)
-        self._wake_reader.close()
-        self._wake_writer.close()
-        if self.ring is not None:
-            self.ring.unlink()
-            self.ring.close()
+        try:
+            self._drain_until_exited(time.monotonic() + JOIN_SECONDS)
+        finally:
+            self._selector.close()
+            for handle in self._workers:
+                handle.tasks.close()
+                if handle.results is not None:
+                    handle.results.close()
+                self._end(handle)
 
     def _drain_until_exited(self, deadline: float) -> None:
         """Read and drop late replies, so that no worker blocks on a full pipe while leaving."""
@@ -344,7 +359,7 @@ class WorkerPool:
             for key, _ in selector.select(timeout=0.01):
                 handle = key.data[1] if key.data else None
                 if handle is None or key.fileobj is not handle.results:
-                    selector.unregister(key.fileobj)  # the wake-up pipe, or an exit
+                    selector.unregister(key.fileobj)  # the waker, or an exit
                     continue
                 try:
                     handle.results.recv_bytes()

@@ -1,28 +1,47 @@
-"""The shared-memory slot ring: one POSIX segment of ``n_slots`` x ``slot_bytes``.
+"""The shared-memory slot ring, and the one state machine that owns every slot's life.
 
-The consumer creates it once (allocated and faulted in at start), workers attach
-it by name, and the name is unlinked as soon as every worker holds a mapping, so
-that a killed process cannot leave it behind in /dev/shm. Segments are made with
-posix_ipc rather than ``multiprocessing.shared_memory`` so that Python's resource
-tracker never warns about, or unlinks, a segment that is still in use.
+::
 
-A slot handed to the consumer is a *lease*: an array over the slot whose death
-(once the consumer has dropped every view derived from it) gives the slot back.
+    FREE -acquire-> DISPATCHED -written-> WRITTEN -lease-> LEASED -last view dies-> FREE
+                      |  unused              |  discard       |  ... with copies still
+                      +-------> FREE         +------> FREE    |      reading it
+                                                              +-> COPYING -copies done-> FREE
+
+A slot is FREE for the dispatcher, DISPATCHED to a worker, WRITTEN once the worker says so,
+LEASED while anything delivered from it can be read (numpy views, torch tensors sharing
+it), and COPYING while a device copy, or a copy the consumer enqueued from a page-locked
+slot, may still read it. Every transition happens here, in the consumer's thread; a
+transition the machine does not allow raises ``IllegalTransition``.
+
+Events from other threads (the last view of a lease dies wherever it is dropped; copies
+complete on the releaser thread) are queued and applied by the consumer's thread at its
+next ``collect()``, so no lock is ever taken inside a weakref callback.
+
+The consumer creates the ring once (allocated and faulted in at start); workers attach it
+by name, and the name is unlinked as soon as every worker holds a mapping. Segments are
+made with posix_ipc so that Python's resource tracker never warns about, or unlinks, a
+segment in use. A closed ring unmaps at once, or, when the consumer still holds views,
+the moment the last of them dies. Forked workers drop every ring mapping they inherited
+(``drop_inherited_mappings``): a worker maps its own ring and nothing else.
 """
 from __future__ import annotations
 
+import ctypes
+import enum
 import errno
 import functools
 import mmap
 import os
+import queue
 import secrets
+import threading
 import weakref
 from typing import Callable, NamedTuple
 
 import numpy as np
 import posix_ipc
 
-from .errors import SharedMemoryFull
+from .errors import SharedMemoryFull, ShmSeqError
 
 PAGE = mmap.PAGESIZE
 SHM_DIR = "/dev/shm"
@@ -56,25 +75,139 @@ def _refuse_space(needed: int, free: int) -> SharedMemoryFull:
         "give the container more (docker run --shm-size=...), or lower buffer or slot_bytes")
 
 
-class Ring:
-    """A mapping of the ring, in the consumer (owner) or in a worker."""
+# -- mappings, and what a forked worker must not keep -------------------------------------------
+_live_mappings: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (mmap, address, length)
+_PROT_NONE, _MAP_FIXED, _MAP_NORESERVE = 0, 0x10, 0x4000  # Linux's values on x86 and ARM
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
-    def __init__(self, spec: RingSpec, memory: mmap.mmap, *, owner: bool):
+
+def _map(fd: int, length: int) -> mmap.mmap:
+    """Map a ring and remember it until it is unmapped, for ``drop_inherited_mappings``."""
+    memory = mmap.mmap(fd, length, flags=_MAP_FLAGS)
+    pinned = ctypes.c_char.from_buffer(memory)
+    address = ctypes.addressof(pinned)
+    del pinned
+    key = id(memory)
+    _live_mappings[key] = (weakref.ref(memory, lambda _, key=key: _live_mappings.pop(key, None)),
+                           address, length)
+    return memory
+
+
+def drop_inherited_mappings() -> None:
+    """In a forked worker: give back every ring mapping inherited from the consumer.
+
+    Each one is replaced by an inaccessible reservation of the same addresses rather than
+    unmapped: an inherited object that later frees its mapping then unmaps the reservation,
+    never a mapping this worker made since.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
+    for memory, address, length in list(_live_mappings.values()):
+        if memory() is not None and not memory().closed:
+            if libc.mmap(address, length, _PROT_NONE, flags, -1, 0) in (None, _MAP_FAILED):
+                raise OSError(ctypes.get_errno(), "cannot drop an inherited ring mapping")
+    _live_mappings.clear()
+
+
+def _open_segment(name: str, flags: int = 0):
+    return posix_ipc.SharedMemory(name, flags, mode=0o600)
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a ring's name; mappings stay valid until closed."""
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+class WorkerRing:
+    """A worker's mapping of the ring: the slots it writes."""
+
+    def __init__(self, spec: RingSpec):
+        segment = _open_segment(spec.name)
+        try:
+            self._memory = _map(segment.fd, spec.total_bytes)
+        finally:
+            segment.close_fd()
         self.spec = spec
-        self.owner = owner
-        self._mmap = memory
+        self._array = np.frombuffer(self._memory, np.uint8)
+
+    def region(self, slot: int) -> np.ndarray:
+        start = slot * self.spec.stride
+        return self._array[start:start + self.spec.slot_bytes]
+
+    def close(self) -> None:
+        self._array = None
+        try:
+            self._memory.close()
+        except BufferError:
+            pass  # a batch of the worker's still views it: unmapped when that dies
+        self._memory = None
+
+
+# -- the consumer's ring -------------------------------------------------------------------------
+class SlotState(enum.Enum):
+    FREE = "free"
+    DISPATCHED = "dispatched"
+    WRITTEN = "written"
+    LEASED = "leased"
+    COPYING = "copying"
+
+
+FREE, DISPATCHED, WRITTEN, LEASED, COPYING = SlotState
+_ALLOWED = {(FREE, DISPATCHED), (DISPATCHED, WRITTEN), (DISPATCHED, FREE), (WRITTEN, LEASED),
+            (WRITTEN, FREE), (LEASED, FREE), (LEASED, COPYING), (COPYING, FREE)}
+
+
+class IllegalTransition(RuntimeError):
+    """A slot was asked to move in a way that could rewrite it while in use, or lose it."""
+
+
+_DIED, _COPIED, _FAILED = "died", "copied", "failed"
+Completion = Callable[[], None]  # blocks until a copy reading the slot is done; may raise
+
+
+def _lease_died(events: queue.SimpleQueue, wake: Callable[[], None], fence, slot: int, _) -> None:
+    """The last view of a lease is gone (in whatever thread dropped it): no lock here.
+
+    ``fence`` (the device's) returns a completion for copies the consumer may have enqueued
+    from the slot (a ``non_blocking`` copy from page-locked memory), or None."""
+    try:
+        events.put((_DIED, slot, fence() if fence is not None else None))
+    except BaseException as exc:  # noqa: BLE001 - reported at the next batch, not swallowed
+        events.put((_FAILED, slot, exc))
+    wake()
+
+
+class Ring:
+    """The consumer's mapping of the ring, and the state of every slot."""
+
+    def __init__(self, spec: RingSpec, memory: mmap.mmap, *, wake: Callable[[], None],
+                 fence: Callable[[], Completion | None] | None = None):
+        self.spec = spec
+        self._memory = memory
         self._array = np.frombuffer(memory, np.uint8)
-        self.held = [False] * spec.n_slots
-        self._watches: list[weakref.ref | None] = [None] * spec.n_slots  # one per live lease
-        self.on_release: Callable[[int], None] = lambda slot: None
+        self._states = [FREE] * spec.n_slots
+        self._free = list(range(spec.n_slots - 1, -1, -1))
+        self._leases: list[weakref.ref | None] = [None] * spec.n_slots
+        self._copies: list[list[Completion]] = [[] for _ in range(spec.n_slots)]
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = wake
+        self.fence = fence
+        self._releaser: Releaser | None = None
 
     @classmethod
-    def create(cls, n_slots: int, slot_bytes: int) -> "Ring":
+    def create(cls, n_slots: int, slot_bytes: int, **options) -> "Ring":
+        """A new ring, allocated and faulted in; ``SharedMemoryFull`` when /dev/shm is short."""
         spec = RingSpec(f"/{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}", n_slots, slot_bytes)
         free = shm_free_bytes()
         if spec.total_bytes > free:
             raise _refuse_space(spec.total_bytes, free)
-        segment = posix_ipc.SharedMemory(spec.name, posix_ipc.O_CREX, mode=0o600)
+        segment = _open_segment(spec.name, posix_ipc.O_CREX)
         try:
             try:
                 os.posix_fallocate(segment.fd, 0, spec.total_bytes)
@@ -82,22 +215,13 @@ class Ring:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                     raise _refuse_space(spec.total_bytes, shm_free_bytes()) from exc
                 raise
-            memory = mmap.mmap(segment.fd, spec.total_bytes, flags=_MAP_FLAGS)
+            memory = _map(segment.fd, spec.total_bytes)
         except BaseException:
             segment.unlink()
             raise
         finally:
             segment.close_fd()
-        return cls(spec, memory, owner=True)
-
-    @classmethod
-    def attach(cls, spec: RingSpec) -> "Ring":
-        segment = posix_ipc.SharedMemory(spec.name)
-        try:
-            memory = mmap.mmap(segment.fd, spec.total_bytes, flags=_MAP_FLAGS)
-        finally:
-            segment.close_fd()
-        return cls(spec, memory, owner=False)
+        return cls(spec, memory, **options)
 
     @property
     def address(self) -> int:
@@ -109,43 +233,156 @@ class Ring:
         start = slot * self.spec.stride
         return self._array[start:start + self.spec.slot_bytes]
 
-    def lease(self, slot: int) -> np.ndarray:
-        """The slot's bytes for the consumer; the slot comes back when this array dies."""
-        if self._watches[slot] is not None:
-            raise RuntimeError(f"slot {slot} is leased twice: it would be rewritten while in use")
-        lease = np.frombuffer(self._mmap, np.uint8, count=self.spec.slot_bytes,
-                              offset=slot * self.spec.stride)
-        self._watches[slot] = weakref.ref(lease, functools.partial(self._returned, slot))
-        return lease
-
-    def _returned(self, slot: int, watch: weakref.ref) -> None:
-        # Runs in whatever thread drops the last view: no locks here.
-        self._watches[slot] = None
-        self.held[slot] = False
-        self.on_release(slot)
-
-    def held_count(self) -> int:
-        """Slots whose batch the consumer has received and still references."""
-        return sum(self.held)
-
     def contains(self, array: np.ndarray) -> bool:
         """Whether ``array``'s data lies inside this ring (the zero-copy check)."""
-        start = self._array.__array_interface__["data"][0]
+        start = self.address
         pointer = array.__array_interface__["data"][0]
         return start <= pointer and pointer + array.nbytes <= start + len(self._array)
 
+    # -- transitions -------------------------------------------------------------------------
+    def _move(self, slot: int, before: SlotState, after: SlotState) -> None:
+        state = self._states[slot]
+        if state is not before or (before, after) not in _ALLOWED:
+            raise IllegalTransition(f"slot {slot} is {state.value}: it cannot go from "
+                                    f"{before.value} to {after.value}")
+        self._states[slot] = after
+        if after is FREE:
+            self._free.append(slot)
+
+    def acquire(self) -> int | None:
+        """A free slot, now dispatched to a writer; None when every slot is busy."""
+        if not self._free:
+            self.collect()
+            if not self._free:
+                return None
+        slot = self._free.pop()
+        self._move(slot, FREE, DISPATCHED)
+        return slot
+
+    def has_free(self) -> bool:
+        return bool(self._free) or self.has_news()
+
+    def has_news(self) -> bool:
+        """Whether other threads reported something ``collect()`` has not applied yet."""
+        return not self._events.empty()
+
+    def written(self, slot: int) -> None:
+        """The writer filled the slot."""
+        self._move(slot, DISPATCHED, WRITTEN)
+
+    def unused(self, slot: int) -> None:
+        """The writer gave the slot back without a batch in it (an error, an overflow)."""
+        self._move(slot, DISPATCHED, FREE)
+
+    def discard(self, slot: int) -> None:
+        """A written batch nobody will read (its epoch was left)."""
+        self._move(slot, WRITTEN, FREE)
+
+    def lease(self, slot: int) -> np.ndarray:
+        """The slot's bytes for the consumer: leased until this array and every view of it die."""
+        self._move(slot, WRITTEN, LEASED)
+        lease = np.frombuffer(self._memory, np.uint8, count=self.spec.slot_bytes,
+                              offset=slot * self.spec.stride)
+        died = functools.partial(_lease_died, self._events, self._wake, self.fence, slot)
+        self._leases[slot] = weakref.ref(lease, died)
+        return lease
+
+    def track_copy(self, slot: int, completion: Completion) -> None:
+        """A copy out of a leased slot is in flight: the slot waits for it once the lease dies."""
+        if self._states[slot] is not LEASED:
+            raise IllegalTransition(f"slot {slot} is {self._states[slot].value}: only a leased "
+                                    "slot can be copied from")
+        self._copies[slot].append(completion)
+
+    def collect(self) -> None:
+        """Apply what happened in other threads: leases that died, copies that completed.
+
+        Raises ``ShmSeqError`` (with the cause) when a copy or a fence failed."""
+        while not self._events.empty():
+            kind, slot, detail = self._events.get()
+            if kind == _DIED:
+                self._lease_ended(slot, detail)
+            elif kind == _COPIED:
+                self._move(slot, COPYING, FREE)
+            else:
+                raise ShmSeqError(f"waiting for a copy out of slot {slot} failed: "
+                                  f"{type(detail).__name__}: {detail}") from detail
+
+    def _lease_ended(self, slot: int, fence: Completion | None) -> None:
+        self._leases[slot] = None
+        pending, self._copies[slot] = self._copies[slot], []
+        if fence is not None:
+            pending.append(fence)
+        if not pending:
+            self._move(slot, LEASED, FREE)
+            return
+        self._move(slot, LEASED, COPYING)
+        if self._releaser is None:
+            self._releaser = Releaser(self._events, self._wake)
+        self._releaser.hold(slot, pending)
+
+    def count(self, state: SlotState) -> int:
+        self.collect()
+        return self._states.count(state)
+
+    # -- the end -----------------------------------------------------------------------------
+    def finish_copies(self) -> None:
+        """Return once every copy still reading a slot has completed (or failed: the ring is
+        closing, the failure no longer matters)."""
+        while self.has_news():
+            try:
+                self.collect()
+            except ShmSeqError:
+                pass
+        if self._releaser is not None:
+            self._releaser.stop()
+
     def unlink(self) -> None:
-        """Remove the name; mappings stay valid until closed."""
-        try:
-            posix_ipc.unlink_shared_memory(self.spec.name)
-        except posix_ipc.ExistentialError:
-            pass
+        unlink_segment(self.spec.name)
 
     def close(self) -> None:
-        """Unmap, unless the consumer still holds views: then the mapping lives until they die."""
-        self.on_release = lambda slot: None
+        """Unlink and unmap: at once, or when the last view the consumer still holds dies.
+
+        Leases still alive stop reporting back: nothing is left to free their slots to."""
+        self.finish_copies()
+        self.unlink()
+        self._leases = [None] * self.spec.n_slots
         self._array = None
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass
+        memory, self._memory = self._memory, None
+        if memory is not None:
+            try:
+                memory.close()
+            except BufferError:
+                pass  # views alive: the mapping goes with the last of them
+
+
+class Releaser:
+    """Waits, on a thread of its own, for the copies still reading slots, then frees them."""
+
+    def __init__(self, events: queue.SimpleQueue, wake: Callable[[], None]):
+        self._events = events
+        self._wake = wake
+        self._held: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="shmseq-releaser", daemon=True)
+        self._thread.start()
+
+    def hold(self, slot: int, completions: list[Completion]) -> None:
+        self._held.put((slot, completions))
+
+    def _run(self) -> None:
+        while (item := self._held.get()) is not None:
+            slot, completions = item
+            try:
+                for completion in completions:
+                    completion()
+                self._events.put((_COPIED, slot, None))
+            except BaseException as exc:  # noqa: BLE001 - a sticky CUDA error, say
+                self._events.put((_FAILED, slot, exc))
+            del item, completions
+            self._wake()
+
+    def stop(self) -> None:
+        """Return once every copy held has completed."""
+        if self._thread.is_alive():
+            self._held.put(None)
+            self._thread.join()

@@ -1,20 +1,29 @@
-"""ShmSequence: wires plan -> workers -> ring -> converters -> the consumer, and owns the lifecycle."""
+"""ShmSequence: wires plan -> workers -> ring -> device -> the consumer, and owns the lifecycle.
+
+A started sequence owns one runtime: ``_Pipeline`` (workers) or ``_Inline`` (everything in
+the calling thread). A runtime never refers back to its sequence, and nothing in it sits in
+a reference cycle, so that a sequence nobody references any more is closed by its
+finalizer at once, without the garbage collector. ``finish()`` closes it from any thread.
+"""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import numbers
-import queue
+import os
+import threading
 import time
 import weakref
 
 import numpy as np
 
-from .convert import MISSING, Converters, Delivery, DirectHandOver, OrderedOutput, to_delivery
+from .convert import OrderedOutput, Route
 from .devices import OUT_TYPES, make_device, resolve_out_type, torch_available
-from .errors import BatchTimeout, PipelineClosed, warn_user
-from .layout import encode_batch, map_arrays, read_batch
+from .errors import BatchTimeout, ShmSeqError
+from .layout import encode_batch, read_batch
 from .plan import BatchStream, EpochPlan, as_index_array
-from .pool import JOIN_SECONDS, WorkerPool
+from .pool import Arrival, Waker, WorkerPool
+from .ring import Ring
 from .stats import LoaderStats
 from .workers import build_batch, make_worker, slot_bytes_for
 
@@ -91,14 +100,15 @@ class ShmSequence:
         self.out_type = resolve_out_type(out_type)
         self.pin_memory = pin_memory
         self.pin_device_id = pin_device_id
-        # MDNC's default; converter threads only run for CUDA output (host batches are
-        # mapped in the consumer's thread).
+        # MDNC's default: for CUDA output, the number of streams batches are copied on.
         self.num_converters = num_converters or max(num_workers // 4, min(num_workers, 4), 1)
         self.epoch = 0                   # the epoch the next iteration starts
         self._resume_at = 0               # ... at this batch (set by load_state_dict)
         self._last = (-1, 0)              # (epoch, batches delivered) of the last iteration
+        self._open: tuple[int, int] | None = None  # (epoch, first position) being iterated
+        self._iterating = None            # (runtime, token) of the iteration in progress
+        self._claim = threading.Lock()
         self._runtime = None
-        self._restart = None
         self._closer = None
         self._stats = LoaderStats()
 
@@ -121,8 +131,10 @@ class ShmSequence:
         return len(self)
 
     def __len__(self) -> int:
-        """Batches in the epoch the next iteration yields (with rollover, epochs differ)."""
-        return self._plan.length(self.epoch) - self._resume_at
+        """Batches of the epoch being iterated, or else of the one the next iteration yields
+        (with rollover, epochs differ)."""
+        epoch, position = self._open if self._open is not None else (self.epoch, self._resume_at)
+        return self._plan.length(epoch) - position
 
     @property
     def stats(self) -> LoaderStats:
@@ -136,12 +148,13 @@ class ShmSequence:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, compat=None) -> "ShmSequence":
-        """Start the workers (and, for CUDA output, the converters); interrupts a running pipeline first.
+        """Start the workers; interrupts a running pipeline first.
 
-        ``compat`` is accepted for MDNC compatibility: converters are threads in every mode.
+        ``compat`` is accepted for MDNC compatibility and ignored (there are no converter
+        processes or threads to choose: copies run on CUDA streams).
         """
-        return self._run(lambda: _Pipeline(self) if self.num_workers else _Inline(self, "default"),
-                         lambda: self.start(compat))
+        self.finish()
+        return self._own(_Pipeline(self) if self.num_workers else _Inline(self, "default"))
 
     def start_test(self, test_mode: str = "default") -> "ShmSequence":
         """Run everything in the calling thread, with the same batches as ``start()``.
@@ -150,21 +163,22 @@ class ShmSequence:
         ``out_type`` is CUDA; ``'numpy'``: the worker's output untouched.
         """
         _check_choice("test_mode", test_mode, TEST_MODES)
-        return self._run(lambda: _Inline(self, test_mode), lambda: self.start_test(test_mode))
-
-    def _run(self, make_runtime, restart) -> "ShmSequence":
         self.finish()
-        runtime = make_runtime()
-        self._runtime, self._restart = runtime, restart
-        self._stats = getattr(runtime, "stats", LoaderStats())
-        self._closer = weakref.finalize(self, runtime.close)
+        return self._own(_Inline(self, test_mode))
+
+    def _own(self, runtime) -> "ShmSequence":
+        self._runtime = runtime
+        self._stats = runtime.stats
+        self._closer = weakref.finalize(self, _close_in_owner, runtime, os.getpid())
         return self
 
     def finish(self) -> None:
-        """Stop every worker and thread and free the ring. Safe to call at any time."""
-        if self._closer is not None:
-            self._closer()
-        self._runtime = self._closer = None
+        """Stop every worker and thread and free the ring: before it returns, whatever thread
+        calls it, unless the consumer still holds batches (their slots' memory then goes with
+        the last of them). Safe to call at any time."""
+        closer, self._closer, self._runtime = self._closer, None, None
+        if closer is not None:
+            closer()
 
     def __enter__(self) -> "ShmSequence":
         if self._runtime is None:
@@ -175,20 +189,24 @@ class ShmSequence:
         self.finish()
 
     def __iter__(self):
-        """One epoch; the next iteration is the next epoch (``break`` leaves the rest)."""
-        if self._runtime is None:
+        """One epoch; the next iteration is the next epoch (``break`` leaves the rest).
+
+        The epoch is taken at the first batch: a bare ``iter(seq)`` takes nothing."""
+        runtime = self._runtime
+        if runtime is None:
             raise RuntimeError("the sequence is not running: call start() or start_test() "
                                "(or use it in a with-block) before iterating")
-        epoch, position = self.epoch, self._resume_at
-        if not self._runtime.can_serve(self._plan.start(epoch) + position):
-            self._restart()  # asked to go back before batches already consumed
-        self.epoch, self._resume_at, self._last = epoch + 1, 0, (epoch, position)
-        return self._guarded(self._runtime, epoch, position)
+        return self._epoch(runtime)
 
-    def _guarded(self, runtime, epoch: int, position: int):
-        """Track the position; shut the pipeline down when an error or Ctrl-C leaves an epoch."""
+    def _epoch(self, runtime):
+        token = self._claim_iteration(runtime)
+        epoch, position = self.epoch, self._resume_at
+        self.epoch, self._resume_at = epoch + 1, 0
+        self._open = self._last = (epoch, position)
+        delivered = position
         try:
-            for delivered, batch in enumerate(runtime.batches(epoch, position), position + 1):
+            for batch in runtime.batches(epoch, position):  # no enumerate(): it keeps the last
+                delivered += 1
                 self._last = (epoch, delivered)
                 yield batch
                 del batch
@@ -196,8 +214,26 @@ class ShmSequence:
             raise
         except BaseException:
             if self._runtime is runtime:
-                self.finish()
+                self.finish()  # an error or Ctrl-C: nothing of the pipeline is left running
             raise
+        finally:
+            self._release_iteration(token)
+
+    def _claim_iteration(self, runtime):
+        with self._claim:
+            if self._iterating is not None and self._iterating[0] is runtime:
+                raise RuntimeError(
+                    "this sequence is already being iterated (a for-loop over it is still going, "
+                    "in this thread or another): finish or break out of that loop first, or "
+                    "close() its iterator; to read two streams at once, make two sequences")
+            token = object()
+            self._iterating = (runtime, token)
+            return token
+
+    def _release_iteration(self, token) -> None:
+        with self._claim:
+            if self._iterating is not None and self._iterating[1] is token:
+                self._iterating = self._open = None
 
     # -- resuming -------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -229,7 +265,7 @@ class ShmSequence:
         self.epoch, self._resume_at = int(state["epoch"]), int(state["position"])
         self._last = (-1, 0)
         if self._runtime is not None:
-            self._restart()  # batches in flight were planned with the old position
+            self._runtime.replan()  # batches in flight were planned with the old seed
 
 
 def _distributed_defaults(rank, world_size) -> tuple[int, int]:
@@ -252,114 +288,149 @@ def _remainder(plan, epoch: int) -> list[int]:
     return plan.batches(epoch)[0][:carried].tolist() if carried and plan.length(epoch) else []
 
 
+def _close_in_owner(runtime, owner_pid: int) -> None:
+    """The finalizer of a started sequence: a forked child that inherited it does nothing."""
+    if os.getpid() == owner_pid:
+        runtime.close()
+
+
 class _Pipeline:
-    """The running machinery of a started sequence."""
+    """The running machinery of a started sequence: pool, ring, route, and their closing."""
 
     def __init__(self, seq: ShmSequence):
         self.plan = seq._plan
         self.timeout = seq.timeout
-        self.device = make_device(seq.out_type, seq.pin_memory, seq.pin_device_id)
-        self.output = OrderedOutput(on_drop=self._discard)
-        self.consumed_to = self.plan.start(seq.epoch) + seq._resume_at
-        self.stream = BatchStream(self.plan, start_seq=self.consumed_to)
-        middle = DirectHandOver(self.output) if self.device.keeps_slot else queue.SimpleQueue()
+        self.n_slots = seq.buffer
         self.stats = LoaderStats()
-        context = multiprocessing.get_context(seq.start_method)
-        self.pool = WorkerPool(seq.worker, num_workers=seq.num_workers, backend=seq.thread_type,
-                               context=context, stream=self.stream, n_slots=seq.buffer,
-                               slot_bytes=seq.slot_bytes, deliver=middle.put, stats=self.stats,
-                               seed=seq.seed, worker_init_fn=seq.worker_init_fn)
-        self.converters = (None if self.device.keeps_slot else
-                           Converters(seq.num_converters, middle, self.output, self.pool, self.device))
-        self._warned: set[str] = set()
+        self.ring: Ring | None = None
+        self.pool: WorkerPool | None = None
+        self.device = None
+        self._turn = threading.RLock()  # held by the consumer while it takes a batch
+        self._closed = False
+        self.waker = Waker()
+        self.output = OrderedOutput()
+        self.stream = BatchStream(self.plan, seq.epoch, seq._resume_at)
         try:
-            self.pool.start(seq.timeout)
-            if self.pool.ring is not None:
-                self.device.attach(self.pool.ring)
-            if self.converters is not None:
-                self.converters.start()
+            self.device = make_device(seq.out_type, seq.pin_memory, seq.pin_device_id,
+                                      seq.num_converters)
+            self.route = Route(self.device, self.output, self.stats)
+            self.pool = WorkerPool(seq.worker, num_workers=seq.num_workers, backend=seq.thread_type,
+                                   context=multiprocessing.get_context(seq.start_method),
+                                   stream=self.stream, waker=self.waker, stats=self.stats,
+                                   seed=seq.seed, worker_init_fn=seq.worker_init_fn)
+            if seq.slot_bytes is not None and self.plan.has_batches():
+                self._make_ring(seq.slot_bytes)
+            self._start(seq.timeout)
         except BaseException:
             self.close()
             raise
 
-    def can_serve(self, seq: int) -> bool:
-        """Batches before ``consumed_to`` were handed over (or skipped): they are gone."""
-        return seq >= self.consumed_to
+    def _start(self, timeout: float) -> None:
+        """Return once every worker built its worker object and mapped the ring (whose name
+        is then unlinked), and the probe batch sized the ring if it had to."""
+        deadline = time.monotonic() + timeout
+        while not self.pool.started() or (self.ring is None and self.stream.peek() is not None):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ShmSeqError(f"the workers did not start within timeout={timeout} s: "
+                                  f"{self.pool.which_not_started() or 'the probe batch is late'}")
+            self._pump(remaining)
 
+    def _make_ring(self, slot_bytes: int) -> None:
+        self.ring = Ring.create(self.n_slots, slot_bytes, wake=self.waker.wake_if_waiting,
+                                fence=self.device.fence)
+        self.route.ring = self.ring
+        self.device.attach(self.ring)
+        self.pool.use_ring(self.ring)
+
+    def _pump(self, timeout: float) -> None:
+        for arrival in self.pool.pump(timeout):
+            if self.ring is None:
+                self._sized_by(arrival)
+            else:
+                self.route.arrive(arrival)
+
+    def _sized_by(self, probe: Arrival) -> None:
+        """The first batch came back encoded: size the ring to it, and deliver it from there."""
+        if probe.error is not None:
+            raise probe.error()
+        payload = probe.payload
+        self._make_ring(slot_bytes_for(len(payload)))
+        slot = self.ring.acquire()
+        self.ring.region(slot)[:len(payload)] = payload
+        self.ring.written(slot)
+        self.route.arrive(Arrival(probe.seq, slot))
+
+    # -- the consumer's side ---------------------------------------------------------------------
     def batches(self, epoch: int, position: int = 0):
-        start = self.plan.start(epoch)
-        self.plan.forget_before(epoch)
-        self.pool.seek(start + position)
-        self.output.drop_below(start + position)
-        for seq in range(start + position, start + self.plan.length(epoch)):
-            self.consumed_to = seq + 1
-            yield self._hand_over(seq, self._take(seq))
+        with self._turn:
+            self.output.check()
+            seq = self.stream.open(epoch, position)
+            self.output.drop_below(seq)
+        for position in range(position, self.plan.length(epoch)):
+            yield self.take(seq, epoch, position)
+            seq += 1
 
-    def _discard(self, item) -> None:
-        """An item dropped unread: a raw batch still owns its slot (a Delivery's lease frees it)."""
-        if type(item) is tuple and item[1] is not None:
-            self.pool.release(item[1])
+    def take(self, seq: int, epoch: int, position: int):
+        """Batch ``seq``: from the output if it is there, else once the pool brings it."""
+        with self._turn:
+            self.output.check()
+            if self.ring is not None:
+                self.ring.collect()  # a copy that failed on another thread surfaces here
+            delivery = self.output.pop(seq)
+            if delivery is None:
+                delivery = self._wait_for(seq, epoch, position)
+            elif self.ring is not None and self.ring.has_free():
+                self.pool.dispatch()  # keep the workers busy while batches wait here
+            return self.route.hand_over(seq, delivery)
 
-    def _take(self, seq: int) -> Delivery:
-        """Drive the pool until batch ``seq`` is out (or ``timeout`` passes)."""
+    def _wait_for(self, seq: int, epoch: int, position: int):
         began = time.perf_counter()
         deadline = began + self.timeout
-        while (item := self.output.pop(seq)) is MISSING:
+        while (delivery := self.output.pop(seq)) is None:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
-                self._timed_out(seq)
-            self.pool.pump(remaining)
+                self._timed_out(seq, epoch, position)
+            try:
+                self._pump(remaining)
+            except Exception:
+                self.output.check()  # closed meanwhile, by a signal handler: say so
+                raise
         self.stats.consumer_wait_s += time.perf_counter() - began
-        if type(item) is tuple:  # straight from the workers: map the slot here
-            item, _ = to_delivery(*item, self.pool.ring, self.device)
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return delivery
 
-    def _timed_out(self, seq: int):
-        epoch, position = self.plan.locate(seq)
+    def _timed_out(self, seq: int, epoch: int, position: int):
         raise BatchTimeout(
             f"batch {position} of epoch {epoch} (sample indices "
-            f"{self.stream.indices_of(seq).tolist()}) did not arrive within timeout="
+            f"{self.plan.batches(epoch)[position].tolist()}) did not arrive within timeout="
             f"{self.timeout} s; it is with {self.pool.holder_of(seq)}")
 
-    def _hand_over(self, seq: int, delivery: Delivery):
-        ring = self.pool.ring
-        self.stats.batches += 1
-        self.stats.bytes += delivery.nbytes
-        if delivery.payload_bytes:
-            self.stats.overflow_count += 1
-            self._warn_once("overflow", (
-                f"batch {seq} needed {delivery.payload_bytes:,} bytes but slot_bytes is "
-                f"{ring.spec.slot_bytes:,}: it came through the overflow path, with a copy. "
-                f"Pass slot_bytes={slot_bytes_for(delivery.payload_bytes)} (or more) to keep "
-                "every batch in the ring"))
-        if delivery.slot is None:
-            return self.device.hand_over(delivery.batch, delivery.completion)
-        if ring.held_count() + 1 >= ring.spec.n_slots:
-            self._warn_once("copy-out", (
-                f"the consumer holds {ring.held_count()} earlier batches of a ring of "
-                f"{ring.spec.n_slots} slots, so handing over this one in place would leave the "
-                "workers no free slot: batches are copied out of the ring instead. Raise buffer, "
-                "or drop references to earlier batches, to stay zero-copy"))
-            self.stats.copy_out_count += 1
-            copied, _ = self.device.convert(map_arrays(delivery.views, np.copy))
-            return copied
-        ring.held[delivery.slot] = True
-        return delivery.batch
+    def replan(self) -> None:
+        """The plan changed (a new seed): batches planned so far are stale."""
+        with self._turn:
+            self.stream.reset(self.stream.state())
 
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warn_user(message)
-
+    # -- the end ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Converters first, then the copies in flight, the device, and last the workers and ring."""
-        self.output.fail(PipelineClosed("the sequence was finished or restarted while iterating"))
-        if self.converters is not None:
-            self.converters.stop(JOIN_SECONDS)
-        self.device.close()
-        self.pool.stop()
+        """Wake a waiting consumer, then stop the workers, wait for copies in flight, close the
+        device and unmap the ring: every step runs even if one before it fails."""
+        self.output.close("the sequence was finished or restarted while iterating")
+        self.waker.wake()
+        with self._turn:
+            if self._closed:
+                return
+            self._closed = True
+            with contextlib.ExitStack() as steps:  # run last to first
+                steps.callback(self.waker.close)
+                if self.ring is not None:
+                    steps.callback(self.ring.close)
+                if self.device is not None:
+                    steps.callback(self.device.close)
+                if self.ring is not None:
+                    steps.callback(self.ring.finish_copies)
+                if self.pool is not None:
+                    steps.callback(self.pool.stop)
+                steps.callback(self.output.clear)
 
 
 class _Inline:
@@ -371,18 +442,19 @@ class _Inline:
         self.test_mode = test_mode
         out_type = "cpu" if test_mode == "cpu" and seq.use_cuda else seq.out_type
         self.device = make_device(out_type, pin_memory=False)
-
-    def can_serve(self, seq: int) -> bool:
-        return True
+        self.stats = LoaderStats()
 
     def batches(self, epoch: int, position: int = 0):
-        self.plan.forget_before(epoch)
+        self.plan.open(epoch)
         for indices in self.plan.batches(epoch)[position:]:
             batch, _ = build_batch(self.worker_obj, indices, None)
             if self.test_mode != "numpy":
                 # Through the slot format, so that types and layout match start() exactly.
                 batch = self.device.hand_over(*self.device.convert(read_batch(encode_batch(batch))))
             yield batch
+
+    def replan(self) -> None:
+        """Nothing planned ahead."""
 
     def close(self) -> None:
         self.worker_obj = None

@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import WorkerError
 from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
-from .ring import PAGE, Ring
+from .ring import PAGE, WorkerRing, drop_inherited_mappings, unlink_segment
 
 PARENT_POLL_SECONDS = 0.5
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
@@ -76,7 +76,7 @@ def worker_error(info: tuple, *, indices=None, seq=None, what: str) -> WorkerErr
     return error
 
 
-def _run_task(worker_obj, ring: Ring | None, seq: int, slot: int | None, indices: np.ndarray):
+def _run_task(worker_obj, ring: WorkerRing | None, seq: int, slot: int | None, indices: np.ndarray):
     """Build and write one batch; the reply carries its size and the time it took."""
     began = time.perf_counter()
     region = ring.region(slot) if slot is not None else None
@@ -191,14 +191,16 @@ def decode(data: bytes):
     return pickle.loads(memoryview(data)[1:])
 
 
-def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn, attach,
-                parent_pid: int | None, consumer_fds: tuple[int, ...] = ()) -> None:
+def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn, parent_pid: int | None,
+                inherited_fds: tuple[int, ...] | None) -> None:
     """The body of a worker, process or thread. ``parent_pid`` is set in processes;
-    ``consumer_fds`` are the consumer's pipe ends a forked process inherited."""
+    ``inherited_fds`` (set when forked) are the consumer's pipe ends the worker inherited."""
     if parent_pid is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
-        for fd in consumer_fds:
+    if inherited_fds is not None:
+        for fd in inherited_fds:
             os.close(fd)
+        drop_inherited_mappings()  # other sequences' rings: this worker maps its own only
     try:
         _set_up(info, parent_pid is not None, worker_init_fn)
         worker_obj = make_worker(worker)
@@ -207,6 +209,7 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn, attach
         return
     ring = None
     try:
+        results.send_bytes(encode(("ready", info.id)))
         while True:
             while not tasks.poll(PARENT_POLL_SECONDS):
                 if not _parent_alive(parent_pid):
@@ -215,7 +218,7 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn, attach
             if message is None:
                 return
             if message[0] == "ring":
-                ring = attach(message[1])
+                ring = WorkerRing(message[1])
                 results.send_bytes(encode(("attached", info.id)))
             else:
                 _, seq, slot, indices = message
@@ -223,8 +226,25 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn, attach
     except (EOFError, OSError):
         return  # the consumer closed the pipes: it is shutting down, or gone
     finally:
-        if ring is not None and not _parent_alive(parent_pid):
-            ring.unlink()  # the consumer died before it could (it unlinks once all attached)
+        if not _parent_alive(parent_pid):
+            _unlink_orphaned_ring(ring, tasks)
+        if ring is not None:
+            ring.close()
+
+
+def _unlink_orphaned_ring(ring: WorkerRing | None, tasks) -> None:
+    """The consumer died before it could unlink its ring's name (it does once every worker
+    mapped the ring): do it for it, even when this worker had not read the ring yet."""
+    name = ring.spec.name if ring is not None else None
+    try:
+        while name is None and tasks.poll(0):
+            message = decode(tasks.recv_bytes())
+            if message is not None and message[0] == "ring":
+                name = message[1].name
+    except (EOFError, OSError):
+        pass
+    if name is not None:
+        unlink_segment(name)
 
 
 def check_picklable(what: str, value, start_method: str, fix: str) -> None:

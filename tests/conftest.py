@@ -1,5 +1,3 @@
-import gc
-
 import pytest
 
 from leaks import assert_nothing_left, shm_entries
@@ -7,8 +5,8 @@ from leaks import assert_nothing_left, shm_entries
 
 @pytest.fixture(autouse=True)
 def nothing_left_behind():
-    """Every test must leave no segment, semaphore, child process or thread of shmseq."""
+    """Every test must leave no segment, mapping, child process or thread of shmseq, without
+    help from the garbage collector (see leaks.py)."""
     before = shm_entries()
     yield
-    gc.collect()
     assert_nothing_left(before)

@@ -1,4 +1,10 @@
-"""'Nothing of shmseq is left': shared memory, semaphores, child processes, threads."""
+"""'Nothing of shmseq is left': shared memory, mappings, child processes, threads.
+
+Only what this test process (or one of its children) made is counted: segment names carry
+their creator's pid, so another shmseq run on the same machine cannot fail the suite. Checks
+look before any garbage collection: a resource that only the cyclic collector frees is a
+leak for a user with a small /dev/shm.
+"""
 from __future__ import annotations
 
 import multiprocessing
@@ -7,11 +13,59 @@ import threading
 import time
 
 SHM_DIR = "/dev/shm"
+PREFIX = "shmseq-"
 
 
-def shm_entries() -> set[str]:
-    """Entries of /dev/shm that shmseq could have made (segments and named semaphores)."""
-    return {name for name in os.listdir(SHM_DIR) if "shmseq" in name}
+def children(pid: int | None = None) -> set[int]:
+    """Live child processes of ``pid`` (default: this process)."""
+    pid = os.getpid() if pid is None else pid
+    found: set[int] = set()
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as listed:
+                found.update(int(child) for child in listed.read().split())
+        except OSError:
+            pass
+    return found
+
+
+def made_by(name: str, pids: set[int]) -> bool:
+    """Whether a segment name (``shmseq-PID-...``) carries one of ``pids``."""
+    if not name.startswith(PREFIX):
+        return False
+    creator = name[len(PREFIX):].split("-", 1)[0]
+    return creator.isdigit() and int(creator) in pids
+
+
+def shm_entries(pids: set[int] | None = None) -> set[str]:
+    """Segments in /dev/shm made by this process (or ``pids``)."""
+    pids = {os.getpid()} | children() if pids is None else pids
+    return {name for name in os.listdir(SHM_DIR) if made_by(name, pids)}
+
+
+def mapped_rings(pid: int | str = "self", made_in: set[int] | None = None) -> dict[str, int]:
+    """Rings mapped in process ``pid``: segment name -> bytes mapped (by default only rings
+    made by this test process)."""
+    made_in = {os.getpid()} if made_in is None else made_in
+    sizes: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return sizes
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or not fields[5].startswith(f"{SHM_DIR}/{PREFIX}"):
+            continue
+        name = fields[5][len(SHM_DIR) + 1:].split()[0]
+        if made_by(name, made_in):
+            start, end = (int(bound, 16) for bound in fields[0].split("-"))
+            sizes[name] = sizes.get(name, 0) + end - start
+    return sizes
 
 
 def shmseq_threads() -> list[str]:
@@ -23,11 +77,11 @@ def live_children() -> list:
 
 
 def leftovers(before: set[str] = frozenset(), grace: float = 5.0) -> dict:
-    """What is still there after ``grace`` seconds; empty when everything was cleaned."""
+    """What is still there after ``grace`` seconds; empty when everything was released."""
     deadline = time.monotonic() + grace
     while True:
-        found = {"shm": sorted(shm_entries() - set(before)), "threads": shmseq_threads(),
-                 "children": [p.pid for p in live_children()]}
+        found = {"shm": sorted(shm_entries() - set(before)), "mapped": mapped_rings(),
+                 "threads": shmseq_threads(), "children": [p.pid for p in live_children()]}
         if not any(found.values()) or time.monotonic() > deadline:
             return {key: value for key, value in found.items() if value}
         time.sleep(0.05)

@@ -7,8 +7,8 @@ import pytest
 
 import shmseq.sequence
 from shmseq import ShmSeqError, ShmSequence
-from shmseq.convert import Releaser
-from shmseq.devices import FakeDevice, make_device
+from shmseq.devices import FakeDevice, FakeStream, make_device
+from shmseq.ring import LEASED, Ring
 from workers import ImageWorker
 
 
@@ -18,13 +18,16 @@ class RecordingFake(FakeDevice):
     def __init__(self, **options):
         super().__init__(**options)
         self.log = []
+        self.ring = None
 
     def attach(self, ring):
         super().attach(ring)
-        self.log.append(("attach", ring._array is not None))
+        self.ring = ring
+        self.log.append(("attach", ring._memory is not None))
 
     def close(self):
-        self.log.append(("close", self.attached_ring._array is not None))
+        self.log.append(("close", self.ring._memory is not None))
+        self.ring = None
         super().close()
 
 
@@ -70,7 +73,7 @@ def test_no_slot_is_rewritten_before_its_copy_completes(fake, backend):
 
 def test_the_identity_check_catches_a_slot_released_too_early(fake, monkeypatch):
     fake(max_delay=0.002)
-    monkeypatch.setattr(Releaser, "hold", lambda self, completion, region: None)  # the bug
+    monkeypatch.setattr(Ring, "track_copy", lambda self, slot, completion: None)  # the bug
     epochs, seq = run(dset_size=200, epochs=1)
     with pytest.raises(AssertionError, match="rewritten before its copy completed"):
         assert_intact(epochs, seq)
@@ -84,7 +87,7 @@ def test_the_device_is_closed_before_the_ring_is_unmapped(fake):
     next(iter(seq))
     seq.finish()  # copies still in flight
     assert devices[0].log == [("attach", True), ("close", True)]
-    assert not devices[0]._copier.is_alive()
+    assert not devices[0].stream._thread.is_alive()
 
 
 def test_a_failed_copy_surfaces_in_order(fake):
@@ -105,28 +108,30 @@ def test_copied_batches_do_not_hold_slots(fake):
                       out_type="null", timeout=30, shuffle=False)
     with seq.start():
         kept = list(seq)  # keeps every batch: fine, they are copies
-        assert seq._runtime.pool.ring.held_count() == 0
+        assert seq._runtime.ring.count(LEASED) == 0
     assert [b["label"][0] for b in kept] == list(range(0, 120, 4))
 
 
-def test_host_devices_keep_the_slot_and_pin_only_with_cuda():
-    assert make_device("null").keeps_slot and make_device("cpu").keeps_slot
+def test_host_output_is_the_slot_itself_and_pins_only_with_cuda():
+    views = {"x": np.arange(4)}
+    batch, copy = make_device("null").convert(views)
+    assert batch is views and copy is None
     if not shmseq.devices.cuda_available():
         assert make_device("cpu").pin_device is None
         with pytest.warns(RuntimeWarning, match="pin_memory=True but CUDA is not available"):
             assert make_device("cpu", pin_memory=True).pin_device is None
 
 
-def test_fake_copies_really_complete_on_another_thread():
-    device = FakeDevice(max_delay=0.05)
-    device.attach(None)
-    source = {"x": np.arange(1000)}
-    target, event = device.convert(source)
-    threads = {t.name for t in threading.enumerate()}
-    assert "shmseq-fake-copier" in threads
-    device.wait(event)
-    assert np.array_equal(device.hand_over(target, event)["x"], source["x"])
-    device.close()
+def test_fake_copies_from_locked_memory_complete_late_on_another_thread():
+    stream = FakeStream(max_delay=0.05)
+    locked, pageable = np.arange(1000), np.arange(1000)
+    stream.register(locked.ctypes.data, locked.nbytes)
+    late, now = stream.copy(locked), stream.copy(pageable)
+    assert "shmseq-fake-stream" in {t.name for t in threading.enumerate()}
+    assert np.array_equal(now, pageable)  # a pageable copy is done when it returns
+    stream.synchronize()
+    assert np.array_equal(late, locked)
+    stream.close()
 
 
 def test_a_slot_freed_when_its_copy_completes_wakes_the_consumer(fake):

@@ -67,28 +67,43 @@ def test_ranks_share_an_epoch_disjointly_and_equally(n, size, ranks, policy, epo
         assert set(dealt.tolist()) == set(range(n)) and len(dealt) == -(-n // ranks) * ranks
 
 
-@settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 40), size=st.integers(1, 9), seq=st.integers(0, 200),
-       policy=st.sampled_from(["keep", "rollover"]))
-def test_locate_inverts_start(n, size, seq, policy):
-    p = plan(n, size, last_batch=policy)
-    epoch, position = p.locate(seq)
-    assert p.start(epoch) + position == seq and 0 <= position < p.length(epoch)
-
-
-def test_stream_crosses_epochs_and_seeks():
+def test_stream_runs_ahead_across_epochs_and_finds_what_it_planned():
     stream = BatchStream(plan(6, 4))
-    taken = [stream.take() for _ in range(3)]
+    taken = [stream.next() for _ in range(3)]
     assert [(seq, idx.tolist()) for seq, idx in taken] == [(0, [0, 1, 2, 3]), (1, [4, 5]),
                                                            (2, [0, 1, 2, 3])]
-    stream.seek(5)
-    assert stream.take()[0] == 5
-    stream.seek(1)  # never backwards
-    assert stream.take()[0] == 6
-    assert stream.indices_of(3).tolist() == [4, 5]
+    assert stream.state() == {"epoch": 1, "position": 1}
+    assert stream.open(1, 0) == 2  # already dispatched: it arrives as seq 2
+    assert stream.open(0, 1) == 3  # back to a batch gone by: fresh seqs from there
+    assert [(seq, idx.tolist()) for seq, idx in (stream.next(), stream.next())] == [
+        (3, [4, 5]), (4, [0, 1, 2, 3])]
 
 
-def test_sampler_plan_draws_each_epoch_once_and_keeps_multi_shard_batches():
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 30), size=st.integers(1, 7), policy=st.sampled_from(["keep", "rollover"]),
+       moves=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 8), st.integers(0, 6)),
+                      min_size=1, max_size=12))
+def test_whatever_the_consumer_opens_arrives_as_the_seqs_it_expects(n, size, policy, moves):
+    """The dispatcher runs ahead by any amount; the consumer opens any (epoch, position) and
+    reads on: each seq it expects carries the batch the plan has there."""
+    p = plan(n, size, shuffle=True, seed=1, last_batch=policy)
+    stream = BatchStream(p)
+    dispatched = {}
+    for epoch, position, ahead in moves:
+        for _ in range(ahead):
+            seq, indices = stream.next()
+            assert seq not in dispatched
+            dispatched[seq] = indices.tolist()
+        position = min(position, p.length(epoch))
+        first = stream.open(epoch, position)
+        for offset, expected in enumerate(p.batches(epoch)[position:]):
+            while first + offset not in dispatched:
+                seq, indices = stream.next()
+                dispatched[seq] = indices.tolist()
+            assert dispatched[first + offset] == expected.tolist()
+
+
+def test_a_sampler_is_drawn_when_its_epoch_opens_and_never_ahead():
     draws = []
 
     class Sampler:
@@ -96,8 +111,19 @@ def test_sampler_plan_draws_each_epoch_once_and_keeps_multi_shard_batches():
             draws.append(1)
             return iter([[0, 1], [[2, 3], [4, 5]]])
 
+        def __len__(self):
+            return 2
+
     sampler_plan = SamplerPlan(Sampler())
-    assert sampler_plan.start(1) == 2 and sampler_plan.length(1) == 2 and len(draws) == 2
-    first, shards = sampler_plan.batches(0)
+    stream = BatchStream(sampler_plan)
+    assert stream.next() is None and sampler_plan.length(0) == 2 and draws == []
+    assert stream.open(0, 0) == 0 and len(draws) == 1
+    first, shards = stream.next()[1], stream.next()[1]
     assert first.tolist() == [0, 1] and [s.tolist() for s in shards] == [[2, 3], [4, 5]]
-    assert sampler_plan.locate(3) == (1, 1) and len(draws) == 2
+    assert stream.next() is None and len(draws) == 1  # the next epoch waits for the consumer
+    assert stream.open(1, 0) == 2 and len(draws) == 2 and stream.next()[0] == 2
+
+
+def test_a_sampler_without_len_says_so():
+    with pytest.raises(TypeError, match="has no len"):
+        SamplerPlan(iter([[0]])).length(0)

@@ -1,22 +1,33 @@
-import gc
+import threading
+import time
 
 import numpy as np
 import posix_ipc
 import pytest
 
-from shmseq.errors import SharedMemoryFull
-from shmseq.ring import Ring, RingSpec
 import shmseq.ring as ring_module
-
-from leaks import shm_entries
+from shmseq.errors import SharedMemoryFull, ShmSeqError
+from shmseq.ring import (COPYING, DISPATCHED, FREE, LEASED, WRITTEN, IllegalTransition, Ring,
+                         RingSpec, WorkerRing)
+from leaks import mapped_rings, shm_entries
 
 
 @pytest.fixture
 def ring():
-    ring = Ring.create(3, 10_000)
+    ring = Ring.create(3, 10_000, wake=lambda: None)
     yield ring
-    ring.unlink()
     ring.close()
+
+
+def written(ring) -> int:
+    slot = ring.acquire()
+    ring.written(slot)
+    return slot
+
+
+def states(ring) -> list:
+    ring.collect()
+    return list(ring._states)
 
 
 def test_slots_are_page_aligned_and_disjoint(ring):
@@ -26,8 +37,8 @@ def test_slots_are_page_aligned_and_disjoint(ring):
     assert ring.region(0).max() == 1 and ring.region(1).min() == 2
 
 
-def test_attach_sees_the_same_bytes_and_unlink_removes_the_name(ring):
-    other = Ring.attach(ring.spec)
+def test_a_worker_sees_the_same_bytes_and_unlink_removes_the_name(ring):
+    other = WorkerRing(ring.spec)
     other.region(2)[:4] = [1, 2, 3, 4]
     assert ring.region(2)[:4].tolist() == [1, 2, 3, 4]
     ring.unlink()
@@ -37,43 +48,108 @@ def test_attach_sees_the_same_bytes_and_unlink_removes_the_name(ring):
     other.close()
 
 
-def test_a_lease_returns_its_slot_when_the_last_view_dies(ring):
-    returned = []
-    ring.on_release = returned.append
-    lease = ring.lease(1)
+def test_a_slot_goes_round_and_the_last_view_frees_it(ring):
+    slot = written(ring)
+    lease = ring.lease(slot)
     view = np.ndarray((4,), np.int64, buffer=lease, offset=64)[1:]
-    ring.held[1] = True
     del lease
-    gc.collect()
-    assert returned == [] and ring.held_count() == 1
+    assert states(ring)[slot] is LEASED
     del view
-    assert returned == [1] and ring.held_count() == 0
+    assert states(ring)[slot] is FREE and ring.count(FREE) == 3
 
 
-def test_a_slot_cannot_be_leased_twice(ring):
-    lease = ring.lease(0)
-    with pytest.raises(RuntimeError, match="leased twice"):
-        ring.lease(0)
+def test_a_copy_keeps_the_slot_until_it_completes(ring):
+    slot = written(ring)
+    done = threading.Event()
+    lease = ring.lease(slot)
+    ring.track_copy(slot, done.wait)
     del lease
-    ring.lease(0)
+    assert states(ring)[slot] is COPYING
+    done.set()
+    ring.finish_copies()
+    assert states(ring)[slot] is FREE
 
 
-def test_close_with_live_views_keeps_them_valid(ring):
-    view = ring.lease(0)
+def test_a_fence_is_taken_when_the_last_view_dies_in_its_thread(ring):
+    taken, done = [], threading.Event()
+
+    def fence():
+        taken.append(threading.current_thread().name)
+        return done.wait
+
+    ring.fence = fence
+    slot = written(ring)
+    holder = [ring.lease(slot)]
+    dropper = threading.Thread(target=holder.clear, name="dropper")
+    dropper.start()
+    dropper.join()
+    assert taken == ["dropper"] and states(ring)[slot] is COPYING
+    done.set()
+    ring.finish_copies()
+    assert states(ring)[slot] is FREE
+
+
+def test_a_failed_copy_is_raised_with_its_cause(ring):
+    def sticky():
+        raise RuntimeError("CUDA error: misaligned address")
+
+    slot = written(ring)
+    lease = ring.lease(slot)
+    ring.track_copy(slot, sticky)
+    del lease
+    assert states(ring)[slot] is COPYING
+    deadline = time.monotonic() + 5
+    while not ring.has_news() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(ShmSeqError, match=f"copy out of slot {slot} failed") as info:
+        ring.collect()
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize("move, state", [
+    ("written", FREE), ("lease", FREE), ("lease", DISPATCHED), ("discard", DISPATCHED),
+    ("unused", WRITTEN), ("lease", LEASED), ("discard", LEASED), ("unused", LEASED)])
+def test_a_move_from_the_wrong_state_raises(ring, move, state):
+    slot = 0
+    ring._free.remove(slot)
+    ring._states[slot] = state
+    with pytest.raises(IllegalTransition, match=f"slot 0 is {state.value}"):
+        getattr(ring, move)(slot)
+    ring._states[slot] = FREE
+    ring._free.append(slot)
+
+
+def test_a_copy_is_tracked_only_on_a_leased_slot(ring):
+    slot = written(ring)
+    with pytest.raises(IllegalTransition, match="only a leased slot"):
+        ring.track_copy(slot, lambda: None)
+
+
+def test_acquire_hands_out_each_free_slot_once(ring):
+    slots = [ring.acquire() for _ in range(3)]
+    assert sorted(slots) == [0, 1, 2] and ring.acquire() is None
+    ring.unused(slots[1])
+    assert ring.acquire() == slots[1]
+
+
+def test_close_with_live_views_unmaps_when_the_last_dies():
+    ring = Ring.create(2, 10_000, wake=lambda: None)
+    view = ring.lease(written(ring))
     view[:3] = 7
-    ring.unlink()
     ring.close()
-    assert view[:3].tolist() == [7, 7, 7]
+    assert view[:3].tolist() == [7, 7, 7] and ring.spec.name[1:] in mapped_rings()
+    del view
+    assert ring.spec.name[1:] not in mapped_rings()
 
 
 def test_refuses_a_ring_larger_than_dev_shm(monkeypatch):
     before = shm_entries()
     monkeypatch.setattr(ring_module, "shm_free_bytes", lambda: 64 << 20)
     with pytest.raises(SharedMemoryFull, match=r"--shm-size.*buffer or slot_bytes"):
-        Ring.create(10, 40 << 20)
+        Ring.create(10, 40 << 20, wake=lambda: None)
     assert shm_entries() <= before
 
 
 def test_attach_to_a_missing_ring_fails():
     with pytest.raises(posix_ipc.ExistentialError):
-        Ring.attach(RingSpec("/shmseq-missing", 1, 10))
+        WorkerRing(RingSpec("/shmseq-missing", 1, 10))
