@@ -96,26 +96,24 @@ class Route:
             if arrival.slot is not None:
                 self.ring.discard(arrival.slot)  # stale: its epoch was left
             return
-        self.output.put(arrival.seq, self._deliver(arrival))
-
-    def _deliver(self, arrival: Arrival) -> Delivery:
         if arrival.error is not None:
-            return Delivery(None, error=arrival.error)
-        try:
-            return self._convert(arrival)
-        except Exception as exc:  # noqa: BLE001 - surfaces in the consumer, in order
-            return Delivery(None, error=_conversion_failed(arrival.seq, exc))
+            delivery = Delivery(None, error=arrival.error)
+        else:
+            try:
+                delivery = self._convert(arrival)
+            except Exception as exc:  # noqa: BLE001 - surfaces in the consumer, in order
+                delivery = Delivery(None, error=_conversion_failed(arrival.seq, exc))
+        self.output.put(arrival.seq, delivery)
 
     def _convert(self, arrival: Arrival) -> Delivery:
-        region = arrival.payload if arrival.slot is None else self.ring.lease(arrival.slot)
-        views = read_batch(region)
+        slot, payload = arrival.slot, arrival.payload
+        views = read_batch(payload if slot is None else self.ring.lease(slot))
         batch, copy = self.device.convert(views)
-        if copy is not None and arrival.slot is not None:
-            self.ring.track_copy(arrival.slot, functools.partial(self.device.wait, copy))
-        in_slot = arrival.slot is not None and copy is None and _has_arrays(views)
-        payload = arrival.payload
-        return Delivery(batch, copy, in_slot, 0 if payload is None else len(payload),
-                        sum(array.nbytes for array in iter_arrays(views)))
+        if copy is not None and slot is not None:
+            self.ring.track_copy(slot, functools.partial(self.device.wait, copy))
+        arrays = iter_arrays(views)
+        return Delivery(batch, copy, slot is not None and copy is None and bool(arrays),
+                        0 if payload is None else len(payload), sum(a.nbytes for a in arrays))
 
     def hand_over(self, seq: int, delivery: Delivery):
         """The batch as the consumer gets it; copied out when keeping it would starve the ring."""
@@ -125,19 +123,15 @@ class Route:
         self.stats.bytes += delivery.nbytes
         if delivery.payload_bytes:
             self._overflowed(seq, delivery.payload_bytes)
-        if delivery.in_slot and self._held() >= self.ring.spec.n_slots:
-            return self._copied_out(delivery.batch)
+        if delivery.in_slot:
+            held = self.ring.count(LEASED) - self.output.waiting_in_slots  # this one included
+            if held >= self.ring.spec.n_slots:
+                return self._copied_out(delivery.batch, held - 1)
         return self.device.hand_over(delivery.batch, delivery.copy)
 
-    def _held(self) -> int:
-        """Slots the consumer holds batches of (leased, and no longer waiting here), counting
-        the one being handed over."""
-        return self.ring.count(LEASED) - self.output.waiting_in_slots
-
-    def _copied_out(self, batch):
+    def _copied_out(self, batch, held: int):
         self._warn_once("copy-out", (
-            f"the consumer holds {self._held() - 1} earlier batches of a ring of "
-            f"{self.ring.spec.n_slots} "
+            f"the consumer holds {held} earlier batches of a ring of {self.ring.spec.n_slots} "
             "slots, so handing over this one in place would leave the workers no free slot: "
             "batches are copied out of the ring instead. Raise buffer, or drop references to "
             "earlier batches, to stay zero-copy"))
@@ -172,10 +166,6 @@ def _raised_in_conversion(seq: int, exc: Exception, text: str) -> ShmSeqError:
                         f"Conversion traceback:\n{text}")
     error.__cause__ = exc
     return error
-
-
-def _has_arrays(views) -> bool:
-    return bool(iter_arrays(views))
 
 
 def _array_types() -> tuple[type, ...]:

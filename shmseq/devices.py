@@ -7,11 +7,13 @@ A device turns a batch of numpy views of a slot into what the consumer gets:
                         (host output: a copy that completes at once), else the device copy
                         still reading the slot, which stays busy until ``wait(copy)`` returns
 ``hand_over(batch, c)`` in the consumer's thread, just before the batch is yielded
-``fence()``             when the last view of a batch dies: a completion (a callable that
-                        blocks until done) for copies the consumer may have enqueued from the
-                        slot, or None. Only page-locked slots need one: a ``non_blocking``
-                        copy from them still reads the slot after the view is gone.
+``wait(copy)``          block until ``copy`` no longer reads the slot (the releaser's thread)
 ``close()``             after the last copy completed, before the ring is unmapped
+
+A device that page-locks the ring also sets ``ring.fence`` at ``attach``: called when the
+last view of a batch dies, it returns a completion (a callable that blocks until done) for
+the copies the consumer may have enqueued from the slot: a ``non_blocking`` copy from
+page-locked memory still reads the slot after the view is gone.
 
 * ``HostDevice``: numpy views or ``torch.from_numpy`` tensors, zero-copy; page-locked in
   place when a pinning device is given (MXNet's ``pin_memory``), with a CUDA event recorded
@@ -119,15 +121,13 @@ class HostDevice:
     def attach(self, ring) -> None:
         if self.pin_device is not None:
             self._lock = PageLock(ring, self.pin_device)
+            ring.fence = self._lock.fence
 
     def convert(self, views):
         return (map_arrays(views, _to_torch) if self.to_torch else views), None
 
     def hand_over(self, batch, copy):
         return batch
-
-    def fence(self):
-        return self._lock.fence() if self._lock is not None else None
 
     def wait(self, copy) -> None:
         pass
@@ -174,9 +174,6 @@ class CudaDevice:
         for tensor in iter_arrays(batch, self.torch.Tensor):
             tensor.record_stream(current)  # the allocator must not reuse it under the consumer
         return batch
-
-    def fence(self):
-        return None  # batches are copies: nothing delivered reads the slot
 
     def wait(self, event) -> None:
         event.synchronize()
@@ -303,9 +300,6 @@ class FakeDevice:
             raise ShmSeqError("copying a batch to the device failed: fake copy failed")
         return batch
 
-    def fence(self):
-        return None
-
     def wait(self, event) -> None:
         event.wait()
 
@@ -323,6 +317,7 @@ class FakePinnedDevice(HostDevice):
 
     def attach(self, ring) -> None:
         self.stream.register(ring.address, ring.spec.total_bytes)
+        ring.fence = self.fence
 
     def fence(self):
         return self.stream.record().wait

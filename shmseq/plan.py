@@ -211,11 +211,9 @@ class BatchStream:
     def peek(self):
         """The next ``(seq, indices)``, left in the stream; None while the next batch's epoch
         is not open (a user's sampler waits for the consumer) or the plan has none."""
-        if not self.plan.has_batches():
-            return None
         while True:
             if self._batches is None:
-                if not self.plan.is_open(self._epoch):
+                if not (self.plan.has_batches() and self.plan.is_open(self._epoch)):
                     return None
                 self._batches = self.plan.batches(self._epoch)
             if self._position < len(self._batches):
@@ -225,8 +223,12 @@ class BatchStream:
     def next(self):
         """The next ``(seq, indices)``, taken out of the stream (None as for ``peek``)."""
         item = self.peek()
-        if item is None:
-            return None
+        if item is not None:
+            self.advance()
+        return item
+
+    def advance(self) -> None:
+        """Take the batch ``peek()`` just returned."""
         last = self._segments[-1] if self._segments else None
         if last and last[1] == self._epoch and last[0] + last[3] == self._seq:
             last[3] += 1
@@ -234,4 +236,3 @@ class BatchStream:
             self._segments.append([self._seq, self._epoch, self._position, 1])
         self._seq += 1
         self._position += 1
-        return item

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import select
 import selectors
 import signal
 import threading
@@ -103,6 +104,12 @@ class _WorkerHandle:
         self.ready = False
         self.attached = False
         self.accepting = True
+        self._replies = select.poll()  # Connection.poll() builds a selector per call
+        self._replies.register(results.fileno(), select.POLLIN)
+
+    def has_reply(self) -> bool:
+        """Whether a reply (or the pipe's end) can be read without waiting."""
+        return self.results is not None and bool(self._replies.poll(0))
 
     def has_room(self, nbytes: int) -> bool:
         """Whether a task of ``nbytes`` fits in its pipe beside the tasks it has not done yet:
@@ -234,16 +241,14 @@ class WorkerPool:
             if not self._probe_sent and (item := self.stream.peek()) is not None:
                 self._probe_sent = self._send_task(item, None)
                 if self._probe_sent:
-                    self.stream.next()
+                    self.stream.advance()
             return
-        while (item := self.stream.peek()) is not None:
-            slot = self.ring.acquire()
-            if slot is None:
-                return
-            if not self._send_task(item, slot):
+        while (slot := self.ring.acquire()) is not None:
+            item = self.stream.peek()
+            if item is None or not self._send_task(item, slot):
                 self.ring.unused(slot)
                 return
-            self.stream.next()
+            self.stream.advance()
 
     def _send_task(self, item: tuple, slot: int | None) -> bool:
         """Send a task to the least-busy worker with room; False if none has."""
@@ -274,7 +279,7 @@ class WorkerPool:
                 handle.results = None  # a dying process: its sentinel tells how
                 return
             self._handle(handle, decode(data), arrivals)
-            if not handle.results.poll():
+            if not handle.has_reply():
                 return
 
     def _handle(self, handle: _WorkerHandle, message: tuple, arrivals: list[Arrival]) -> None:
@@ -312,7 +317,7 @@ class WorkerPool:
             self.ring.unused(slot)
 
     def _report_death(self, handle: _WorkerHandle, arrivals: list[Arrival]) -> None:
-        if handle.results is not None and handle.results.poll():
+        if handle.has_reply():
             self._receive(handle, arrivals)  # its last words (an init error) explain more
         handle.runner.join(JOIN_SECONDS)  # its sentinel closed: the exit status follows at once
         code = handle.runner.exitcode

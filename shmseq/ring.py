@@ -159,8 +159,6 @@ class SlotState(enum.Enum):
 
 
 FREE, DISPATCHED, WRITTEN, LEASED, COPYING = SlotState
-_ALLOWED = {(FREE, DISPATCHED), (DISPATCHED, WRITTEN), (DISPATCHED, FREE), (WRITTEN, LEASED),
-            (WRITTEN, FREE), (LEASED, FREE), (LEASED, COPYING), (COPYING, FREE)}
 
 
 class IllegalTransition(RuntimeError):
@@ -171,11 +169,12 @@ _DIED, _COPIED, _FAILED = "died", "copied", "failed"
 Completion = Callable[[], None]  # blocks until a copy reading the slot is done; may raise
 
 
-def _lease_died(events: queue.SimpleQueue, wake: Callable[[], None], fence, slot: int, _) -> None:
+def _lease_died(events: queue.SimpleQueue, wake: Callable[[], None], fence, slot: int,
+                _lease: weakref.ref) -> None:
     """The last view of a lease is gone (in whatever thread dropped it): no lock here.
 
-    ``fence`` (the device's) returns a completion for copies the consumer may have enqueued
-    from the slot (a ``non_blocking`` copy from page-locked memory), or None."""
+    ``fence`` (a page-locking device's) returns a completion for copies the consumer may have
+    enqueued from the slot (a ``non_blocking`` copy from page-locked memory)."""
     try:
         events.put((_DIED, slot, fence() if fence is not None else None))
     except BaseException as exc:  # noqa: BLE001 - reported at the next batch, not swallowed
@@ -186,8 +185,7 @@ def _lease_died(events: queue.SimpleQueue, wake: Callable[[], None], fence, slot
 class Ring:
     """The consumer's mapping of the ring, and the state of every slot."""
 
-    def __init__(self, spec: RingSpec, memory: mmap.mmap, *, wake: Callable[[], None],
-                 fence: Callable[[], Completion | None] | None = None):
+    def __init__(self, spec: RingSpec, memory: mmap.mmap, *, wake: Callable[[], None]):
         self.spec = spec
         self._memory = memory
         self._array = np.frombuffer(memory, np.uint8)
@@ -197,7 +195,7 @@ class Ring:
         self._copies: list[list[Completion]] = [[] for _ in range(spec.n_slots)]
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = wake
-        self.fence = fence
+        self.fence: Callable[[], Completion] | None = None  # set by a device that page-locks
         self._releaser: Releaser | None = None
 
     @classmethod
@@ -239,10 +237,10 @@ class Ring:
         pointer = array.__array_interface__["data"][0]
         return start <= pointer and pointer + array.nbytes <= start + len(self._array)
 
-    # -- transitions -------------------------------------------------------------------------
+    # -- transitions: each method below is one arrow of the diagram ----------------------------
     def _move(self, slot: int, before: SlotState, after: SlotState) -> None:
         state = self._states[slot]
-        if state is not before or (before, after) not in _ALLOWED:
+        if state is not before:
             raise IllegalTransition(f"slot {slot} is {state.value}: it cannot go from "
                                     f"{before.value} to {after.value}")
         self._states[slot] = after
@@ -260,7 +258,7 @@ class Ring:
         return slot
 
     def has_free(self) -> bool:
-        return bool(self._free) or self.has_news()
+        return bool(self._free) or not self._events.empty()
 
     def has_news(self) -> bool:
         """Whether other threads reported something ``collect()`` has not applied yet."""
@@ -322,7 +320,7 @@ class Ring:
         self._releaser.hold(slot, pending)
 
     def count(self, state: SlotState) -> int:
-        self.collect()
+        """Slots in ``state`` (as of the last ``collect()``)."""
         return self._states.count(state)
 
     # -- the end -----------------------------------------------------------------------------

@@ -337,8 +337,7 @@ class _Pipeline:
             self._pump(remaining)
 
     def _make_ring(self, slot_bytes: int) -> None:
-        self.ring = Ring.create(self.n_slots, slot_bytes, wake=self.waker.wake_if_waiting,
-                                fence=self.device.fence)
+        self.ring = Ring.create(self.n_slots, slot_bytes, wake=self.waker.wake_if_waiting)
         self.route.ring = self.ring
         self.device.attach(self.ring)
         self.pool.use_ring(self.ring)
@@ -374,20 +373,19 @@ class _Pipeline:
     def take(self, seq: int, epoch: int, position: int):
         """Batch ``seq``: from the output if it is there, else once the pool brings it."""
         with self._turn:
-            self.output.check()
+            delivery = self.output.pop(seq)  # raises once the pipeline is closed
             if self.ring is not None:
-                self.ring.collect()  # a copy that failed on another thread surfaces here
-            delivery = self.output.pop(seq)
+                self.ring.collect()  # slots freed, and copies failed, in other threads
             if delivery is None:
                 delivery = self._wait_for(seq, epoch, position)
-            elif self.ring is not None and self.ring.has_free():
+            elif self.ring.has_free():
                 self.pool.dispatch()  # keep the workers busy while batches wait here
             return self.route.hand_over(seq, delivery)
 
     def _wait_for(self, seq: int, epoch: int, position: int):
         began = time.perf_counter()
         deadline = began + self.timeout
-        while (delivery := self.output.pop(seq)) is None:
+        while True:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 self._timed_out(seq, epoch, position)
@@ -396,8 +394,9 @@ class _Pipeline:
             except Exception:
                 self.output.check()  # closed meanwhile, by a signal handler: say so
                 raise
-        self.stats.consumer_wait_s += time.perf_counter() - began
-        return delivery
+            if (delivery := self.output.pop(seq)) is not None:
+                self.stats.consumer_wait_s += time.perf_counter() - began
+                return delivery
 
     def _timed_out(self, seq: int, epoch: int, position: int):
         raise BatchTimeout(
