@@ -1,4 +1,4 @@
-"""Stage benchmarks: every test must leave /dev/shm as it found it."""
+"""Stage benchmarks: every test must leave /dev/shm as it found it (segments of this process)."""
 import os
 
 import pytest
@@ -6,13 +6,13 @@ import pytest
 SHM_DIR = "/dev/shm"
 
 
-def _shmseq_entries() -> set[str]:
-    return {name for name in os.listdir(SHM_DIR) if "shmseq" in name}
+def _our_entries() -> set[str]:
+    return {name for name in os.listdir(SHM_DIR) if name.startswith(f"shmseq-{os.getpid()}-")}
 
 
 @pytest.fixture(autouse=True)
 def shm_left_clean():
-    before = _shmseq_entries()
+    before = _our_entries()
     yield
-    left = _shmseq_entries() - before
+    left = _our_entries() - before
     assert not left, f"left in {SHM_DIR}: {sorted(left)}"

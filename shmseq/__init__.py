@@ -9,13 +9,14 @@
  ring of `buffer` slots x `slot_bytes`  <-------------+ (POSIX shared memory, preallocated)
                                                       | only ("done", seq, slot) comes back
  consumer thread: reply pipes + worker sentinels <----+
-   numpy/CPU output: slot -> views (zero copy), in order, as the batch is handed over
-   CUDA output: converter threads copy on their own streams; a slot is freed when its copy is done
+   every batch, one route (convert.py): slot -> device -> consumer, in order
+     numpy / CPU tensors: the device's "copy" completes at once, the batch is views of the slot
+     CUDA: a copy on one of its own streams; the slot waits for the copy's event
 
 Where to look: ``plan.py`` (which indices), ``pool.py`` (dispatch and replies),
 ``workers.py`` (where a batch is written), ``layout.py`` (the bytes of a slot),
-``ring.py`` (slots, leases, when a slot is freed), ``convert.py`` (where a batch is
-read), ``devices.py`` (numpy, torch, CUDA), ``sequence.py`` (the lifecycle).
+``ring.py`` (the slot state machine: when a slot is freed), ``convert.py`` (where a batch
+is read), ``devices.py`` (numpy, torch, CUDA), ``sequence.py`` (the lifecycle).
 """
 from .compat import MPSequence, MSequence, MTSequence
 from .dataloader import DataLoader, default_batchify

@@ -1,8 +1,9 @@
 """Drop-in names for code written for MDNC's ``mdnc.data.sequence``.
 
 Differences from MDNC, on purpose: batches keep the worker's dtypes (MDNC casts
-``'cpu'``/``'cuda'`` output to float32), arrive exactly in order, and converters
-are threads in every mode (``start(compat=...)`` is accepted and ignored).
+``'cpu'``/``'cuda'`` output to float32), arrive exactly in order, and there are no
+converter processes or threads (``num_converters`` is the number of CUDA copy streams;
+``start(compat=...)`` is accepted and ignored).
 """
 from __future__ import annotations
 

@@ -32,9 +32,27 @@ def test_cpu_output_is_page_locked_in_place():
         assert batch["image"].is_pinned()
 
 
+def test_a_pinned_slot_outlives_a_non_blocking_copy_delayed_behind_a_busy_stream():
+    """The usual ``x = x.cuda(non_blocking=True)`` drops the pinned view at once; the copy runs
+    later, behind a kernel: the slot must not be rewritten before it has."""
+    seq = ShmSequence(ImageWorker(64), 256, batch_size=8, num_workers=2, buffer=2, shuffle=True,
+                      seed=4, out_type="cpu", timeout=60)
+    copies = []
+    with seq.start():
+        for batch in seq:
+            torch.cuda._sleep(5_000_000)  # the current stream is busy: the copies wait
+            copies.append((batch["label"].cuda(non_blocking=True),
+                           batch["image"].cuda(non_blocking=True)))
+            del batch
+    torch.cuda.synchronize()
+    for (labels, images), indices in zip(copies, seq._plan.batches(0), strict=True):
+        marker = torch.from_numpy(indices % 251).to(torch.uint8)[:, None, None, None]
+        assert labels.cpu().tolist() == indices.tolist() and (images.cpu() == marker).all()
+
+
 def test_registered_memory_is_released_after_finish():
     seq = ShmSequence(ImageWorker(64), 64, batch_size=8, num_workers=1, out_type="cuda")
     with seq.start():
-        address = seq._runtime.pool.ring.address
+        address = seq._runtime.ring.address
         assert next(iter(seq))["image"].is_cuda
     assert int(torch.cuda.cudart().cudaHostUnregister(address)) != 0  # no longer registered

@@ -76,7 +76,7 @@ def test_samples_are_stacked_straight_into_the_slot():
         ring_contains = None
         seen = []
         for images, labels, names in loader:
-            ring_contains = loader._runtime.pool.ring.contains
+            ring_contains = loader._runtime.ring.contains
             assert ring_contains(images) and ring_contains(labels)
             assert images.shape[1:] == (4, 4, 3) and images.dtype == np.uint8
             assert labels.dtype == np.asarray(0).dtype

@@ -16,6 +16,7 @@ import shmseq.ring
 from shmseq import (BatchTimeout, SharedMemoryFull, ShmSeqError, ShmSequence, WorkerDied,
                     WorkerError)
 from shmseq.devices import HostDevice
+from leaks import shm_entries
 from workers import BadReturn, Crash, FailingInit, Hang, IndexWorker, ImageWorker, Slow
 
 TESTS = Path(__file__).parent
@@ -242,16 +243,14 @@ def test_killing_the_main_process_leaves_no_worker_and_no_segment(method, slot_b
             seq._runtime.pool.pump(0.5)  # overflowing workers now block on full pipes
             os.kill(os.getpid(), signal.SIGKILL)
     """)
-    before = set(os.listdir("/dev/shm"))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert done.returncode == -signal.SIGKILL, done.stderr
-    pids = [int(pid) for pid in done.stdout.split()]
+    consumer, output = _run_killed(script)
+    pids = [int(pid) for pid in output.split()]
     assert len(pids) == 2
     deadline = time.monotonic() + 5
     while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert all(_gone(pid) for pid in pids), "workers outlived their killed parent"
-    assert not {n for n in os.listdir("/dev/shm") if "shmseq" in n} - before
+    assert not shm_entries({consumer})
 
 
 def test_killing_the_main_process_during_start_leaves_no_segment():
@@ -268,10 +267,17 @@ def test_killing_the_main_process_during_start_leaves_no_segment():
             threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGKILL)).start()
             seq.start()
     """)
-    before = set(os.listdir("/dev/shm"))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert done.returncode == -signal.SIGKILL, done.stderr
+    consumer, _ = _run_killed(script)
     deadline = time.monotonic() + 5
-    while {n for n in os.listdir("/dev/shm") if "shmseq" in n} - before and time.monotonic() < deadline:
+    while shm_entries({consumer}) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not {n for n in os.listdir("/dev/shm") if "shmseq" in n} - before
+    assert not shm_entries({consumer})
+
+
+def _run_killed(script: str) -> tuple[int, str]:
+    """Run ``script``, which kills itself: its pid (which its rings' names carry), its output."""
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    output, errors = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL, errors
+    return process.pid, output

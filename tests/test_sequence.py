@@ -61,7 +61,7 @@ def test_an_index_array_is_the_dataset():
 @pytest.mark.parametrize("backend", ["proc", "thread"])
 def test_delivered_arrays_are_views_of_the_ring(backend):
     with make(ImageWorker, thread_type=backend).start() as seq:
-        ring = seq._runtime.pool.ring
+        ring = seq._runtime.ring
         for batch in seq:
             assert ring.contains(batch["image"]) and ring.contains(batch["label"])
             assert batch["image"].flags.writeable
@@ -72,7 +72,7 @@ def test_delivered_arrays_are_views_of_the_ring(backend):
 def test_torch_tensors_share_the_slot():
     torch = pytest.importorskip("torch")
     with make(ImageWorker, out_type="cpu").start() as seq:
-        ring = seq._runtime.pool.ring
+        ring = seq._runtime.ring
         for batch in seq:
             assert isinstance(batch["image"], torch.Tensor) and batch["image"].dtype == torch.uint8
             assert ring.contains(batch["image"].numpy()) and batch["label"].dtype == torch.int64
@@ -80,7 +80,7 @@ def test_torch_tensors_share_the_slot():
 
 def test_in_place_worker_writes_once_into_the_slot():
     with make(FillWorker, slot_bytes=4096).start() as seq:
-        ring = seq._runtime.pool.ring
+        ring = seq._runtime.ring
         for k, (values, labels) in enumerate(seq):
             assert ring.contains(values) and values.dtype == np.float32
             assert labels.tolist() == list(range(4 * k, 4 * k + 4))
@@ -132,7 +132,7 @@ def test_auto_sized_slots_fit_the_batches():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert sum(1 for _ in seq) == 8
-        assert seq._runtime.pool.ring.spec.slot_bytes >= 8 * 8 * 8 * 3
+        assert seq._runtime.ring.spec.slot_bytes >= 8 * 8 * 8 * 3
 
 
 def test_breaking_out_mid_epoch_then_a_whole_next_epoch():

@@ -89,8 +89,8 @@ def test_pipeline_delivers_views_of_the_ring_with_reproducible_batches(root, thr
     with seq.start():
         delivered = []
         for images, labels in seq:
-            assert seq._runtime.pool.ring.contains(images)
-            assert seq._runtime.pool.ring.contains(labels)
+            assert seq._runtime.ring.contains(images)
+            assert seq._runtime.ring.contains(labels)
             delivered.append((images.copy(), labels.copy()))
     reference = make(worker, thread_type=thread_type)
     with reference.start_test("numpy"):  # the same plan and seed, built in this thread
