@@ -21,8 +21,8 @@ The consumer creates the ring once (allocated and faulted in at start); workers 
 by name, and the name is unlinked as soon as every worker holds a mapping. Segments are
 made with posix_ipc so that Python's resource tracker never warns about, or unlinks, a
 segment in use. A closed ring unmaps at once, or, when the consumer still holds views,
-the moment the last of them dies. Forked workers drop every ring mapping they inherited
-(``drop_inherited_mappings``): a worker maps its own ring and nothing else.
+the moment the last of them dies. Forked workers give back every ring they inherited
+(``drop_inherited_rings``): a worker maps its own ring and nothing else.
 """
 from __future__ import annotations
 
@@ -75,41 +75,42 @@ def _refuse_space(needed: int, free: int) -> SharedMemoryFull:
         "give the container more (docker run --shm-size=...), or lower buffer or slot_bytes")
 
 
-# -- mappings, and what a forked worker must not keep -------------------------------------------
-_live_mappings: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (mmap, address, length)
+# -- what a forked worker must not keep -----------------------------------------------------------
 _PROT_NONE, _MAP_FIXED, _MAP_NORESERVE = 0, 0x10, 0x4000  # Linux's values on x86 and ARM
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_RING_PATH = f"{SHM_DIR}/{NAME_PREFIX}"
 
 
-def _map(fd: int, length: int) -> mmap.mmap:
-    """Map a ring and remember it until it is unmapped, for ``drop_inherited_mappings``."""
-    memory = mmap.mmap(fd, length, flags=_MAP_FLAGS)
-    pinned = ctypes.c_char.from_buffer(memory)
-    address = ctypes.addressof(pinned)
-    del pinned
-    key = id(memory)
-    _live_mappings[key] = (weakref.ref(memory, lambda _, key=key: _live_mappings.pop(key, None)),
-                           address, length)
-    return memory
+def drop_inherited_rings() -> None:
+    """In a forked worker, before anything else: give back every ring inherited from the
+    consumer, its mappings and the descriptors ``mmap`` keeps, so that a sequence's memory is
+    freed when it finishes even while other sequences' workers run.
 
-
-def drop_inherited_mappings() -> None:
-    """In a forked worker: give back every ring mapping inherited from the consumer.
-
-    Each one is replaced by an inaccessible reservation of the same addresses rather than
-    unmapped: an inherited object that later frees its mapping then unmaps the reservation,
-    never a mapping this worker made since.
+    Each is replaced rather than removed: a mapping by an inaccessible reservation of the same
+    addresses, a descriptor by /dev/null. An inherited object that later unmaps or closes what
+    it thinks it owns then touches the placeholder, never something this worker made since.
     """
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                           ctypes.c_int, ctypes.c_long)
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
-    for memory, address, length in list(_live_mappings.values()):
-        if memory() is not None and not memory().closed:
-            if libc.mmap(address, length, _PROT_NONE, flags, -1, 0) in (None, _MAP_FAILED):
-                raise OSError(ctypes.get_errno(), "cannot drop an inherited ring mapping")
-    _live_mappings.clear()
+    with open("/proc/self/maps") as maps:
+        ranges = [line.split(maxsplit=1)[0] for line in maps if _RING_PATH in line]
+    for bounds in ranges:
+        start, end = (int(bound, 16) for bound in bounds.split("-"))
+        if libc.mmap(start, end - start, _PROT_NONE, flags, -1, 0) in (None, _MAP_FAILED):
+            raise OSError(ctypes.get_errno(), "cannot give back an inherited ring mapping")
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}").startswith(_RING_PATH):
+                    os.dup2(null, int(fd))
+            except OSError:
+                pass  # closed meanwhile (the listing's own descriptor)
+    finally:
+        os.close(null)
 
 
 def _open_segment(name: str, flags: int = 0):
@@ -130,7 +131,7 @@ class WorkerRing:
     def __init__(self, spec: RingSpec):
         segment = _open_segment(spec.name)
         try:
-            self._memory = _map(segment.fd, spec.total_bytes)
+            self._memory = mmap.mmap(segment.fd, spec.total_bytes, flags=_MAP_FLAGS)
         finally:
             segment.close_fd()
         self.spec = spec
@@ -213,7 +214,7 @@ class Ring:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                     raise _refuse_space(spec.total_bytes, shm_free_bytes()) from exc
                 raise
-            memory = _map(segment.fd, spec.total_bytes)
+            memory = mmap.mmap(segment.fd, spec.total_bytes, flags=_MAP_FLAGS)
         except BaseException:
             segment.unlink()
             raise

@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import WorkerError
 from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
-from .ring import PAGE, WorkerRing, drop_inherited_mappings, unlink_segment
+from .ring import PAGE, WorkerRing, drop_inherited_rings, unlink_segment
 
 PARENT_POLL_SECONDS = 0.5
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
@@ -200,7 +200,7 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn, parent
     if inherited_fds is not None:
         for fd in inherited_fds:
             os.close(fd)
-        drop_inherited_mappings()  # other sequences' rings: this worker maps its own only
+        drop_inherited_rings()  # other sequences' rings: this worker maps its own only
     try:
         _set_up(info, parent_pid is not None, worker_init_fn)
         worker_obj = make_worker(worker)

@@ -13,8 +13,8 @@ import pytest
 import shmseq.sequence
 from shmseq import DataLoader, PipelineClosed, ShmSeqError, ShmSequence
 from shmseq.devices import FakeDevice, FakePinnedDevice, FakeStream, HostDevice
-from shmseq.ring import Ring
-from leaks import children, live_children, mapped_rings
+from shmseq.ring import Ring, shm_free_bytes
+from leaks import live_children, mapped_rings
 from workers import ImageWorker, IndexWorker, ListWorker, SizedWorker, Slow
 
 MiB = 1 << 20
@@ -115,20 +115,24 @@ def test_a_finished_pipeline_leaves_nothing_to_the_cyclic_collector(no_gc):
 
 
 # -- 2. no inherited rings ---------------------------------------------------------------------
-def test_forked_workers_map_only_their_own_ring():
-    train = make(ImageWorker(256), 400, slot_bytes=2 * MiB, buffer=4, start_method="fork")
-    val = make(ImageWorker(256), 400, slot_bytes=2 * MiB, buffer=4, start_method="fork")
+def _worker_pids(seq) -> list[int]:
+    return [handle.pid for handle in seq._runtime.pool._workers]
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_workers_map_only_their_own_ring(method):
+    train = make(ImageWorker(256), 400, slot_bytes=8 * MiB, buffer=4, start_method=method)
+    val = make(ImageWorker(256), 400, slot_bytes=2 * MiB, buffer=4, start_method=method)
     with train.start():
         (train_ring,) = mapped_rings()
-        train_workers = children()
         with val.start():
             (val_ring,) = set(mapped_rings()) - {train_ring}
-            val_workers = children() - train_workers
-            assert len(val_workers) == 2
-            for pid in val_workers:
+            for pid in _worker_pids(val):
                 assert set(mapped_rings(pid)) == {val_ring}
+            free = shm_free_bytes()
             train.finish()
             assert set(mapped_rings()) == {val_ring}
+            assert shm_free_bytes() - free >= 4 * 8 * MiB  # train's pages are gone
             assert [b["label"][0] for b in val][:3] == [0, 4, 8]
 
 
