@@ -140,12 +140,19 @@ class Route:
         return self.device.hand_over(copied, None)
 
     def _overflowed(self, seq: int, payload_bytes: int) -> None:
-        self.stats.overflow_count += 1
-        self._warn_once("overflow", (
-            f"batch {seq} needed {payload_bytes:,} bytes but slot_bytes is "
-            f"{self.ring.spec.slot_bytes:,}: it came through the overflow path, with a copy. "
-            f"Pass slot_bytes={slot_bytes_for(payload_bytes)} (or more) to keep every batch "
-            "in the ring"))
+        """Count it; warn again whenever a batch outgrows the last slot_bytes suggested."""
+        stats = self.stats
+        stats.overflow_count += 1
+        if payload_bytes <= stats.largest_overflow_bytes:
+            return
+        stats.largest_overflow_bytes = payload_bytes
+        if stats.suggested_slot_bytes is None or payload_bytes > stats.suggested_slot_bytes:
+            stats.suggested_slot_bytes = slot_bytes_for(payload_bytes)
+            warn_user(
+                f"batch {seq} needed {payload_bytes:,} bytes, the most of any batch so far, but "
+                f"slot_bytes is {self.ring.spec.slot_bytes:,}: it came through the overflow "
+                f"path, with a copy. Pass slot_bytes={stats.suggested_slot_bytes} (or more) to "
+                "keep every batch seen so far in the ring (seq.stats.suggested_slot_bytes)")
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -78,16 +78,18 @@ class DataLoader(ShmSequence):
     arrays (``out_type='null'``) or torch tensors (``'cpu'``, ``'cuda'``). A ``batch_sampler``
     that yields lists of index lists gives lists of batches, one per shard (GluonNLP's
     ``ShardedDataLoader``). Beyond Gluon: ``seed``, ``rank``/``world_size`` (distributed
-    sharding of the default samplers), ``state_dict()``, ``set_epoch()``, ``worker_init_fn``.
+    sharding of the default samplers), ``state_dict()``, ``set_epoch()``, ``worker_init_fn``,
+    ``worker_restarts``.
     """
 
     def __init__(self, dataset, batch_size: int | None = None, shuffle: bool = False, sampler=None,
                  last_batch: str | None = None, batch_sampler=None, batchify_fn=None,
                  num_workers: int = 0, pin_memory: bool = False, pin_device_id: int = 0,
-                 prefetch: int | None = None, thread_pool: bool = False, timeout: float = 120,
+                 prefetch: int | None = None, thread_pool: bool = False,
+                 timeout: float | None = 120,
                  *, out_type: str = "null", seed: int | None = None, rank: int | None = None,
                  world_size: int | None = None, worker_init_fn=None, slot_bytes: int | None = None,
-                 start_method: str | None = None):
+                 start_method: str | None = None, worker_restarts: int = 0):
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise TypeError(f"dataset must have __getitem__ and __len__, got {type(dataset).__name__}")
         self.dataset = dataset
@@ -104,7 +106,7 @@ class DataLoader(ShmSequence):
                          thread_type="thread" if thread_pool else "proc", out_type=out_type,
                          start_method=start_method, timeout=timeout, pin_memory=pin_memory,
                          pin_device_id=pin_device_id, rank=rank, world_size=world_size,
-                         worker_init_fn=worker_init_fn)
+                         worker_init_fn=worker_init_fn, worker_restarts=worker_restarts)
 
     @staticmethod
     def _batch_sampler(length, batch_size, shuffle, sampler, last_batch, batch_sampler, seed):

@@ -28,7 +28,14 @@ def as_index_array(dset_size) -> np.ndarray:
         if dset_size < 0:
             raise ValueError(f"dset_size must be >= 0, got {dset_size}; "
                              "pass the number of samples or a 1-D array of sample indices")
-        return np.arange(int(dset_size), dtype=np.int64)
+        try:
+            return np.arange(int(dset_size), dtype=np.int64)
+        except (MemoryError, ValueError, OverflowError):
+            raise ValueError(f"dset_size={dset_size:,} is more samples than can be indexed: "
+                             f"their int64 indices would take {8 * dset_size:,} bytes") from None
+    if np.ndim(dset_size) == 0:
+        raise TypeError(f"dset_size must be an int (the number of samples) or a 1-D array of "
+                        f"sample indices, got {type(dset_size).__name__} {dset_size!r}")
     try:
         indices = np.asarray(dset_size)
     except Exception as exc:  # noqa: BLE001 - reported with the argument's name

@@ -17,24 +17,21 @@ from __future__ import annotations
 
 import functools
 import os
-import select
 import selectors
 import signal
 import threading
 import time
-from multiprocessing import connection
 from typing import Callable, NamedTuple
 
 import numpy as np
 
 from .errors import WorkerDied, warn_user
+from .lifeline import ProcessId
 from .plan import BatchStream
 from .ring import Ring
 from .stats import LoaderStats
-from .workers import WorkerInfo, check_picklable, decode, encode, worker_error, worker_loop, worker_seed
-
-JOIN_SECONDS = 3.0
-TASK_PIPE_ROOM = 32 << 10  # under the smallest pipe capacity Linux gives by default (64 KiB)
+from .worker_handle import JOIN_SECONDS, WorkerHandle, consumer_ends, end_workers, start_worker
+from .workers import WorkerInfo, check_picklable, decode, encode, worker_error, worker_seed
 
 
 class Arrival(NamedTuple):
@@ -90,113 +87,45 @@ class Waker:
             self._reader = self._writer = -1
 
 
-class _WorkerHandle:
-    """One worker as the consumer sees it: its pipes, its process or thread, its open tasks."""
-
-    def __init__(self, wid: int, tasks, results, runner):
-        self.wid = wid
-        self.tasks = tasks
-        self.results = results
-        self.runner = runner
-        self.open: dict[int, np.ndarray] = {}  # seq -> indices, in the order sent
-        self.unread = 0                        # bytes of those task messages
-        self._sizes: dict[int, int] = {}
-        self.ready = False
-        self.attached = False
-        self.accepting = True
-        self._replies = select.poll()  # Connection.poll() builds a selector per call
-        self._replies.register(results.fileno(), select.POLLIN)
-
-    def has_reply(self) -> bool:
-        """Whether a reply (or the pipe's end) can be read without waiting."""
-        return self.results is not None and bool(self._replies.poll(0))
-
-    def has_room(self, nbytes: int) -> bool:
-        """Whether a task of ``nbytes`` fits in its pipe beside the tasks it has not done yet:
-        a worker that stopped reading must never make the consumer block on a full pipe."""
-        return not self.open or self.unread + nbytes <= TASK_PIPE_ROOM
-
-    def opened(self, seq: int, indices, nbytes: int) -> None:
-        self.open[seq] = indices
-        self._sizes[seq] = nbytes
-        self.unread += nbytes
-
-    def closed(self, seq: int):
-        """The task ``seq`` is done (or failed): its indices."""
-        self.unread -= self._sizes.pop(seq, 0)
-        return self.open.pop(seq, None)
-
-    @property
-    def pid(self):
-        return getattr(self.runner, "pid", None)
-
-    @property
-    def sentinel(self):
-        return getattr(self.runner, "sentinel", None)
-
-
 class WorkerPool:
-    """Starts the workers, feeds them free slots, collects their replies, watches them."""
+    """Starts the workers, feeds them free slots, collects their replies, watches them, and
+    (``restarts`` > 0) replaces a worker process that dies, sending its batches again."""
 
     def __init__(self, worker, *, num_workers: int, backend: str, context, stream: BatchStream,
-                 waker: Waker, stats: LoaderStats, seed: int = 0, worker_init_fn=None):
+                 waker: Waker, stats: LoaderStats, seed: int = 0, worker_init_fn=None,
+                 restarts: int = 0):
         self.stream = stream
         self.stats = stats
         self.ring: Ring | None = None
         self._waker = waker
         self._probe_sent = False  # the first batch, sent without a slot to size the ring
         self._stopped = False
+        self._restarts = restarts
+        self._killers: set[int] = set()  # batches that killed a worker once
         if backend == "proc":
             check_picklable("worker", worker, context.get_start_method(),
                             "or use start_method='fork' or thread_type='thread'")
-        self._workers: list[_WorkerHandle] = []
+        self._start_args = (worker, backend, context, worker_init_fn)
+        self._consumer = ProcessId.of(os.getpid())
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._waker, selectors.EVENT_READ, None)
+        self._workers: list[WorkerHandle] = []
         try:
             for wid in range(num_workers):
-                info = WorkerInfo(wid, num_workers, worker_seed(seed, wid))
-                self._workers.append(self._spawn(worker, info, backend, context, worker_init_fn))
-        finally:
-            self._selector = self._watch()
-            if len(self._workers) < num_workers:  # a start failed: stop those that did start
-                self.stop()
+                self._workers.append(self._start(WorkerInfo(wid, num_workers, worker_seed(seed, wid))))
+        except BaseException:
+            self.stop()  # a start failed: stop those that did start
+            raise
 
     # -- start -------------------------------------------------------------------------------
-    def _spawn(self, worker, info: WorkerInfo, backend: str, context, worker_init_fn) -> _WorkerHandle:
-        task_reader, task_writer = connection.Pipe(duplex=False)
-        result_reader, result_writer = connection.Pipe(duplex=False)
-        common = (worker, task_reader, result_writer, info, worker_init_fn)
-        if backend == "thread":
-            runner = threading.Thread(target=worker_loop, name=f"shmseq-worker-{info.id}",
-                                      daemon=True, args=(*common, None, None))
-        else:
-            inherited = self._our_ends(task_writer, result_reader, context.get_start_method())
-            runner = context.Process(target=worker_loop, name=f"shmseq-worker-{info.id}",
-                                     daemon=True, args=(*common, os.getpid(), inherited))
-        handle = _WorkerHandle(info.id, task_writer, result_reader, runner)
-        runner.start()
-        if backend != "thread":
-            task_reader.close()
-            result_writer.close()
+    def _start(self, info: WorkerInfo) -> WorkerHandle:
+        worker, backend, context, worker_init_fn = self._start_args
+        others = [*self._waker.fds(), *consumer_ends(self._workers)]
+        handle = start_worker(worker, info, backend, context, worker_init_fn, self._consumer, others)
+        self._selector.register(handle.results, selectors.EVENT_READ, (self._receive, handle))
+        if handle.sentinel is not None:
+            self._selector.register(handle.sentinel, selectors.EVENT_READ, (self._died, handle))
         return handle
-
-    def _our_ends(self, task_writer, result_reader, start_method: str) -> tuple[int, ...] | None:
-        """The consumer's pipe ends a forked worker inherits, for it to close: once the
-        consumer is gone, nothing may keep its reply pipe open, or a worker blocked on a
-        full pipe would never learn it. None: not forked, nothing inherited."""
-        if start_method != "fork":
-            return None
-        ends = [task_writer.fileno(), result_reader.fileno(), *self._waker.fds()]
-        ends += [end.fileno() for h in self._workers for end in (h.tasks, h.results)]
-        return tuple(ends)
-
-    def _watch(self) -> selectors.BaseSelector:
-        """One selector for the whole run: reply pipes, process sentinels, the waker."""
-        selector = selectors.DefaultSelector()
-        selector.register(self._waker, selectors.EVENT_READ, None)
-        for handle in self._workers:
-            selector.register(handle.results, selectors.EVENT_READ, (self._receive, handle))
-            if handle.sentinel is not None:
-                selector.register(handle.sentinel, selectors.EVENT_READ, (self._report_death, handle))
-        return selector
 
     def use_ring(self, ring: Ring) -> None:
         """Send the ring to every worker; its name is unlinked once they all mapped it."""
@@ -209,12 +138,13 @@ class WorkerPool:
         return all(h.ready and (self.ring is None or h.attached) for h in self._workers)
 
     def which_not_started(self) -> str:
-        late = [h for h in self._workers if not (h.ready and (self.ring is None or h.attached))]
-        return ", ".join(f"worker {h.wid}" + (f" (pid {h.pid})" if h.pid else "") for h in late)
+        return ", ".join(h.describe() for h in self._workers
+                         if not (h.ready and (self.ring is None or h.attached)))
 
     # -- the consumer's thread -----------------------------------------------------------------
-    def pump(self, timeout: float) -> list[Arrival]:
-        """Hand free slots to workers, then wait up to ``timeout`` s for replies: what arrived.
+    def pump(self, timeout: float | None) -> list[Arrival]:
+        """Hand free slots to workers, then wait up to ``timeout`` s (None: until something
+        happens) for replies: what arrived.
 
         Raises what went wrong with a worker (it died, or failed to start)."""
         self.dispatch()
@@ -229,7 +159,7 @@ class WorkerPool:
         for key, _ in ready:
             if key.data is None:
                 self._waker.drain()
-            else:
+            elif self._selector.get_map().get(key.fd) is key:  # not a replaced worker's
                 handler, handle = key.data
                 handler(handle, arrivals)
         self.dispatch()
@@ -251,38 +181,45 @@ class WorkerPool:
             self.stream.advance()
 
     def _send_task(self, item: tuple, slot: int | None) -> bool:
-        """Send a task to the least-busy worker with room; False if none has."""
+        """Send a task to the least-busy worker; False if none takes tasks."""
         seq, indices = item
-        data = encode(("task", seq, slot, indices))
-        ready = [h for h in self._workers if h.accepting and h.has_room(len(data))]
-        if not ready:
-            return False  # busy (their replies come), or gone (their sentinels say why)
-        handle = min(ready, key=lambda h: len(h.open))
-        handle.opened(seq, indices, len(data))
-        self._send(handle, data)
+        open_to = [h for h in self._workers if h.accepting]
+        if not open_to:
+            return False  # gone: their sentinels say why
+        handle = min(open_to, key=lambda h: len(h.open))
+        handle.opened(seq, indices, slot)
+        self._send(handle, encode(("task", seq, slot, indices)))
         return True
 
-    @staticmethod
-    def _send(handle: _WorkerHandle, data: bytes) -> None:
-        try:
-            handle.tasks.send_bytes(data)
-        except OSError:
-            handle.accepting = False  # it died: its sentinel (or last message) tells why
+    def _send(self, handle: WorkerHandle, data: bytes) -> None:
+        """Never blocks: what the pipe cannot take waits until the worker reads."""
+        handle.send(data)
+        if handle.tasks.waiting and handle.tasks.fd not in self._selector.get_map():
+            self._selector.register(handle.tasks.fd, selectors.EVENT_WRITE, (self._flush, handle))
 
-    def _receive(self, handle: _WorkerHandle, arrivals: list[Arrival]) -> None:
+    def _flush(self, handle: WorkerHandle, arrivals: list[Arrival]) -> None:
+        try:
+            handle.tasks.flush()
+        except OSError:
+            handle.accepting = False
+        if not handle.tasks.waiting or not handle.accepting:
+            self._selector.unregister(handle.tasks.fd)
+
+    def _receive(self, handle: WorkerHandle, arrivals: list[Arrival]) -> None:
         """Every reply the worker has sent so far."""
         while True:
             try:
                 data = handle.results.recv_bytes()
             except (EOFError, OSError):
                 self._selector.unregister(handle.results)
+                handle.results.close()
                 handle.results = None  # a dying process: its sentinel tells how
                 return
             self._handle(handle, decode(data), arrivals)
             if not handle.has_reply():
                 return
 
-    def _handle(self, handle: _WorkerHandle, message: tuple, arrivals: list[Arrival]) -> None:
+    def _handle(self, handle: WorkerHandle, message: tuple, arrivals: list[Arrival]) -> None:
         kind = message[0]
         if kind == "done":
             _, seq, slot, size, busy = message
@@ -316,81 +253,116 @@ class WorkerPool:
         if slot is not None:  # None: the probe, which sizes the ring
             self.ring.unused(slot)
 
-    def _report_death(self, handle: _WorkerHandle, arrivals: list[Arrival]) -> None:
+    # -- deaths --------------------------------------------------------------------------------
+    def _died(self, handle: WorkerHandle, arrivals: list[Arrival]) -> None:
+        """A worker process ended unasked: replace it, or say how and on which batch."""
         if handle.has_reply():
             self._receive(handle, arrivals)  # its last words (an init error) explain more
         handle.runner.join(JOIN_SECONDS)  # its sentinel closed: the exit status follows at once
         code = handle.runner.exitcode
         how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
                else f"exited with code {code}")
-        message = f"worker {handle.wid} (pid {handle.pid}) {how}"
-        if handle.open:  # a worker takes its tasks in order: the first one was in progress
-            current, *queued = sorted(handle.open)
-            message += (f" while building batch {current} (sample indices "
-                        f"{_brief(handle.open[current])})")
-            if queued:
-                message += f"; batches {', '.join(map(str, queued))} were queued for it"
-        raise WorkerDied(message, pid=handle.pid, exitcode=code)
+        died = f"{handle.describe()} {how}"
+        if not handle.ready:
+            raise WorkerDied(f"{died} while starting (building its worker object or running "
+                             "worker_init_fn)", pid=handle.pid, exitcode=code)
+        current = min(handle.open, default=None)  # a worker takes its tasks in order
+        if current is not None:
+            died += f" while building batch {current} (sample indices {_brief(handle.open[current][0])})"
+        refusal = self._why_not_restart(current)
+        if refusal is None:
+            self._restart(handle, died, current)
+            return
+        queued = sorted(handle.open)[1:]
+        if queued:
+            died += f"; batches {', '.join(map(str, queued))} were queued for it"
+        raise WorkerDied(died + refusal, pid=handle.pid, exitcode=code)
+
+    def _why_not_restart(self, current: int | None) -> str | None:
+        """None when the dead worker may be replaced, else what to tell the user."""
+        if self._restarts <= 0:
+            used = self.stats.restarts
+            return f" (and worker_restarts={used} were used)" if used else ""
+        if current in self._killers:
+            return ("; that batch had already killed a worker: a batch that kills its worker "
+                    "twice is not sent again")
+        return None
+
+    def _restart(self, dead: WorkerHandle, died: str, current: int | None) -> None:
+        """A new worker with the same id and seed; it gets the ring and the dead one's tasks,
+        in order, so that every batch still arrives once."""
+        self._restarts -= 1
+        self.stats.restarts += 1
+        if current is not None:
+            self._killers.add(current)
+        warn_user(f"{died}: a new worker takes its place and builds its batches again "
+                  f"({self._restarts} more restarts allowed)")
+        self._unwatch(dead)
+        dead.close_pipes()
+        end_workers([dead])
+        handle = self._start(dead.info)
+        self._workers[self._workers.index(dead)] = handle
+        if self.ring is not None:
+            self._send(handle, encode(("ring", self.ring.spec)))
+        for seq, (indices, slot) in sorted(dead.open.items()):
+            handle.opened(seq, indices, slot)
+            self._send(handle, encode(("task", seq, slot, indices)))
+
+    def _unwatch(self, handle: WorkerHandle) -> None:
+        registered = self._selector.get_map()
+        for fileobj in (handle.results, handle.sentinel, handle.tasks.fd):
+            if fileobj is not None and fileobj in registered:
+                self._selector.unregister(fileobj)
 
     def holder_of(self, seq: int) -> str:
         """Which worker is building ``seq``, for timeout messages."""
         for handle in self._workers:
             if seq in handle.open:
-                return f"worker {handle.wid}" + (f" (pid {handle.pid})" if handle.pid else "")
+                return handle.describe()
         return "no worker (it was never dispatched: the ring has no free slot)"
 
     # -- stop ----------------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Stop the workers. Safe to call twice."""
+    def stop(self, grace: float = JOIN_SECONDS) -> None:
+        """Ask the workers to leave after the batch in hand, give them ``grace`` seconds, then
+        kill those still there. Safe to call twice."""
         if self._stopped:
             return
         self._stopped = True
-        for handle in self._workers:
-            self._send(handle, encode(None))
         try:
-            self._drain_until_exited(time.monotonic() + JOIN_SECONDS)
+            for handle in self._workers:
+                self._send(handle, encode(None))
+            self._drain_until_exited(time.monotonic() + grace)
         finally:
             self._selector.close()
             for handle in self._workers:
-                handle.tasks.close()
-                if handle.results is not None:
-                    handle.results.close()
-                self._end(handle)
+                handle.close_pipes()
+            end_workers(self._workers)
 
     def _drain_until_exited(self, deadline: float) -> None:
         """Read and drop late replies, so that no worker blocks on a full pipe while leaving."""
-        selector = self._selector
         while self._still_running() and time.monotonic() < deadline:
-            for key, _ in selector.select(timeout=0.01):
-                handle = key.data[1] if key.data else None
-                if handle is None or key.fileobj is not handle.results:
-                    selector.unregister(key.fileobj)  # the waker, or an exit
-                    continue
-                try:
-                    handle.results.recv_bytes()
-                except (EOFError, OSError):
-                    selector.unregister(handle.results)
-                    handle.results.close()
-                    handle.results = None
+            for key, _ in self._selector.select(timeout=0.01):
+                handler, handle = key.data or (None, None)
+                if handler == self._receive:
+                    self._drain(handle)
+                elif handler == self._flush:
+                    self._flush(handle, [])
+                else:
+                    self._selector.unregister(key.fileobj)  # the waker, or an exit
+
+    def _drain(self, handle: WorkerHandle) -> None:
+        try:
+            handle.results.recv_bytes()
+        except (EOFError, OSError):
+            self._selector.unregister(handle.results)
+            handle.results.close()
+            handle.results = None
 
     def _still_running(self) -> bool:
         """Processes until their sentinel fired (it stays registered until then); live threads."""
         registered = self._selector.get_map()
         return any(h.runner.is_alive() if h.sentinel is None else h.sentinel in registered
                    for h in self._workers)
-
-    @staticmethod
-    def _end(handle: _WorkerHandle) -> None:
-        """Kill a process that did not leave in time; a thread cannot be killed, so say so."""
-        if isinstance(handle.runner, threading.Thread):
-            if handle.runner.is_alive():
-                warn_user(f"worker thread {handle.wid} is still inside the worker's code after "
-                          f"{JOIN_SECONDS} s and cannot be stopped: it is left to finish alone")
-            return
-        if handle.runner.is_alive():
-            handle.runner.kill()
-        handle.runner.join(JOIN_SECONDS)
-        handle.runner.close()
 
 
 def _brief(indices) -> str:

@@ -42,6 +42,7 @@ import numpy as np
 import posix_ipc
 
 from .errors import SharedMemoryFull, ShmSeqError
+from .lifeline import ProcessId
 
 PAGE = mmap.PAGESIZE
 SHM_DIR = "/dev/shm"
@@ -50,10 +51,13 @@ _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class RingSpec(NamedTuple):
-    """What a worker needs to attach the ring (picklable)."""
+    """What a worker needs to attach the ring (picklable): its name while it has one, then
+    the consumer's descriptor of it (for workers that replace dead ones)."""
     name: str
     n_slots: int
     slot_bytes: int
+    owner_pid: int = -1
+    owner_fd: int = -1
 
     @property
     def stride(self) -> int:
@@ -113,6 +117,16 @@ def drop_inherited_rings() -> None:
         os.close(null)
 
 
+def remove_orphans() -> None:
+    """Unlink the rings whose consumer died before it could (a kill in its first
+    milliseconds): their names carry a pid and start time no running process has."""
+    for entry in os.listdir(SHM_DIR):
+        parts = entry[len(NAME_PREFIX):].split("-") if entry.startswith(NAME_PREFIX) else ()
+        if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
+            if not ProcessId(int(parts[0]), int(parts[1])).alive():
+                unlink_segment("/" + entry)
+
+
 def _open_segment(name: str, flags: int = 0):
     return posix_ipc.SharedMemory(name, flags, mode=0o600)
 
@@ -129,11 +143,18 @@ class WorkerRing:
     """A worker's mapping of the ring: the slots it writes."""
 
     def __init__(self, spec: RingSpec):
-        segment = _open_segment(spec.name)
         try:
-            self._memory = mmap.mmap(segment.fd, spec.total_bytes, flags=_MAP_FLAGS)
+            segment = _open_segment(spec.name)
+            fd, close = segment.fd, segment.close_fd
+        except posix_ipc.ExistentialError:  # unlinked: every first worker mapped it
+            if spec.owner_pid < 0:
+                raise
+            fd = os.open(f"/proc/{spec.owner_pid}/fd/{spec.owner_fd}", os.O_RDWR)
+            close = functools.partial(os.close, fd)
+        try:
+            self._memory = mmap.mmap(fd, spec.total_bytes, flags=_MAP_FLAGS)
         finally:
-            segment.close_fd()
+            close()
         self.spec = spec
         self._array = np.frombuffer(self._memory, np.uint8)
 
@@ -186,9 +207,10 @@ def _lease_died(events: queue.SimpleQueue, wake: Callable[[], None], fence, slot
 class Ring:
     """The consumer's mapping of the ring, and the state of every slot."""
 
-    def __init__(self, spec: RingSpec, memory: mmap.mmap, *, wake: Callable[[], None]):
+    def __init__(self, spec: RingSpec, memory: mmap.mmap, segment, *, wake: Callable[[], None]):
         self.spec = spec
         self._memory = memory
+        self._segment = segment  # its descriptor stays open: replacement workers map it
         self._array = np.frombuffer(memory, np.uint8)
         self._states = [FREE] * spec.n_slots
         self._free = list(range(spec.n_slots - 1, -1, -1))
@@ -201,26 +223,32 @@ class Ring:
 
     @classmethod
     def create(cls, n_slots: int, slot_bytes: int, **options) -> "Ring":
-        """A new ring, allocated and faulted in; ``SharedMemoryFull`` when /dev/shm is short."""
-        spec = RingSpec(f"/{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}", n_slots, slot_bytes)
+        """A new ring, allocated and faulted in; ``SharedMemoryFull`` when /dev/shm is short.
+
+        Its name carries this process's pid and start time, by which ``remove_orphans``
+        knows a ring whose consumer was killed before it could unlink it."""
+        remove_orphans()
+        me = ProcessId.of(os.getpid())
+        name = f"/{NAME_PREFIX}{me.pid}-{me.started}-{secrets.token_hex(6)}"
+        size = RingSpec(name, n_slots, slot_bytes).total_bytes
         free = shm_free_bytes()
-        if spec.total_bytes > free:
-            raise _refuse_space(spec.total_bytes, free)
-        segment = _open_segment(spec.name, posix_ipc.O_CREX)
+        if size > free:
+            raise _refuse_space(size, free)
+        segment = _open_segment(name, posix_ipc.O_CREX)
         try:
             try:
-                os.posix_fallocate(segment.fd, 0, spec.total_bytes)
+                os.posix_fallocate(segment.fd, 0, size)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                    raise _refuse_space(spec.total_bytes, shm_free_bytes()) from exc
+                    raise _refuse_space(size, shm_free_bytes()) from exc
                 raise
-            memory = mmap.mmap(segment.fd, spec.total_bytes, flags=_MAP_FLAGS)
+            memory = mmap.mmap(segment.fd, size, flags=_MAP_FLAGS)
         except BaseException:
             segment.unlink()
-            raise
-        finally:
             segment.close_fd()
-        return cls(spec, memory, **options)
+            raise
+        spec = RingSpec(name, n_slots, slot_bytes, me.pid, segment.fd)
+        return cls(spec, memory, segment, **options)
 
     @property
     def address(self) -> int:
@@ -345,6 +373,7 @@ class Ring:
         Leases still alive stop reporting back: nothing is left to free their slots to."""
         self.finish_copies()
         self.unlink()
+        self._segment.close_fd()
         self._leases = [None] * self.spec.n_slots
         self._array = None
         memory, self._memory = self._memory, None

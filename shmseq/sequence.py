@@ -8,6 +8,7 @@ finalizer at once, without the garbage collector. ``finish()`` closes it from an
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing
 import numbers
 import os
@@ -19,15 +20,18 @@ import numpy as np
 
 from .convert import OrderedOutput, Route
 from .devices import OUT_TYPES, make_device, resolve_out_type, torch_available
-from .errors import BatchTimeout, ShmSeqError
+from .errors import BatchTimeout, PipelineClosed, ShmSeqError
 from .layout import encode_batch, read_batch
 from .plan import BatchStream, EpochPlan, as_index_array
 from .pool import Arrival, Waker, WorkerPool
+from .worker_handle import JOIN_SECONDS
 from .ring import Ring
 from .stats import LoaderStats
 from .workers import build_batch, make_worker, slot_bytes_for
 
 THREAD_TYPES = ("proc", "thread")
+MAX_TIMEOUT = 2_147_483  # seconds: the most select() takes (a 32-bit count of milliseconds)
+ERROR_GRACE = 0.2  # seconds workers get to leave once a failure was raised, before they are killed
 TEST_MODES = ("default", "cpu", "numpy")
 
 
@@ -51,6 +55,22 @@ def _check_out_type(out_type) -> None:
                          f"got {out_type!r}")
 
 
+def _check_timeout(timeout) -> float | None:
+    """Seconds to wait for a batch; None (given as None or inf): as long as it takes."""
+    if timeout is None or (isinstance(timeout, numbers.Real) and timeout == math.inf):
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (
+            0 < timeout <= MAX_TIMEOUT):
+        raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:,}], or None "
+                         f"(or inf) to wait as long as it takes, got {timeout!r}")
+    return float(timeout)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (a ``time.monotonic()`` value); None: no deadline."""
+    return None if deadline is None else deadline - time.monotonic()
+
+
 def _check_worker(worker) -> None:
     if not (hasattr(worker, "__getitem__") or hasattr(worker, "fill_batch")):
         raise TypeError(f"worker must be a class or an object with __getitem__(indices) "
@@ -71,9 +91,11 @@ class ShmSequence:
     def __init__(self, worker, dset_size, *, batch_size: int = 32, slot_bytes: int | None = None,
                  buffer: int = 10, num_workers: int = 4, num_converters: int | None = None,
                  shuffle: bool = True, seed: int | None = None, thread_type: str = "proc",
-                 out_type: str = "cuda", start_method: str | None = None, timeout: float = 120.0,
+                 out_type: str = "cuda", start_method: str | None = None,
+                 timeout: float | None = 120.0,
                  last_batch: str = "keep", pin_memory: bool | None = None, pin_device_id: int = 0,
-                 rank: int | None = None, world_size: int | None = None, worker_init_fn=None):
+                 rank: int | None = None, world_size: int | None = None, worker_init_fn=None,
+                 worker_restarts: int = 0):
         _check_worker(worker)
         _check_int("batch_size", batch_size, 1)
         _check_int("buffer", buffer, 1)
@@ -82,11 +104,14 @@ class ShmSequence:
         _check_int("slot_bytes", slot_bytes, 1, optional=True)
         _check_int("seed", seed, 0, optional=True)
         _check_int("pin_device_id", pin_device_id, 0)
+        _check_int("worker_restarts", worker_restarts, 0)
+        if worker_restarts and thread_type == "thread":
+            raise ValueError(f"worker_restarts={worker_restarts} replaces worker processes that "
+                             "die, but thread_type='thread' runs none: use thread_type='proc'")
         _check_choice("thread_type", thread_type, THREAD_TYPES)
         _check_choice("start_method", start_method, (None, *multiprocessing.get_all_start_methods()))
         _check_out_type(out_type)
-        if not isinstance(timeout, numbers.Real) or timeout <= 0:
-            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        self.timeout = _check_timeout(timeout)
         self.worker = worker
         self.seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else int(seed)
         self._plan = self._make_plan(dset_size, batch_size, shuffle, last_batch, rank, world_size)
@@ -96,10 +121,10 @@ class ShmSequence:
         self.num_workers = num_workers
         self.thread_type = thread_type
         self.start_method = start_method
-        self.timeout = float(timeout)
         self.out_type = resolve_out_type(out_type)
         self.pin_memory = pin_memory
         self.pin_device_id = pin_device_id
+        self.worker_restarts = worker_restarts
         # MDNC's default: for CUDA output, the number of streams batches are copied on.
         self.num_converters = num_converters or max(num_workers // 4, min(num_workers, 4), 1)
         self.epoch = 0                   # the epoch the next iteration starts
@@ -307,6 +332,7 @@ class _Pipeline:
         self.device = None
         self._turn = threading.RLock()  # held by the consumer while it takes a batch
         self._closed = False
+        self._broken = False  # a failure was raised: workers get no time to finish politely
         self.waker = Waker()
         self.output = OrderedOutput()
         self.stream = BatchStream(self.plan, seq.epoch, seq._resume_at)
@@ -317,21 +343,23 @@ class _Pipeline:
             self.pool = WorkerPool(seq.worker, num_workers=seq.num_workers, backend=seq.thread_type,
                                    context=multiprocessing.get_context(seq.start_method),
                                    stream=self.stream, waker=self.waker, stats=self.stats,
-                                   seed=seq.seed, worker_init_fn=seq.worker_init_fn)
+                                   seed=seq.seed, worker_init_fn=seq.worker_init_fn,
+                                   restarts=seq.worker_restarts)
             if seq.slot_bytes is not None and self.plan.has_batches():
                 self._make_ring(seq.slot_bytes)
             self._start(seq.timeout)
         except BaseException:
+            self._broken = True
             self.close()
             raise
 
-    def _start(self, timeout: float) -> None:
+    def _start(self, timeout: float | None) -> None:
         """Return once every worker built its worker object and mapped the ring (whose name
         is then unlinked), and the probe batch sized the ring if it had to."""
-        deadline = time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not self.pool.started() or (self.ring is None and self.stream.peek() is not None):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            remaining = _remaining(deadline)
+            if remaining is not None and remaining <= 0:
                 raise ShmSeqError(f"the workers did not start within timeout={timeout} s: "
                                   f"{self.pool.which_not_started() or 'the probe batch is late'}")
             self._pump(remaining)
@@ -342,7 +370,7 @@ class _Pipeline:
         self.device.attach(self.ring)
         self.pool.use_ring(self.ring)
 
-    def _pump(self, timeout: float) -> None:
+    def _pump(self, timeout: float | None) -> None:
         for arrival in self.pool.pump(timeout):
             if self.ring is None:
                 self._sized_by(arrival)
@@ -373,21 +401,27 @@ class _Pipeline:
     def take(self, seq: int, epoch: int, position: int):
         """Batch ``seq``: from the output if it is there, else once the pool brings it."""
         with self._turn:
-            delivery = self.output.pop(seq)  # raises once the pipeline is closed
-            if self.ring is not None:
-                self.ring.collect()  # slots freed, and copies failed, in other threads
-            if delivery is None:
-                delivery = self._wait_for(seq, epoch, position)
-            elif self.ring.has_free():
-                self.pool.dispatch()  # keep the workers busy while batches wait here
-            return self.route.hand_over(seq, delivery)
+            try:
+                delivery = self.output.pop(seq)  # raises once the pipeline is closed
+                if self.ring is not None:
+                    self.ring.collect()  # slots freed, and copies failed, in other threads
+                if delivery is None:
+                    delivery = self._wait_for(seq, epoch, position)
+                elif self.ring.has_free():
+                    self.pool.dispatch()  # keep the workers busy while batches wait here
+                return self.route.hand_over(seq, delivery)
+            except PipelineClosed:
+                raise
+            except BaseException:
+                self._broken = True  # report first: the workers are then stopped at once
+                raise
 
     def _wait_for(self, seq: int, epoch: int, position: int):
         began = time.perf_counter()
-        deadline = began + self.timeout
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         while True:
-            remaining = deadline - time.perf_counter()
-            if remaining <= 0:
+            remaining = _remaining(deadline)
+            if remaining is not None and remaining <= 0:
                 self._timed_out(seq, epoch, position)
             try:
                 self._pump(remaining)
@@ -428,7 +462,7 @@ class _Pipeline:
                 if self.ring is not None:
                     steps.callback(self.ring.finish_copies)
                 if self.pool is not None:
-                    steps.callback(self.pool.stop)
+                    steps.callback(self.pool.stop, ERROR_GRACE if self._broken else JOIN_SECONDS)
                 steps.callback(self.output.clear)
 
 

@@ -14,7 +14,10 @@ class LoaderStats:
     worker_busy_s: float = 0.0    # time workers spent building batches, summed over workers
     consumer_wait_s: float = 0.0  # time the consumer spent waiting for a batch
     overflow_count: int = 0       # batches too large for their slot (sent through the pipe)
+    largest_overflow_bytes: int = 0  # the largest of those
+    suggested_slot_bytes: int | None = None  # a slot_bytes that fits them all (with headroom)
     copy_out_count: int = 0       # batches copied out because the consumer held the ring
+    restarts: int = 0             # workers that died and were replaced (worker_restarts)
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -30,5 +33,7 @@ class LoaderStats:
     def as_dict(self) -> dict:
         return {"batches": self.batches, "bytes": self.bytes, "worker_busy_s": self.worker_busy_s,
                 "consumer_wait_s": self.consumer_wait_s, "overflow_count": self.overflow_count,
-                "copy_out_count": self.copy_out_count, "elapsed_s": self.elapsed_s,
-                "stall_fraction": self.stall_fraction}
+                "largest_overflow_bytes": self.largest_overflow_bytes,
+                "suggested_slot_bytes": self.suggested_slot_bytes,
+                "copy_out_count": self.copy_out_count, "restarts": self.restarts,
+                "elapsed_s": self.elapsed_s, "stall_fraction": self.stall_fraction}

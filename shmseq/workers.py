@@ -10,11 +10,12 @@ pipes is ``pool.py``.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import pickle
 import random
-import signal
+import select
 import struct
 import sys
 import threading
@@ -26,9 +27,9 @@ import numpy as np
 
 from .errors import WorkerError
 from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
+from .lifeline import Lifeline, ProcessId
 from .ring import PAGE, WorkerRing, drop_inherited_rings, unlink_segment
 
-PARENT_POLL_SECONDS = 0.5
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _KEEP_BYTES = 256 << 20
 SLOT_HEADROOM = 1.25
@@ -92,21 +93,6 @@ def _run_task(worker_obj, ring: WorkerRing | None, seq: int, slot: int | None, i
         return ("overflow", seq, slot, payload, time.perf_counter() - began)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
         return ("error", seq, slot, describe_exception(exc))
-
-
-def _parent_alive(parent_pid: int | None) -> bool:
-    """Whether the consumer still runs (its pid exists and is no zombie).
-
-    Not ``getppid()`` alone: under forkserver a worker's parent is the fork server.
-    """
-    if parent_pid is None or os.getppid() == parent_pid:
-        return True
-    try:
-        with open(f"/proc/{parent_pid}/stat", "rb") as stat:
-            state = stat.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in (b"Z", b"X")
 
 
 class WorkerInfo(NamedTuple):
@@ -191,60 +177,90 @@ def decode(data: bytes):
     return pickle.loads(memoryview(data)[1:])
 
 
-def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn, parent_pid: int | None,
-                inherited_fds: tuple[int, ...] | None) -> None:
-    """The body of a worker, process or thread. ``parent_pid`` is set in processes;
-    ``inherited_fds`` (set when forked) are the consumer's pipe ends the worker inherited."""
-    if parent_pid is not None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
-    if inherited_fds is not None:
-        for fd in inherited_fds:
-            os.close(fd)
-        drop_inherited_rings()  # other sequences' rings: this worker maps its own only
+class ProcessTies(NamedTuple):
+    """What a worker process needs to follow its consumer (see lifeline.py)."""
+    consumer: ProcessId
+    die_with_parent: bool               # the parent is the consumer's main thread or the fork server
+    inherited_fds: tuple[int, ...] | None  # forked: the consumer's pipe ends, to close
+
+
+class _Inbox:
+    """The task pipe, read ahead: a stop request overtakes the tasks queued before it, so that
+    a worker asked to stop leaves after the batch in hand."""
+
+    def __init__(self, tasks):
+        self.tasks = tasks
+        self._queued: collections.deque = collections.deque()
+        self._readable = select.poll()
+        self._readable.register(tasks.fileno(), select.POLLIN)
+
+    def next(self):
+        """The next message; None when asked to stop. Raises EOFError once the pipe closed."""
+        if not self._queued:
+            self._queued.append(decode(self.tasks.recv_bytes()))
+        while self._readable.poll(0):
+            self._queued.append(decode(self.tasks.recv_bytes()))
+        return None if None in self._queued else self._queued.popleft()
+
+
+class _Orphan:
+    """What a worker cleans up when its consumer died first: the ring's name, if the consumer
+    did not live to unlink it (it does once every worker mapped the ring)."""
+
+    def __init__(self, tasks):
+        self.tasks = tasks
+        self.ring_name: str | None = None
+
+    def clean(self) -> None:
+        try:
+            while self.ring_name is None and self.tasks.poll(0):  # a ring not read yet
+                message = decode(self.tasks.recv_bytes())
+                if message is not None and message[0] == "ring":
+                    self.ring_name = message[1].name
+        except (EOFError, OSError):
+            pass
+        if self.ring_name is not None:
+            unlink_segment(self.ring_name)
+
+
+def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
+                ties: ProcessTies | None) -> None:
+    """The body of a worker, process or thread (``ties`` is set in processes)."""
+    orphan = _Orphan(tasks)
+    lifeline = None
+    if ties is not None:
+        lifeline = Lifeline(ties.consumer, ties.die_with_parent, orphan.clean)
+        if ties.inherited_fds is not None:
+            for fd in ties.inherited_fds:
+                os.close(fd)
+            drop_inherited_rings()  # other sequences' rings: this worker maps its own only
     try:
-        _set_up(info, parent_pid is not None, worker_init_fn)
+        _set_up(info, ties is not None, worker_init_fn)
         worker_obj = make_worker(worker)
     except BaseException as exc:  # noqa: BLE001
         results.send_bytes(encode(("init_error", info.id, describe_exception(exc))))
         return
     ring = None
+    inbox = _Inbox(tasks)
     try:
         results.send_bytes(encode(("ready", info.id)))
-        while True:
-            while not tasks.poll(PARENT_POLL_SECONDS):
-                if not _parent_alive(parent_pid):
-                    return
-            message = decode(tasks.recv_bytes())
-            if message is None:
-                return
+        while (message := inbox.next()) is not None:
             if message[0] == "ring":
                 ring = WorkerRing(message[1])
+                orphan.ring_name = ring.spec.name
                 results.send_bytes(encode(("attached", info.id)))
+                if lifeline is not None:
+                    lifeline.bind()
             else:
                 _, seq, slot, indices = message
                 results.send_bytes(encode(_run_task(worker_obj, ring, seq, slot, indices)))
     except (EOFError, OSError):
         return  # the consumer closed the pipes: it is shutting down, or gone
     finally:
-        if not _parent_alive(parent_pid):
-            _unlink_orphaned_ring(ring, tasks)
+        if lifeline is not None and not lifeline.consumer_alive():
+            orphan.clean()
         if ring is not None:
             ring.close()
-
-
-def _unlink_orphaned_ring(ring: WorkerRing | None, tasks) -> None:
-    """The consumer died before it could unlink its ring's name (it does once every worker
-    mapped the ring): do it for it, even when this worker had not read the ring yet."""
-    name = ring.spec.name if ring is not None else None
-    try:
-        while name is None and tasks.poll(0):
-            message = decode(tasks.recv_bytes())
-            if message is not None and message[0] == "ring":
-                name = message[1].name
-    except (EOFError, OSError):
-        pass
-    if name is not None:
-        unlink_segment(name)
 
 
 def check_picklable(what: str, value, start_method: str, fix: str) -> None:

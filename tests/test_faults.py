@@ -151,13 +151,24 @@ def test_not_enough_shared_memory_is_refused_at_start(monkeypatch, slot_bytes):
     ({"out_type": "gpu"}, "out_type must be .* got 'gpu'"),
     ({"thread_type": "fiber"}, "thread_type must be one of 'proc', 'thread', got 'fiber'"),
     ({"start_method": "vfork"}, "start_method must be one of .* got 'vfork'"),
-    ({"timeout": 0}, "timeout must be a number of seconds > 0, got 0"),
+    ({"timeout": 0}, r"timeout must be a number of seconds in \(0, 2,147,483\].*got 0"),
+    ({"timeout": float("nan")}, "timeout must be .*got nan"),
+    ({"timeout": 3e6}, "timeout must be .*or None .*got 3000000.0"),
+    ({"timeout": -float("inf")}, "timeout must be .*got -inf"),
     ({"dset_size": -5}, "dset_size must be >= 0, got -5"),
+    ({"dset_size": 2**70}, "dset_size=1,180,591,620,717,411,303,424 is more samples than can be"),
+    ({"dset_size": 10.0}, "dset_size must be an int .* got float 10.0"),
     ({"dset_size": np.zeros((3, 2), int)}, r"dset_size .* must be 1-D, got shape \(3, 2\)"),
 ])
 def test_bad_arguments_fail_at_construction(options, message):
     with pytest.raises((ValueError, TypeError), match=message):
         make(**options)
+
+
+@pytest.mark.parametrize("timeout", [None, float("inf")])
+def test_no_timeout_waits_as_long_as_it_takes(timeout):
+    with make(Slow(0.01), timeout=timeout).start() as seq:
+        assert seq.timeout is None and len(list(b.copy() for b in seq)) == 10
 
 
 def test_a_worker_without_getitem_is_refused():

@@ -20,7 +20,8 @@ def test_index_array_from_int_and_array():
 
 
 @pytest.mark.parametrize("bad, error", [(-1, ValueError), (np.zeros((2, 2), int), ValueError),
-                                        (np.array([0.5]), TypeError), ("abc", ValueError)])
+                                        (np.array([0.5]), TypeError), ("abc", TypeError),
+                                        (10.0, TypeError), (2**70, ValueError)])
 def test_index_array_rejects(bad, error):
     with pytest.raises(error, match="dset_size"):
         as_index_array(bad)

@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 import textwrap
@@ -115,16 +116,19 @@ def test_keeping_every_batch_neither_deadlocks_nor_corrupts():
 
 
 @pytest.mark.parametrize("backend", ["proc", "thread"])
-def test_oversize_batches_arrive_intact_and_name_a_slot_size(backend):
-    sizes = [1000, 50_000, 1000, 200_000]
-    with make(SizedWorker(sizes), dset_size=16, batch_size=1, slot_bytes=8192,
+def test_oversize_batches_arrive_intact_and_name_a_slot_size_that_fits_them_all(backend):
+    sizes = [1000, 50_000, 1000, 200_000, 1000, 210_000]
+    with make(SizedWorker(sizes), dset_size=18, batch_size=1, slot_bytes=8192,
               thread_type=backend).start() as seq:
         with pytest.warns(RuntimeWarning, match=r"slot_bytes=\d+") as caught:
             batches = [(data.copy(), labels.copy()) for data, labels in seq]
-    assert len([w for w in caught if "overflow" in str(w.message)]) == 1
-    assert seq.stats.overflow_count == 8
+    suggested = [int(re.search(r"slot_bytes=(\d+)", str(w.message))[1]) for w in caught
+                 if "overflow" in str(w.message)]
+    assert len(suggested) == 2 and suggested[-1] >= 200_000  # 210,000 fits the second advice
+    assert seq.stats.overflow_count == 9 and seq.stats.largest_overflow_bytes > 210_000
+    assert seq.stats.suggested_slot_bytes == suggested[-1] > seq.stats.largest_overflow_bytes
     for k, (data, labels) in enumerate(batches):
-        assert len(data) == sizes[k % 4] and (data == k % 256).all() and labels.tolist() == [k]
+        assert len(data) == sizes[k % 6] and (data == k % 256).all() and labels.tolist() == [k]
 
 
 def test_auto_sized_slots_fit_the_batches():

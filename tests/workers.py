@@ -150,3 +150,23 @@ class ListWorker:
 
     def __getitem__(self, indices):
         return [int(i) for i in indices]
+
+
+class KillOnce:
+    """SIGKILLs its own process when it meets any sample of ``at``, once per sample: a marker
+    file under ``marks`` remembers it across the replacement workers."""
+
+    def __init__(self, marks, at, size=8):
+        self.marks, self.at, self.size = str(marks), set(at), size
+
+    def __getitem__(self, indices):
+        import os
+        import signal
+        for sample in self.at.intersection(indices.tolist()):
+            mark = os.path.join(self.marks, str(sample))
+            if not os.path.exists(mark):
+                open(mark, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+        images = np.empty((len(indices), self.size, self.size, 3), np.uint8)
+        images[:] = (indices % 251).astype(np.uint8)[:, None, None, None]
+        return images, indices.astype(np.int64)

@@ -1,0 +1,99 @@
+"""How a worker process follows its consumer: it never outlives it by more than a second.
+
+A worker process may be anywhere when its consumer dies: between tasks, inside a 30-second
+``__getitem__``, hung. So the check is not left to the worker's loop:
+
+* a watchdog thread in each worker polls the consumer (its pid *and* its start time, so a
+  recycled pid is not taken for it; not the parent pid, which under forkserver is the fork
+  server) every ``WATCH_SECONDS`` and, once it is gone, unlinks the ring's name if the
+  consumer died before it could, then ends the process;
+* once the worker holds the ring, and when its parent is the consumer's main thread (or the
+  fork server), the kernel is asked to kill it with its parent (``PR_SET_PDEATHSIG``), which
+  also covers code that holds the GIL.
+
+Ctrl-C belongs to the consumer: SIGINT is blocked while workers start (a spawned worker would
+otherwise print a ``KeyboardInterrupt`` from its bootstrap) and ignored in workers.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import threading
+import time
+from typing import Callable, Iterator, NamedTuple
+
+WATCH_SECONDS = 0.1
+_PR_SET_PDEATHSIG = 1
+
+
+class ProcessId(NamedTuple):
+    """A process as it cannot be mistaken for another: its pid and its start time."""
+    pid: int
+    started: int
+
+    @classmethod
+    def of(cls, pid: int) -> "ProcessId | None":
+        started = _start_time(pid)
+        return None if started is None else cls(pid, started)
+
+    def alive(self) -> bool:
+        return _start_time(self.pid) == self.started
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot; None if gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+@contextlib.contextmanager
+def sigint_held() -> Iterator[None]:
+    """Hold Ctrl-C back while workers start: they inherit the blocked signal (through exec
+    too) and ignore it; the consumer gets it as soon as they are started."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+class Lifeline:
+    """A worker process's tie to its consumer (created first thing in the worker)."""
+
+    def __init__(self, consumer: ProcessId, die_with_parent: bool, on_orphaned: Callable[[], None]):
+        self.consumer = consumer
+        self.die_with_parent = die_with_parent
+        self._on_orphaned = on_orphaned
+        self._parent = os.getppid()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        threading.Thread(target=self._watch, name="shmseq-lifeline", daemon=True).start()
+
+    def consumer_alive(self) -> bool:
+        return self.consumer.alive()
+
+    def _watch(self) -> None:
+        while self.consumer.alive():
+            time.sleep(WATCH_SECONDS)
+        try:
+            self._on_orphaned()
+        finally:
+            os._exit(0)
+
+    def bind(self) -> None:
+        """From now on, die with the parent process (when it is the consumer's main thread or
+        the fork server: ``PR_SET_PDEATHSIG`` follows the thread that forked)."""
+        if not self.die_with_parent:
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != self._parent:  # the parent died before the request took effect
+            os._exit(0)

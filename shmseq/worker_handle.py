@@ -1,0 +1,165 @@
+"""One worker as the consumer sees it: how it starts, its pipes, its open tasks, how it ends."""
+from __future__ import annotations
+
+import os
+import select
+import struct
+import threading
+from multiprocessing import connection
+from typing import Iterable
+
+import numpy as np
+
+from .errors import warn_user
+from .lifeline import ProcessId, sigint_held
+from .workers import ProcessTies, WorkerInfo, worker_loop
+
+JOIN_SECONDS = 3.0
+_FRAME = struct.Struct("!i")  # multiprocessing.Connection's message header
+
+
+class TaskPipe:
+    """The consumer's end of a worker's task pipe, which never blocks: what the pipe cannot
+    take now (Linux may give a busy user's pipes one page) waits here and goes out as the
+    worker reads. Messages are framed as ``Connection.send_bytes`` frames them."""
+
+    def __init__(self, writer: connection.Connection):
+        self._writer = writer
+        self.fd = writer.fileno()
+        os.set_blocking(self.fd, False)
+        self._pending = bytearray()
+
+    @property
+    def waiting(self) -> bool:
+        """Whether bytes wait for the pipe to have room."""
+        return bool(self._pending)
+
+    def send(self, data: bytes) -> None:
+        self._pending += _FRAME.pack(len(data))
+        self._pending += data
+        self.flush()
+
+    def flush(self) -> None:
+        """Write what the pipe takes now. Raises OSError when the worker is gone."""
+        while self._pending:
+            try:
+                written = os.write(self.fd, self._pending)
+            except BlockingIOError:
+                return
+            del self._pending[:written]
+
+    def close(self) -> None:
+        self._writer.close()
+        self.fd = -1
+
+
+class WorkerHandle:
+    """A worker process or thread, its pipes, and the tasks it has not finished."""
+
+    def __init__(self, info: WorkerInfo, tasks: TaskPipe, results: connection.Connection, runner):
+        self.info = info
+        self.tasks = tasks
+        self.results: connection.Connection | None = results
+        self.runner = runner
+        self.open: dict[int, tuple[np.ndarray, int | None]] = {}  # seq -> (indices, slot), as sent
+        self.ready = False        # its worker object is built
+        self.attached = False     # it maps the ring
+        self.accepting = True     # its task pipe is open
+        self._replies = select.poll()  # Connection.poll() would build a selector per call
+        self._replies.register(results.fileno(), select.POLLIN)
+
+    @property
+    def wid(self) -> int:
+        return self.info.id
+
+    @property
+    def pid(self) -> int | None:
+        return getattr(self.runner, "pid", None)
+
+    @property
+    def sentinel(self) -> int | None:
+        return getattr(self.runner, "sentinel", None)
+
+    def describe(self) -> str:
+        return f"worker {self.wid}" + (f" (pid {self.pid})" if self.pid else "")
+
+    def has_reply(self) -> bool:
+        """Whether a reply (or the pipe's end) can be read without waiting."""
+        return self.results is not None and bool(self._replies.poll(0))
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.tasks.send(data)
+        except OSError:
+            self.accepting = False  # it died: its sentinel (or last message) tells why
+
+    def opened(self, seq: int, indices, slot: int | None) -> None:
+        self.open[seq] = (indices, slot)
+
+    def closed(self, seq: int):
+        """The task ``seq`` is done (or failed): its indices."""
+        indices, _ = self.open.pop(seq, (None, None))
+        return indices
+
+    def close_pipes(self) -> None:
+        self.tasks.close()
+        if self.results is not None:
+            self.results.close()
+            self.results = None
+
+
+def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn,
+                 consumer: ProcessId, other_ends: list[int]) -> WorkerHandle:
+    """A new worker thread or process. A process follows ``consumer`` (lifeline.py); forked,
+    it closes the consumer's descriptors it inherits: its own pipes' consumer ends and
+    ``other_ends``."""
+    task_reader, task_writer = connection.Pipe(duplex=False)
+    result_reader, result_writer = connection.Pipe(duplex=False)
+    name = f"shmseq-worker-{info.id}"
+    if backend == "thread":
+        args = (worker, task_reader, result_writer, info, worker_init_fn, None)
+        runner = threading.Thread(target=worker_loop, name=name, daemon=True, args=args)
+        runner.start()
+    else:
+        method = context.get_start_method()
+        ties = ProcessTies(
+            consumer, die_with_parent=(method == "forkserver"
+                                       or threading.current_thread() is threading.main_thread()),
+            inherited_fds=((task_writer.fileno(), result_reader.fileno(), *other_ends)
+                           if method == "fork" else None))
+        args = (worker, task_reader, result_writer, info, worker_init_fn, ties)
+        runner = context.Process(target=worker_loop, name=name, daemon=True, args=args)
+        with sigint_held():  # a Ctrl-C now is the consumer's, not the starting worker's
+            runner.start()
+        task_reader.close()
+        result_writer.close()
+    return WorkerHandle(info, TaskPipe(task_writer), result_reader, runner)
+
+
+def consumer_ends(handles: Iterable[WorkerHandle]) -> list[int]:
+    """The descriptors of the consumer's pipe ends to these workers."""
+    ends = []
+    for handle in handles:
+        if handle.tasks.fd >= 0:
+            ends.append(handle.tasks.fd)
+        if handle.results is not None:
+            ends.append(handle.results.fileno())
+    return ends
+
+
+def end_workers(handles: Iterable[WorkerHandle]) -> None:
+    """Kill every process that did not leave in time, then reap them; a thread cannot be
+    killed, so say so."""
+    handles = list(handles)
+    for handle in handles:
+        if not isinstance(handle.runner, threading.Thread) and handle.runner.is_alive():
+            handle.runner.kill()
+    for handle in handles:
+        if isinstance(handle.runner, threading.Thread):
+            if handle.runner.is_alive():
+                warn_user(f"worker thread {handle.wid} is still inside the worker's code and "
+                          "cannot be stopped (a thread cannot be killed): it leaves once that "
+                          "code returns")
+            continue
+        handle.runner.join(JOIN_SECONDS)
+        handle.runner.close()
