@@ -111,7 +111,7 @@ class Route:
         batch, copy = self.device.convert(views)
         if copy is not None and slot is not None:
             self.ring.track_copy(slot, functools.partial(self.device.wait, copy))
-        arrays = iter_arrays(views)
+        arrays = iter_arrays(views, _array_types())
         return Delivery(batch, copy, slot is not None and copy is None and bool(arrays),
                         0 if payload is None else len(payload), sum(a.nbytes for a in arrays))
 

@@ -7,10 +7,11 @@ so there is no intermediate batch array and no pickling of the batch.
 from __future__ import annotations
 
 import multiprocessing
+import sys
 
 import numpy as np
 
-from .layout import SlotAllocator, as_ndarray
+from .layout import SlotAllocator, as_ndarray, is_tensor
 from .plan import SamplerPlan
 from .samplers import BatchSampler, RandomSampler, SequentialSampler
 from .sequence import ShmSequence
@@ -29,6 +30,8 @@ def default_batchify(samples: list, out: SlotAllocator | None = None):
         return tuple(default_batchify(list(field), out) for field in zip(*samples))
     if isinstance(first, dict):
         return {key: default_batchify([s[key] for s in samples], out) for key in first}
+    if is_tensor(first) and as_ndarray(first) is None:  # a dtype numpy lacks (bfloat16)
+        return sys.modules["torch"].stack(samples)
     arrays = [as_ndarray(s) for s in samples]
     if arrays[0] is None and isinstance(first, (bool, int, float, complex, np.generic)):
         arrays = [np.asarray(s) for s in samples]

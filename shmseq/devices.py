@@ -76,6 +76,8 @@ def resolve_out_type(out_type: str) -> str:
 
 def _to_torch(array: np.ndarray):
     import torch
+    if not array.dtype.isnative:  # torch holds native byte order only: a copy, in native order
+        array = array.astype(array.dtype.newbyteorder("="))
     try:
         return torch.from_numpy(array)
     except TypeError:  # a dtype torch lacks (strings, structured): stays a numpy array
@@ -157,13 +159,13 @@ class CudaDevice:
         torch = self.torch
         stream = next(self._streams)
         with torch.cuda.stream(stream):
-            batch = map_arrays(views, self._copy)
+            batch = map_arrays(views, self._copy, (np.ndarray, torch.Tensor))
             event = torch.cuda.Event()
             event.record(stream)
         return batch, event
 
-    def _copy(self, array: np.ndarray):
-        tensor = _to_torch(array)
+    def _copy(self, array):
+        tensor = array if isinstance(array, self.torch.Tensor) else _to_torch(array)
         if isinstance(tensor, np.ndarray):
             return array.copy()  # strings and the like stay on the host, off the slot
         return tensor.to(self.device, non_blocking=True)

@@ -48,13 +48,21 @@ class PipelineClosed(ShmSeqError):
 
 
 def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
-    """Warn, pointing at the first frame outside shmseq (the user's line)."""
+    """Warn, pointing at the first frame outside shmseq and the standard library (the user's
+    line)."""
     import os
     import sys
+    import sysconfig
     import warnings
 
-    package_dir = os.path.dirname(__file__)
+    paths = sysconfig.get_paths()
+    installed = (paths["purelib"], paths["platlib"])
+
+    def passed_over(filename: str) -> bool:
+        return filename.startswith(os.path.dirname(__file__)) or (
+            filename.startswith(paths["stdlib"]) and not filename.startswith(installed))
+
     frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_code.co_filename.startswith(package_dir):
+    while frame is not None and passed_over(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

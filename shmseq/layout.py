@@ -4,9 +4,10 @@ Slot format::
 
     [0, 16)            header offset, header length (little-endian uint64)
     [64, ...)          array payloads, each 64-byte aligned
-    [header offset..]  pickled skeleton: the batch's nesting, with every array
-                       replaced by (dtype, shape, payload offset) and every
-                       small extra (number, string) kept as is
+    [header offset..]  pickled skeleton: the batch's nesting (namedtuple types
+                       kept), with every array replaced by (dtype, shape, payload
+                       offset, the torch dtype its bits stand for if numpy lacks
+                       it) and every small extra (number, string) kept as is
 
 Only the skeleton is pickled; payloads are written once, straight into the slot.
 """
@@ -27,7 +28,8 @@ _PREFIX = struct.Struct("<QQ")
 _EXTRA_TYPES = (bool, int, float, complex, str, bytes, type(None), np.generic)
 
 # Skeleton tags.
-_ARRAY, _TUPLE, _LIST, _DICT, _EXTRA = range(5)
+_ARRAY, _TUPLE, _LIST, _DICT, _EXTRA, _NAMED = range(6)
+_BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}  # carries a dtype numpy lacks
 
 
 class SlotOverflow(Exception):
@@ -96,11 +98,28 @@ def _in_place_offset(array: np.ndarray, region: np.ndarray | None) -> int | None
     return None
 
 
-def as_ndarray(obj) -> np.ndarray | None:
-    """``obj`` as a numpy array if it is one, or a torch tensor (on the CPU, without a copy)."""
+def is_tensor(obj) -> bool:
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().numpy()
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def tensor_bits(tensor) -> tuple[np.ndarray, str | None]:
+    """A tensor's data as numpy, without a copy when on the CPU; a dtype numpy lacks
+    (bfloat16, float8, complex32) as its bits, with the dtype's name to restore it."""
+    tensor = tensor.detach().cpu()
+    try:
+        return tensor.numpy(), None
+    except TypeError:
+        torch = sys.modules["torch"]
+        bits = getattr(torch, _BITS[tensor.element_size()])
+        return tensor.view(bits).numpy(), str(tensor.dtype).removeprefix("torch.")
+
+
+def as_ndarray(obj) -> np.ndarray | None:
+    """``obj`` as a numpy array if it is one, or a torch tensor of a dtype numpy has."""
+    if is_tensor(obj):
+        array, torch_dtype = tensor_bits(obj)
+        return array if torch_dtype is None else None
     if isinstance(obj, np.ndarray):
         return obj
     return None
@@ -113,11 +132,17 @@ class _Packer:
         self.copies: list = []
 
     def skeleton(self, obj, path: str):
-        array = as_ndarray(obj)
-        if array is not None:
-            return self.array(array, path)
+        if is_tensor(obj):
+            return self.array(*tensor_bits(obj), path)
+        if isinstance(obj, np.ma.MaskedArray):
+            raise UnsupportedBatch(
+                f"batch{path} is a masked array, whose mask would be lost in a slot: return its "
+                "data and its mask (np.ma.getmaskarray) as two arrays")
+        if isinstance(obj, np.ndarray):
+            return self.array(obj, None, path)
         if isinstance(obj, tuple):
-            return (_TUPLE, tuple(self.skeleton(v, f"{path}[{i}]") for i, v in enumerate(obj)))
+            children = tuple(self.skeleton(v, f"{path}[{i}]") for i, v in enumerate(obj))
+            return (_NAMED, type(obj), children) if _is_namedtuple(obj) else (_TUPLE, children)
         if isinstance(obj, list):
             return (_LIST, tuple(self.skeleton(v, f"{path}[{i}]") for i, v in enumerate(obj)))
         if isinstance(obj, dict):
@@ -129,7 +154,7 @@ class _Packer:
             "in a slot: return numpy arrays (or CPU torch tensors), tuples, lists and dicts of them, "
             "and small extras (numbers, strings, bytes)")
 
-    def array(self, array: np.ndarray, path: str):
+    def array(self, array: np.ndarray, torch_dtype: str | None, path: str):
         if array.dtype.hasobject:
             raise UnsupportedBatch(
                 f"batch{path} is an array of dtype {array.dtype}, which holds Python objects and "
@@ -141,7 +166,7 @@ class _Packer:
             offset = self.cursor
             self.cursor = align(offset + array.nbytes)
             self.copies.append((array, offset))
-        return (_ARRAY, described, array.shape, offset)
+        return (_ARRAY, described, array.shape, offset, torch_dtype)
 
 
 def _pack(batch, region: np.ndarray | None, start: int) -> _Packed:
@@ -150,7 +175,12 @@ def _pack(batch, region: np.ndarray | None, start: int) -> _Packed:
                                "or a tuple/list/dict of arrays")
     packer = _Packer(region, start)
     skeleton = packer.skeleton(batch, "")
-    header = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        header = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise UnsupportedBatch(
+            f"the batch's structure cannot be pickled ({type(exc).__name__}: {exc}): namedtuple "
+            "classes and dict keys in a batch must be picklable (defined at module level)") from exc
     return _Packed(packer.copies, header, align(packer.cursor, 8))
 
 
@@ -187,9 +217,12 @@ def encode_batch(batch) -> np.ndarray:
 def _rebuild(node, region: np.ndarray):
     tag, value = node[0], node[1]
     if tag == _ARRAY:
-        return np.ndarray(node[2], np.dtype(value), buffer=region, offset=node[3])
+        array = np.ndarray(node[2], np.dtype(value), buffer=region, offset=node[3])
+        return array if node[4] is None else _restored_tensor(array, node[4])
     if tag == _TUPLE:
         return tuple(_rebuild(child, region) for child in value)
+    if tag == _NAMED:
+        return value(*(_rebuild(child, region) for child in node[2]))
     if tag == _LIST:
         return [_rebuild(child, region) for child in value]
     if tag == _DICT:
@@ -204,12 +237,23 @@ def read_batch(region: np.ndarray):
     return _rebuild(skeleton, region)
 
 
+def _restored_tensor(bits: np.ndarray, torch_dtype: str):
+    """A tensor of a dtype numpy lacks, from its bits (a view of them: no copy)."""
+    import torch
+    return torch.from_numpy(bits).view(getattr(torch, torch_dtype))
+
+
+def _is_namedtuple(obj) -> bool:
+    return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
+
+
 def map_arrays(batch, function, leaf_type=np.ndarray):
     """Apply ``function`` to every array (``leaf_type``) of a batch, keeping its nesting."""
     if isinstance(batch, leaf_type):
         return function(batch)
     if isinstance(batch, tuple):
-        return tuple(map_arrays(item, function, leaf_type) for item in batch)
+        items = [map_arrays(item, function, leaf_type) for item in batch]
+        return type(batch)(*items) if _is_namedtuple(batch) else tuple(items)
     if isinstance(batch, list):
         return [map_arrays(item, function, leaf_type) for item in batch]
     if isinstance(batch, dict):

@@ -11,8 +11,8 @@ A worker process may be anywhere when its consumer dies: between tasks, inside a
   fork server), the kernel is asked to kill it with its parent (``PR_SET_PDEATHSIG``), which
   also covers code that holds the GIL.
 
-Ctrl-C belongs to the consumer: SIGINT is blocked while workers start (a spawned worker would
-otherwise print a ``KeyboardInterrupt`` from its bootstrap) and ignored in workers.
+Ctrl-C belongs to the consumer: SIGINT is held back while workers start (a spawned worker
+would otherwise print a ``KeyboardInterrupt`` from its bootstrap) and ignored in workers.
 """
 from __future__ import annotations
 
@@ -56,12 +56,21 @@ def _start_time(pid: int) -> int | None:
 
 @contextlib.contextmanager
 def sigint_held() -> Iterator[None]:
-    """Hold Ctrl-C back while workers start: they inherit the blocked signal (through exec
-    too) and ignore it; the consumer gets it as soon as they are started."""
+    """Hold Ctrl-C back while workers start, so that none prints a ``KeyboardInterrupt`` from
+    its bootstrap: the signal is blocked (forked workers inherit that) and, in the main
+    thread, ignored (what a spawned worker inherits through exec). Blocked, it stays pending
+    here on Linux even while ignored: the consumer gets it as soon as the workers started."""
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = None
+    if threading.current_thread() is threading.main_thread():
+        handler = signal.getsignal(signal.SIGINT)
+        if handler is not None:  # None: set outside Python, which could not be put back
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
+        if handler is not None:
+            signal.signal(signal.SIGINT, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 

@@ -16,8 +16,9 @@ import shmseq.ring
 from shmseq import (BatchTimeout, SharedMemoryFull, ShmSeqError, ShmSequence, WorkerDied,
                     WorkerError)
 from shmseq.devices import HostDevice
-from leaks import shm_entries
-from workers import BadReturn, Crash, FailingInit, Hang, IndexWorker, ImageWorker, Slow
+from leaks import leftovers, shm_entries
+from workers import (BadReturn, Crash, DieOrDawdle, ExitInInit, FailingInit, Hang, IndexWorker,
+                     ImageWorker, Slow, SlowStart5)
 
 TESTS = Path(__file__).parent
 
@@ -292,3 +293,162 @@ def _run_killed(script: str) -> tuple[int, str]:
     output, errors = process.communicate(timeout=60)
     assert process.returncode == -signal.SIGKILL, errors
     return process.pid, output
+
+
+# -- workers never outlive the consumer; errors come first --------------------------------------
+def _alive(pids) -> list[int]:
+    return [pid for pid in pids if not _gone(pid)]
+
+
+def _run_until_killed(script: str, kill_after: float) -> tuple[int, list[int], float]:
+    """Run ``script``, which prints its workers' pids, and SIGKILL it ``kill_after`` s after:
+    its pid, the workers' pids, and when it died."""
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    pids = [int(pid) for pid in process.stdout.readline().split()]
+    time.sleep(kill_after)
+    process.kill()
+    process.communicate(timeout=30)
+    return process.pid, pids, time.monotonic()
+
+
+_PRINT_WORKERS = """
+import os, sys
+sys.path.insert(0, {tests!r})
+import shmseq.worker_handle as handles
+started = []
+start = handles.start_worker
+def recorded(*args, **kwargs):
+    started.append(start(*args, **kwargs))
+    if len(started) == 2:
+        print(*[h.pid for h in started], flush=True)
+    return started[-1]
+handles.start_worker = recorded
+import shmseq.pool
+shmseq.pool.start_worker = recorded
+from shmseq import ShmSequence
+import workers
+"""
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_workers_inside_user_code_leave_within_a_second_of_a_killed_consumer(method):
+    script = _PRINT_WORKERS.format(tests=str(TESTS)) + textwrap.dedent(f"""
+        if __name__ == "__main__":
+            seq = ShmSequence(workers.Slow(30), 400, batch_size=4, num_workers=2, slot_bytes=4096,
+                              out_type="null", start_method={method!r}).start()
+            next(iter(seq))
+    """)
+    consumer, pids, died = _run_until_killed(script, kill_after=2.0)  # both inside Slow(30)
+    assert len(pids) == 2
+    while _alive(pids) and time.monotonic() - died < 5:
+        time.sleep(0.02)
+    assert not _alive(pids)
+    assert time.monotonic() - died < 1.0 + 0.3, "a worker outlived its consumer by over a second"
+    assert not shm_entries({consumer})
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_kill_during_start_with_workers_in_their_constructor_leaves_nothing(method):
+    script = _PRINT_WORKERS.format(tests=str(TESTS)) + textwrap.dedent(f"""
+        if __name__ == "__main__":
+            ShmSequence(workers.SlowStart30, 400, batch_size=4, num_workers=2, slot_bytes=4096,
+                        out_type="null", start_method={method!r}).start()
+    """)
+    consumer, pids, died = _run_until_killed(script, kill_after=1.5)
+    while (_alive(pids) or shm_entries({consumer})) and time.monotonic() - died < 5:
+        time.sleep(0.02)
+    assert not _alive(pids) and not shm_entries({consumer})
+    assert time.monotonic() - died < 1.0 + 0.3
+
+
+@pytest.mark.timeout(30)
+def test_the_consumer_never_blocks_on_a_hung_workers_one_page_pipe(monkeypatch):
+    """Linux gives a user's new pipes one page once their pipes pass pipe-user-pages-soft."""
+    import fcntl
+    from multiprocessing import connection
+    real = connection.Pipe
+
+    def one_page(duplex=True):
+        ends = real(duplex)
+        for end in ends:
+            fcntl.fcntl(end.fileno(), 1031, 4096)  # F_SETPIPE_SZ
+        return ends
+
+    monkeypatch.setattr(connection, "Pipe", one_page)
+    seq = make(Hang(at=0), dset_size=40_000, batch_size=512, num_workers=1, buffer=10,
+               slot_bytes=1 << 16, timeout=1.0)
+    began = time.monotonic()
+    with pytest.raises(BatchTimeout, match="batch 0 of epoch 0"):
+        with seq.start():
+            next(iter(seq))
+    assert time.monotonic() - began < 5
+
+
+def test_a_timeout_is_raised_when_it_expires_not_after_the_shutdown():
+    seq = make(Hang(at=9), timeout=1.0, num_workers=2)
+    with seq.start():
+        batches = iter(seq)
+        next(batches), next(batches)
+        began = time.monotonic()
+        with pytest.raises(BatchTimeout):
+            next(batches)
+        assert time.monotonic() - began < 1.0 + 0.6
+
+
+def test_a_death_is_raised_at_once_while_a_sibling_is_busy():
+    seq = make(DieOrDawdle(die_at=0, seconds=5), dset_size=40, num_workers=2, slot_bytes=4096)
+    with seq.start():
+        began = time.monotonic()
+        with pytest.raises(WorkerDied, match="killed by signal SIGKILL while building batch 0"):
+            next(iter(seq))
+        assert time.monotonic() - began < 1.0
+
+
+def test_a_start_timeout_names_the_workers_that_did_not_start():
+    seq = make(SlowStart5, timeout=1.0, slot_bytes=4096)
+    with pytest.raises(ShmSeqError, match=r"did not start within timeout=1.0 s: worker 0 \(pid "
+                                          r"\d+\), worker 1 \(pid \d+\)"):
+        seq.start()
+
+
+def test_a_worker_dying_in_its_constructor_is_said_to_die_while_starting():
+    with pytest.raises(WorkerDied, match="exited with code 4 while starting") as info:
+        make(ExitInInit).start()
+    assert "batch" not in str(info.value)
+
+
+def test_ctrl_c_while_spawned_workers_start_gives_one_traceback_and_leaves_nothing():
+    script = textwrap.dedent(f"""
+        import os, signal, sys, threading
+        sys.path.insert(0, {str(TESTS)!r})
+        from shmseq import ShmSequence
+        from workers import SlowStart5
+        if __name__ == "__main__":
+            seq = ShmSequence(SlowStart5, 100, batch_size=4, num_workers=2, out_type="null",
+                              slot_bytes=4096, start_method="spawn")
+            threading.Timer(0.2, os.killpg, (os.getpgid(0), signal.SIGINT)).start()  # a Ctrl-C
+            seq.start()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, start_new_session=True)
+    assert done.returncode != 0 and done.stderr.count("KeyboardInterrupt") == 1, done.stderr
+    assert "shmseq-worker" not in done.stderr, done.stderr
+
+
+@pytest.mark.filterwarnings("ignore:worker thread")  # threads leave after the batch in hand
+@pytest.mark.parametrize("backend", ["proc", "thread"])
+def test_a_second_ctrl_c_during_shutdown_still_stops_everything_at_once(backend):
+    main = threading.main_thread().ident
+    timers = [threading.Timer(delay, signal.pthread_kill, (main, signal.SIGINT)) for delay in (0.5, 0.6)]
+    seq = make(Slow(0.4), dset_size=400, buffer=10, thread_type=backend)
+    with pytest.raises(KeyboardInterrupt):
+        with seq.start():
+            for timer in timers:
+                timer.start()
+            for batch in seq:
+                del batch
+            time.sleep(5)  # the second Ctrl-C may come after the first one's shutdown
+    for timer in timers:
+        timer.join()
+    assert leftovers(grace=1.0) == {}

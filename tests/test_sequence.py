@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from shmseq import ShmSequence, WorkerError
-from workers import FillWorker, ImageWorker, IndexWorker, SizedWorker
+from workers import DtypeWorker, FillWorker, ImageWorker, IndexWorker, Pair, SizedWorker
 
 
 def make(worker=IndexWorker, dset_size=40, **options):
@@ -244,3 +244,40 @@ def test_stats_count_what_the_loader_did():
     assert stats.worker_busy_s > 0 and 0 <= stats.stall_fraction <= 1
     assert stats.overflow_count == stats.copy_out_count == 0
     assert set(stats.as_dict()) >= {"batches", "bytes", "consumer_wait_s", "stall_fraction"}
+
+
+@pytest.mark.parametrize("out_type", ["null", "cpu"])
+def test_a_bfloat16_tensor_comes_back_as_itself_from_the_slot(out_type):
+    torch = pytest.importorskip("torch")
+    with make(DtypeWorker("bfloat16"), out_type=out_type).start() as seq:
+        for k, batch in enumerate(b for b in seq):
+            expected = torch.tensor(list(range(4 * k, 4 * k + 4)), dtype=torch.float32)
+            assert batch.dtype == torch.bfloat16
+            assert torch.equal(batch, expected.to(torch.bfloat16) / 3)
+            assert seq._runtime.ring.contains(batch.view(torch.int16).numpy())
+
+
+@pytest.mark.parametrize("out_type", ["null", "cpu"])
+def test_a_big_endian_array_round_trips(out_type):
+    if out_type == "cpu":
+        pytest.importorskip("torch")
+    with make(DtypeWorker("big-endian"), out_type=out_type, buffer=12).start() as seq:
+        batches = [b for b in seq]
+        values = [np.asarray(b).tolist() for b in batches]
+    assert values == [[1000 * i for i in range(k, k + 4)] for k in range(0, 40, 4)]
+    if out_type == "null":
+        assert batches[0].dtype == np.dtype(">i4")
+
+
+def test_a_namedtuple_keeps_its_type():
+    with make(DtypeWorker("namedtuple")).start() as seq:
+        batch = next(iter(seq))
+        assert type(batch) is Pair and batch.label.tolist() == [0, 1, 2, 3]
+        assert batch.image.shape == (4, 2) and seq._runtime.ring.contains(batch.image)
+        del batch
+
+
+def test_a_masked_array_is_refused_naming_the_fix():
+    with make(DtypeWorker("masked"), slot_bytes=4096).start() as seq:
+        with pytest.raises(WorkerError, match="masked array.*two arrays"):
+            next(iter(seq))

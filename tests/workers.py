@@ -170,3 +170,60 @@ class KillOnce:
         images = np.empty((len(indices), self.size, self.size, 3), np.uint8)
         images[:] = (indices % 251).astype(np.uint8)[:, None, None, None]
         return images, indices.astype(np.int64)
+
+
+Pair = __import__("collections").namedtuple("Pair", ["image", "label"])
+
+
+class DtypeWorker:
+    """Batches of types a slot must carry faithfully (or refuse clearly)."""
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __getitem__(self, indices):
+        if self.kind == "bfloat16":
+            import torch
+            return torch.tensor(indices.tolist(), dtype=torch.float32).to(torch.bfloat16) / 3
+        if self.kind == "big-endian":
+            return (indices * 1000).astype(">i4")
+        if self.kind == "namedtuple":
+            return Pair(np.full((len(indices), 2), 7, np.uint8), indices)
+        return np.ma.masked_array(indices, mask=indices % 2 == 0)
+
+
+class ExitInInit:
+    """Dies in its constructor, without a word."""
+
+    def __init__(self):
+        import os
+        os._exit(4)
+
+    def __getitem__(self, indices):
+        return indices
+
+
+class DieOrDawdle:
+    """Dies on the batch holding sample ``die_at``; takes ``seconds`` over every other one."""
+
+    def __init__(self, die_at, seconds):
+        self.die_at, self.seconds = die_at, seconds
+
+    def __getitem__(self, indices):
+        import os
+        import signal
+        import time
+        if self.die_at in indices:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self.seconds)
+        return indices
+
+
+class SlowStart5(SlowStart):
+    def __init__(self):
+        super().__init__(5)
+
+
+class SlowStart30(SlowStart):
+    def __init__(self):
+        super().__init__(30)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import multiprocessing
+import warnings
 from contextlib import contextmanager
 from typing import Callable, ContextManager, Iterator
 
@@ -19,7 +20,8 @@ from torch.utils.data import BatchSampler, DataLoader
 
 from shmseq import ShmSequence
 
-from .workloads import POOL_ROWS, InPlaceWorker, ReturningWorker, Workload, image_pool
+from .workloads import (POOL_ROWS, DyingWorker, InPlaceWorker, ReturningWorker, Workload,
+                        image_pool)
 
 NUM_WORKERS = 2
 IN_FLIGHT = 10             # shmseq's ring slots, DataLoader's prefetch, the queue's open tasks
@@ -43,14 +45,19 @@ def _epochs(seq: ShmSequence) -> Batches:
 
 
 @contextmanager
-def _shmseq(workload: Workload, worker_class: type, thread_type: str) -> Iterator[Batches]:
+def _shmseq(workload: Workload, worker_class: type, thread_type: str,
+            worker_restarts: int = 0) -> Iterator[Batches]:
     """Slots sized to the batch up front, which spares the sizing probe's extra copy."""
     seq = ShmSequence(worker_class(workload), workload.epoch_samples,
                       batch_size=workload.batch_size, slot_bytes=workload.batch_bytes + SLOT_SLACK,
                       buffer=IN_FLIGHT, num_workers=NUM_WORKERS, shuffle=False, seed=0,
-                      thread_type=thread_type, out_type="cpu", start_method=START_METHOD)
+                      thread_type=thread_type, out_type="cpu", start_method=START_METHOD,
+                      worker_restarts=worker_restarts)
     try:
-        yield _epochs(seq.start())
+        with warnings.catch_warnings():
+            if worker_restarts:
+                warnings.filterwarnings("ignore", "worker .* a new worker takes its place")
+            yield _epochs(seq.start())
     finally:
         seq.finish()
 
@@ -180,6 +187,8 @@ SYSTEMS: dict[str, System] = {
     "shmseq-proc": functools.partial(_shmseq, worker_class=ReturningWorker, thread_type="proc"),
     "shmseq-inplace": functools.partial(_shmseq, worker_class=InPlaceWorker, thread_type="proc"),
     "shmseq-thread": functools.partial(_shmseq, worker_class=InPlaceWorker, thread_type="thread"),
+    "shmseq-restarting": functools.partial(_shmseq, worker_class=DyingWorker, thread_type="proc",
+                                           worker_restarts=10**9),
     "torch-sample": torch_samples,
     "torch-batch": torch_batches,
     "torch-sample-fs": functools.partial(torch_samples, strategy="file_system"),
@@ -189,5 +198,7 @@ SYSTEMS: dict[str, System] = {
 }
 
 # Run only when asked for: torch's ``file_system`` sharing is faster on small batches, but the
-# files of batches still in flight when a loader stops stay in /dev/shm until this process exits.
-OPT_IN = ("torch-sample-fs", "torch-batch-fs")
+# files of batches still in flight when a loader stops stay in /dev/shm until this process exits;
+# shmseq-restarting (a worker killed every ~200 batches, replaced by worker_restarts) shows what
+# self-healing costs, beside shmseq-inplace.
+OPT_IN = ("torch-sample-fs", "torch-batch-fs", "shmseq-restarting")

@@ -9,6 +9,8 @@ stale or misordered batch stops the run instead of producing a number.
 from __future__ import annotations
 
 import functools
+import os
+import signal
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,6 +107,22 @@ class InPlaceWorker(_PoolWorker):
         labels = out.empty(len(indices), np.int64)
         fill(self.pool, indices, images, labels)
         return images, labels
+
+
+class DyingWorker(InPlaceWorker):
+    """An in-place worker whose process kills itself after building ``die_after`` batches:
+    with 2 workers, one dies every ``die_after / 2`` batches (for ``worker_restarts``)."""
+
+    def __init__(self, workload: Workload, die_after: int = 400):
+        super().__init__(workload)
+        self.die_after = die_after
+        self.built = 0
+
+    def fill_batch(self, indices: np.ndarray, out) -> tuple[np.ndarray, np.ndarray]:
+        self.built += 1
+        if self.built > self.die_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().fill_batch(indices, out)
 
 
 def check_batch(workload: Workload, k: int, batch) -> None:

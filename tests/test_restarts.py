@@ -1,0 +1,100 @@
+"""worker_restarts: a run that survives its workers' deaths, every batch once and in order,
+the same as a run without them."""
+import pytest
+
+from shmseq import ShmSequence, WorkerDied, WorkerError
+from workers import Crash, ExitInInit, KillOnce, SizedWorker
+
+
+def make(worker, dset_size=120, **options):
+    options = {"batch_size": 4, "num_workers": 2, "shuffle": True, "seed": 3, "out_type": "null",
+               "timeout": 60, **options}
+    return ShmSequence(worker, dset_size, **options)
+
+
+def seen(batch) -> tuple:
+    """A batch's labels and the marker its images carry."""
+    images, labels = batch
+    return labels.tolist(), images[:, 0, 0, 0].tolist()
+
+
+def reference(tmp_path, epochs, **options) -> list:
+    """The same stream built serially, by a worker that kills nobody."""
+    seq = make(KillOnce(tmp_path, at=[]), num_workers=0, **options).start_test("numpy")
+    return [[seen(b) for b in seq] for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_workers_killed_once_are_replaced_and_the_stream_is_unchanged(tmp_path, method):
+    seq = make(KillOnce(tmp_path, at=[13, 61]), start_method=method, worker_restarts=2)
+    with pytest.warns(RuntimeWarning, match=r"worker \d \(pid \d+\) was killed by signal SIGKILL "
+                                            r"while building batch \d+ \(sample indices .*13.*\): "
+                                            "a new worker takes its place") as caught:
+        with seq.start():
+            got = [[seen(b) for b in seq] for _ in range(2)]
+    assert got == reference(tmp_path, 2)
+    assert seq.stats.restarts == 2 and len([w for w in caught if "new worker" in str(w.message)]) == 2
+
+
+def test_a_batch_that_kills_its_worker_twice_is_not_sent_a_third_time():
+    seq = make(Crash("SIGKILL", at=13), worker_restarts=3)
+    with pytest.warns(RuntimeWarning, match="a new worker takes its place"):
+        with pytest.raises(WorkerDied, match=r"killed by signal SIGKILL while building batch \d+ "
+                                             r"\(sample indices .*13.*\).*had already killed a worker"):
+            with seq.start():
+                for batch in seq:
+                    del batch
+    assert seq.stats.restarts == 1
+
+
+def test_once_the_restarts_are_used_up_a_death_is_raised(tmp_path):
+    seq = make(KillOnce(tmp_path, at=[13, 61]), worker_restarts=1)
+    with pytest.warns(RuntimeWarning, match="a new worker takes its place"):
+        with pytest.raises(WorkerDied, match=r"killed by signal SIGKILL .*worker_restarts=1 were used"):
+            with seq.start():
+                for batch in seq:
+                    del batch
+    assert seq.stats.restarts == 1
+
+
+def test_an_exception_in_the_worker_is_not_a_death():
+    seq = make(SizedWorker([]), slot_bytes=4096, worker_restarts=2)
+    with seq.start():
+        with pytest.raises(WorkerError, match="ZeroDivisionError|modulo"):
+            next(iter(seq))
+    assert seq.stats.restarts == 0
+
+
+def test_a_worker_dying_while_it_starts_is_not_replaced():
+    with pytest.raises(WorkerDied, match="while starting"):
+        make(ExitInInit, worker_restarts=2).start()
+
+
+@pytest.mark.filterwarnings("ignore:worker .* a new worker takes its place")
+def test_restarts_keep_a_resumed_rollover_run_the_same(tmp_path):
+    options = {"dset_size": 30, "batch_size": 4, "last_batch": "rollover"}
+    expected = [b for epoch in reference(tmp_path / "none", 4, **options) for b in epoch]
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first = make(KillOnce(tmp_path / "first", at=[5, 22]), worker_restarts=4, **options)
+    delivered = []
+    with first.start():
+        for _ in range(2):
+            for batch in first:
+                delivered.append(seen(batch))
+                if len(delivered) == 11:  # mid-epoch 1
+                    break
+        state = first.state_dict()
+    resumed = make(KillOnce(tmp_path / "second", at=[1, 17]), worker_restarts=4, **options)
+    resumed.load_state_dict(state)
+    with resumed.start():
+        while len(delivered) < len(expected):
+            delivered += [seen(b) for b in resumed]
+    assert delivered[:len(expected)] == expected
+    assert first.stats.restarts >= 1 and resumed.stats.restarts >= 1
+
+
+def test_restarts_need_processes():
+    with pytest.raises(ValueError, match="worker_restarts=1 replaces worker processes.*thread_type"):
+        make(KillOnce("/tmp", at=[]), worker_restarts=1, thread_type="thread")
+
