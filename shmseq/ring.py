@@ -117,12 +117,23 @@ def drop_inherited_rings() -> None:
         os.close(null)
 
 
+def _pid_namespace() -> int:
+    """Which pid namespace this process's pids belong to (containers sharing /dev/shm may not
+    share it: a pid of theirs means nothing here)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def remove_orphans() -> None:
     """Unlink the rings whose consumer died before it could (a kill in its first
-    milliseconds): their names carry a pid and start time no running process has."""
+    milliseconds): their names carry a pid, in this pid namespace, and a start time that no
+    running process has."""
+    namespace = str(_pid_namespace())
     for entry in os.listdir(SHM_DIR):
         parts = entry[len(NAME_PREFIX):].split("-") if entry.startswith(NAME_PREFIX) else ()
-        if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
+        if len(parts) == 4 and parts[2] == namespace and parts[0].isdigit() and parts[1].isdigit():
             if not ProcessId(int(parts[0]), int(parts[1])).alive():
                 unlink_segment("/" + entry)
 
@@ -225,11 +236,11 @@ class Ring:
     def create(cls, n_slots: int, slot_bytes: int, **options) -> "Ring":
         """A new ring, allocated and faulted in; ``SharedMemoryFull`` when /dev/shm is short.
 
-        Its name carries this process's pid and start time, by which ``remove_orphans``
-        knows a ring whose consumer was killed before it could unlink it."""
+        Its name carries this process's pid, start time and pid namespace, by which
+        ``remove_orphans`` knows a ring whose consumer was killed before it could unlink it."""
         remove_orphans()
         me = ProcessId.of(os.getpid())
-        name = f"/{NAME_PREFIX}{me.pid}-{me.started}-{secrets.token_hex(6)}"
+        name = f"/{NAME_PREFIX}{me.pid}-{me.started}-{_pid_namespace()}-{secrets.token_hex(6)}"
         size = RingSpec(name, n_slots, slot_bytes).total_bytes
         free = shm_free_bytes()
         if size > free:

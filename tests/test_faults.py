@@ -304,30 +304,28 @@ def _run_until_killed(script: str, kill_after: float) -> tuple[int, list[int], f
     """Run ``script``, which prints its workers' pids, and SIGKILL it ``kill_after`` s after:
     its pid, the workers' pids, and when it died."""
     process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    pids = [int(pid) for pid in process.stdout.readline().split()]
-    time.sleep(kill_after)
-    process.kill()
-    process.communicate(timeout=30)
-    return process.pid, pids, time.monotonic()
+                               stderr=subprocess.DEVNULL, text=True)
+    with process.stdout:  # the workers hold it too: never wait for its end
+        pids = [int(pid) for pid in process.stdout.readline().split()]
+        time.sleep(kill_after)
+        process.kill()
+        process.wait(timeout=30)
+        return process.pid, pids, time.monotonic()
 
 
 _PRINT_WORKERS = """
-import os, sys
+import multiprocessing, sys, threading, time
 sys.path.insert(0, {tests!r})
-import shmseq.worker_handle as handles
-started = []
-start = handles.start_worker
-def recorded(*args, **kwargs):
-    started.append(start(*args, **kwargs))
-    if len(started) == 2:
-        print(*[h.pid for h in started], flush=True)
-    return started[-1]
-handles.start_worker = recorded
-import shmseq.pool
-shmseq.pool.start_worker = recorded
 from shmseq import ShmSequence
 import workers
+
+def print_workers():
+    while len(found := [p.pid for p in multiprocessing.active_children()
+                        if p.name.startswith("shmseq-worker")]) < 2:
+        time.sleep(0.01)
+    print(*found, flush=True)
+
+threading.Thread(target=print_workers, daemon=True).start()
 """
 
 
@@ -356,6 +354,7 @@ def test_a_kill_during_start_with_workers_in_their_constructor_leaves_nothing(me
                         out_type="null", start_method={method!r}).start()
     """)
     consumer, pids, died = _run_until_killed(script, kill_after=1.5)
+    assert len(pids) == 2
     while (_alive(pids) or shm_entries({consumer})) and time.monotonic() - died < 5:
         time.sleep(0.02)
     assert not _alive(pids) and not shm_entries({consumer})

@@ -1,3 +1,4 @@
+import os
 import threading
 import time
 
@@ -153,3 +154,28 @@ def test_refuses_a_ring_larger_than_dev_shm(monkeypatch):
 def test_attach_to_a_missing_ring_fails():
     with pytest.raises(posix_ipc.ExistentialError):
         WorkerRing(RingSpec("/shmseq-missing", 1, 10))
+
+
+def test_a_new_ring_removes_the_rings_of_consumers_killed_before_they_unlinked():
+    import subprocess
+    import sys
+
+    from shmseq.lifeline import ProcessId
+    from shmseq.ring import _pid_namespace, unlink_segment
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])
+    started = ProcessId.of(child.pid).started
+    child.wait()
+    me = ProcessId.of(os.getpid())
+    names = {"dead": f"/shmseq-{child.pid}-{started}-{_pid_namespace()}-left",
+             "alive": f"/shmseq-{me.pid}-{me.started}-{_pid_namespace()}-mine",
+             "elsewhere": f"/shmseq-{child.pid}-{started}-1-other-namespace"}
+    for name in names.values():
+        posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=4096).close_fd()
+    try:
+        Ring.create(1, 4096, wake=lambda: None).close()
+        left = {key for key, name in names.items() if name[1:] in os.listdir("/dev/shm")}
+        assert left == {"alive", "elsewhere"}
+    finally:
+        for name in names.values():
+            unlink_segment(name)
