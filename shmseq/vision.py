@@ -1,4 +1,10 @@
-"""Images from JPEG files, each written once, straight into its row of the slot.
+"""Images from JPEG files, or from a pre-decoded array store, each written once, straight into
+its row of the slot.
+
+``ImageArrayWorker`` reads a store of decoded ``uint8`` images (``images.npy``, N x H x W x
+3, memory-mapped, and ``labels.npy``), as FFCV-style and downsampled-ImageNet setups keep
+them: a random crop, maybe flipped, copied straight into the slot row. The rest of this
+module is the JPEG path:
 
 ``ImageFolderWorker`` reads the ImageFolder layout (``root/<class>/*.jpg``, classes
 sorted into label ids) and is an in-place worker: each image is decoded, cropped
@@ -134,7 +140,33 @@ def _resize_into(image: np.ndarray, box: tuple[float, float, float, float],
     np.take(image.reshape(-1, 3), ys[:, None] * width + xs, axis=0, out=row, mode="clip")
 
 
-class ImageFolderWorker:
+class _RowWorker:
+    """What both image workers share: a batch is ``size`` x ``size`` rows, each loaded
+    straight into the slot by ``load_into``, with randomness drawn from the batch's indices."""
+
+    size: int
+    seed: int
+    labels: np.ndarray
+
+    def rng_for(self, indices: np.ndarray) -> np.random.Generator:
+        """The batch's generator: a function of the seed and the batch's indices only."""
+        return np.random.default_rng([self.seed, *np.asarray(indices, np.int64).tolist()])
+
+    def fill_batch(self, indices: np.ndarray, out: SlotAllocator) -> tuple[np.ndarray, np.ndarray]:
+        """Load every sample of the batch into its row of a slot array (shmseq calls this)."""
+        rng = self.rng_for(indices)
+        images = out.empty((len(indices), self.size, self.size, 3), np.uint8)
+        for row, index in zip(images, indices):
+            self.load_into(int(index), row, rng)
+        labels = out.empty(len(indices), np.int64)
+        labels[:] = self.labels[indices]
+        return images, labels
+
+    def load_into(self, index: int, row: np.ndarray, rng: np.random.Generator) -> None:
+        raise NotImplementedError
+
+
+class ImageFolderWorker(_RowWorker):
     """An in-place shmseq worker over an ImageFolder: each image decoded into its slot row.
 
     ``ShmSequence(ImageFolderWorker(root, 64, seed=0), len(worker), ...)`` yields
@@ -164,19 +196,9 @@ class ImageFolderWorker:
     def __len__(self) -> int:
         return len(self.folder)
 
-    def rng_for(self, indices: np.ndarray) -> np.random.Generator:
-        """The batch's generator: a function of the seed and the batch's indices only."""
-        return np.random.default_rng([self.seed, *np.asarray(indices, np.int64).tolist()])
-
-    def fill_batch(self, indices: np.ndarray, out: SlotAllocator) -> tuple[np.ndarray, np.ndarray]:
-        """Decode every sample of the batch into its row of a slot array (shmseq calls this)."""
-        rng = self.rng_for(indices)
-        images = out.empty((len(indices), self.size, self.size, 3), np.uint8)
-        for row, index in zip(images, indices):
-            self.load_into(int(index), row, rng)
-        labels = out.empty(len(indices), np.int64)
-        labels[:] = self.folder.labels[indices]
-        return images, labels
+    @property
+    def labels(self) -> np.ndarray:
+        return self.folder.labels
 
     def load_into(self, index: int, row: np.ndarray, rng: np.random.Generator) -> None:
         """Decode sample ``index``, crop, resize and maybe flip it into ``row`` (size x size x 3)."""
@@ -203,3 +225,54 @@ class ImageFolderWorker:
             raise ImageDecodeError(f"cannot decode {path} as a JPEG image: {exc}") from exc
         fy, fx = image.shape[0] / height, image.shape[1] / width
         return image, (left * fx, top * fy, crop_w * fx, crop_h * fy)
+
+
+class ImageArrayWorker(_RowWorker):
+    """An in-place shmseq worker over a store of decoded images: a random ``size`` x ``size``
+    crop of each, flipped with probability 1/2 (``flip``), copied straight into its row.
+
+    ``root`` holds ``images.npy`` (uint8, N x H x W x 3, H and W at least ``size``) and
+    ``labels.npy`` (N integers); both are memory-mapped in each worker when first used, so
+    the store is read through the page cache that every process shares, never pickled.
+    Augmentation is seeded by ``seed`` and the batch's indices, as ``ImageFolderWorker``'s.
+    """
+
+    def __init__(self, root: str | os.PathLike, size: int = 224, *, seed: int = 0,
+                 flip: bool = True):
+        self.root = Path(root)
+        self.size = int(size)
+        self.seed = int(seed)
+        self.flip = flip
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+        images, _ = self._opened()
+        if images.ndim != 4 or images.shape[3] != 3 or images.dtype != np.uint8:
+            raise ValueError(f"{self.root / 'images.npy'} holds {images.dtype} {images.shape}: "
+                             "expected uint8 images, N x H x W x 3")
+        if min(images.shape[1:3]) < self.size:
+            raise ValueError(f"size={size} is larger than the stored images "
+                             f"({images.shape[1]} x {images.shape[2]}): crop a smaller size")
+
+    def _opened(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._arrays is None:
+            self._arrays = (np.load(self.root / "images.npy", mmap_mode="r"),
+                            np.load(self.root / "labels.npy", mmap_mode="r"))
+        return self._arrays
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_arrays": None}  # each process maps the store itself
+
+    def __len__(self) -> int:
+        return len(self._opened()[1])
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self._opened()[1]
+
+    def load_into(self, index: int, row: np.ndarray, rng: np.random.Generator) -> None:
+        """A random crop of image ``index``, maybe flipped, copied into ``row``."""
+        image = self._opened()[0][index]
+        top = int(rng.integers(0, image.shape[0] - self.size + 1))
+        left = int(rng.integers(0, image.shape[1] - self.size + 1))
+        crop = image[top:top + self.size, left:left + self.size]
+        row[...] = crop[:, ::-1] if self.flip and rng.random() < 0.5 else crop
+

@@ -5,7 +5,7 @@ import pytest
 simplejpeg = pytest.importorskip("simplejpeg")
 
 from shmseq import ShmSequence, SlotAllocator, WorkerError  # noqa: E402
-from shmseq._demo_data import make_dataset  # noqa: E402
+from shmseq.demo.data import make_jpeg_folder  # noqa: E402
 from shmseq.vision import ImageDecodeError, ImageFolder, ImageFolderWorker  # noqa: E402
 
 SIZE = 24
@@ -13,7 +13,7 @@ SIZE = 24
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("images") / "set", images=30, classes=3)
+    return make_jpeg_folder(tmp_path_factory.mktemp("images") / "set", images=30, classes=3)
 
 
 def write_jpeg(path, image, quality=95):

@@ -1,6 +1,7 @@
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 
 def test_import_and_numpy_output_without_torch():
@@ -27,3 +28,19 @@ def test_import_and_numpy_output_without_torch():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["[[0, 2, 4, 6], [8, 10, 12, 14], [16, 18]]", "null True"]
+
+
+def test_the_benchmark_runs_without_torch_and_says_what_it_skipped(tmp_path):
+    script = textwrap.dedent(f"""
+        import runpy, sys
+        sys.modules["torch"] = None
+        sys.argv = ["shmseq.bench", "--quick", "--workloads", "cifar", "--seconds", "0.2",
+                    "--systems", "shmseq-inplace,torch-sample,serial", "--out", {str(tmp_path)!r}]
+        runpy.run_module("shmseq.bench", run_name="__main__")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "torch is not installed: torch-sample skipped" in done.stderr
+    assert "| cifar | shmseq-inplace |" in done.stdout and "torch-sample |" not in done.stdout
+    assert "What the columns mean" in done.stdout and "arget" not in done.stdout
+    assert (Path(tmp_path) / "results.json").is_file()

@@ -203,20 +203,18 @@ class ExitInInit:
         return indices
 
 
-class DieOrDawdle:
+class DieOrDawdle(Crash):
     """Dies on the batch holding sample ``die_at``; takes ``seconds`` over every other one."""
 
     def __init__(self, die_at, seconds):
-        self.die_at, self.seconds = die_at, seconds
+        super().__init__("SIGKILL", die_at)
+        self.seconds = seconds
 
     def __getitem__(self, indices):
-        import os
-        import signal
         import time
-        if self.die_at in indices:
-            os.kill(os.getpid(), signal.SIGKILL)
+        batch = super().__getitem__(indices)
         time.sleep(self.seconds)
-        return indices
+        return batch
 
 
 class SlowStart5(SlowStart):

@@ -1,9 +1,8 @@
-"""From runs to results: one cell per system and workload, the table, targets, JSON, a chart.
+"""From runs to results: one cell per system and workload, the table, what it shows, JSON, a chart.
 
-A cell's rates are the best of its repeats (on a shared machine noise only ever
-slows a run down, the limit's included); its CPU time and first-batch time are
-medians. Ratios are taken within one run: only figures measured side by side
-compare.
+A cell's figures are medians over its repeats, with the min-max spread of its rates
+(the repeats interleave the systems, so that a shared machine's drift hits them
+alike). Ratios are taken within one run: only figures measured side by side compare.
 """
 from __future__ import annotations
 
@@ -15,13 +14,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from .runner import LIMIT, Run
+from .systems import TORCH_SYSTEMS
 from .workloads import WORKLOADS
 
-TORCH_SYSTEMS = ("torch-sample", "torch-batch", "torch-sample-fs", "torch-batch-fs")
-SHMSEQ_PROCESS = ("shmseq-proc", "shmseq-inplace")
+COLUMNS = """\
+What the columns mean:
+- GB/s, batches/s: what the consumer received, every batch checked; median of the repeats
+  (min-max).
+- consumer CPU µs/batch: CPU time of the training process per batch, all its threads (so it
+  includes building the batches for shmseq-thread and serial): what a loader takes from your
+  training step.
+- first batch s: from creating the loader (workers started) to the first batch in hand.
+- × limit: GB/s over the limit's: the same worker processes building batches into
+  preallocated memory, with no transport at all. No loader can go faster."""
 
 
 @dataclass
@@ -31,16 +38,11 @@ class Cell:
     workload: str
     system: str
     gb_per_s: float
+    gb_per_s_spread: tuple[float, float]
     batches_per_s: float
     cpu_us_per_batch: float | None
     first_batch_s: float | None
     of_limit: float | None
-
-
-@dataclass
-class Target:
-    text: str
-    met: bool
 
 
 def _median(values: list) -> float | None:
@@ -55,8 +57,10 @@ def summarize(runs: list[Run]) -> list[Cell]:
         groups.setdefault((run.workload, run.system), []).append(run)
     cells = []
     for (workload, system), group in groups.items():
-        rate = max(r.batches_per_second for r in group)
-        cells.append(Cell(workload, system, rate * WORKLOADS[workload].batch_bytes / 1e9, rate,
+        rates = [r.batches_per_second for r in group]
+        gigabytes = WORKLOADS[workload].batch_bytes / 1e9
+        cells.append(Cell(workload, system, _median(rates) * gigabytes,
+                          (min(rates) * gigabytes, max(rates) * gigabytes), _median(rates),
                           _median([r.cpu_us_per_batch for r in group]),
                           _median([r.first_batch_seconds for r in group]), None))
     limits = {c.workload: c.gb_per_s for c in cells if c.system == LIMIT}
@@ -72,46 +76,40 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def table(cells: list[Cell]) -> str:
     """The results as a markdown table."""
-    lines = ["| workload | system | GB/s | batches/s | consumer CPU µs/batch | first batch s | × limit |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| workload | system | GB/s (min-max) | batches/s | consumer CPU µs/batch | "
+             "first batch s | × limit |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for c in cells:
-        lines.append(f"| {c.workload} | {c.system} | {c.gb_per_s:.2f} | {c.batches_per_s:.1f} | "
-                     f"{_fmt(c.cpu_us_per_batch, '.0f')} | {_fmt(c.first_batch_s, '.3f')} | "
-                     f"{_fmt(c.of_limit, '.2f')} |")
+        low, high = c.gb_per_s_spread
+        lines.append(f"| {c.workload} | {c.system} | {c.gb_per_s:.2f} ({low:.2f}-{high:.2f}) | "
+                     f"{c.batches_per_s:.1f} | {_fmt(c.cpu_us_per_batch, '.0f')} | "
+                     f"{_fmt(c.first_batch_s, '.3f')} | {_fmt(c.of_limit, '.2f')} |")
     return "\n".join(lines)
 
 
-def _vs_torch(get, workload: str, system: str, attr: str, unit: str, factor: float) -> Target | None:
-    rivals = [t for t in TORCH_SYSTEMS if (workload, t) in get]
-    if (workload, system) not in get or not rivals:
-        return None
-    rival = max(rivals, key=lambda t: getattr(get[workload, t], attr))
-    ours, best = getattr(get[workload, system], attr), getattr(get[workload, rival], attr)
-    return Target(f"{workload}: {system} {ours:.4g} {unit} = {ours / best:.1f}x DataLoader's best "
-                  f"({rival}, {best:.4g}); target >= {factor:g}x", ours >= factor * best)
+SHMSEQ_PROCESSES = ("shmseq-proc", "shmseq-inplace")  # their consumer CPU is the transport's
 
 
-def _of_limit(get, workload: str, system: str, factor: float) -> Target | None:
-    cell = get.get((workload, system))
-    if cell is None or cell.of_limit is None:
-        return None
-    return Target(f"{workload}: {system} at {cell.of_limit:.2f}x the limit; target >= {factor:g}x",
-                  cell.of_limit >= factor)
-
-
-def targets(cells: list[Cell]) -> list[Target]:
-    """The issue's targets, for whichever of their cells this run measured."""
-    get = {(c.workload, c.system): c for c in cells}
-    found = [_vs_torch(get, "imagenet256", "shmseq-inplace", "gb_per_s", "GB/s", 4),
-             _of_limit(get, "imagenet256", "shmseq-inplace", 0.8)]
-    found += [_vs_torch(get, "cifar", s, "batches_per_s", "batches/s", 8) for s in SHMSEQ_PROCESS]
-    for c in cells:
-        if c.system in SHMSEQ_PROCESS:
-            found.append(Target(f"{c.workload}: {c.system} consumer CPU {c.cpu_us_per_batch:.0f} "
-                                "µs/batch; target <= 300", c.cpu_us_per_batch <= 300))
-            found.append(Target(f"{c.workload}: {c.system} first batch {c.first_batch_s:.3f} s "
-                                "(fork); target <= 0.5 s", c.first_batch_s <= 0.5))
-    return [t for t in found if t is not None]
+def highlights(cells: list[Cell]) -> list[str]:
+    """Per workload: shmseq's faster process system against PyTorch DataLoader's best, and the
+    limit."""
+    found = []
+    for workload in dict.fromkeys(c.workload for c in cells):
+        mine = [c for c in cells if c.workload == workload and c.system in SHMSEQ_PROCESSES]
+        torch = [c for c in cells if c.workload == workload and c.system in TORCH_SYSTEMS]
+        if not mine:
+            continue
+        best = max(mine, key=lambda c: c.gb_per_s)
+        line = f"{workload}: {best.system} {best.gb_per_s:.2f} GB/s"
+        if torch:
+            rival = max(torch, key=lambda c: c.gb_per_s)
+            line += (f", {best.gb_per_s / rival.gb_per_s:.1f}x PyTorch DataLoader's best "
+                     f"({rival.system}, {rival.gb_per_s:.2f} GB/s), with "
+                     f"{rival.cpu_us_per_batch / best.cpu_us_per_batch:.1f}x less consumer CPU "
+                     f"a batch ({best.cpu_us_per_batch:.0f} against {rival.cpu_us_per_batch:.0f} µs)")
+        if best.of_limit is not None:
+            line += f"; {best.of_limit:.2f}x the limit"
+        found.append(line)
+    return found
 
 
 def _read(path: str, key: str) -> str:
@@ -125,32 +123,31 @@ def _read(path: str, key: str) -> str:
 def machine() -> dict:
     """What the figures were measured on."""
     kib = int(_read("/proc/meminfo", "MemTotal").split()[0])
+    try:
+        import torch
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = "not installed"
     return {"nproc": len(os.sched_getaffinity(0)),
             "cpu": _read("/proc/cpuinfo", "model name"),
             "ram": f"{kib / 2**20:.1f} GiB",
             "python": platform.python_version(), "numpy": np.__version__,
-            "torch": torch.__version__}
+            "torch": torch_version}
 
 
-def markdown(cells: list[Cell], found: list[Target], info: dict, settings: dict,
-             command: str) -> str:
-    """The table with its machine, how to read it, the targets and the command."""
+def markdown(cells: list[Cell], info: dict, settings: dict, command: str) -> str:
+    """The table with its machine, what each column means, what it shows, the command."""
     head = (f"Machine: {info['nproc']} CPUs ({info['cpu']}), {info['ram']} RAM; Python "
-            f"{info['python']}, numpy {info['numpy']}, torch {info['torch']}.")
-    notes = (f"2 workers everywhere. GB/s and batches/s: best of {settings['repeats']} run(s) of "
-             f"{settings['seconds']:g} s each; consumer CPU (process time of the consumer process, all "
-             "its threads, so it includes building the batches for shmseq-thread and serial) and "
-             "first batch (from start, pool start included): medians. The limit: the same 2 "
-             "processes building batches into preallocated memory, with no transport.")
-    checks = "\n".join(f"- [{'x' if t.met else ' '}] {t.text}" for t in found)
-    return (f"{head}\n\n{table(cells)}\n\n{notes}\n\nTargets:\n\n{checks}\n\n"
+            f"{info['python']}, numpy {info['numpy']}, torch {info['torch']}. 2 workers for "
+            f"every loader; {settings['repeats']} interleaved repeats of {settings['seconds']:g} s.")
+    shows = "\n".join(f"- {line}" for line in highlights(cells))
+    return (f"{head}\n\n{table(cells)}\n\n{COLUMNS}\n\nWhat it shows:\n{shows}\n\n"
             f"Reproduce: `{command}`\n")
 
 
-def write_json(path: Path, runs: list[Run], cells: list[Cell], found: list[Target],
-               info: dict, settings: dict) -> None:
+def write_json(path: Path, runs: list[Run], cells: list[Cell], info: dict, settings: dict) -> None:
     document = {"machine": info, "settings": settings, "summary": [asdict(c) for c in cells],
-                "targets": [asdict(t) for t in found], "runs": [asdict(r) for r in runs]}
+                "runs": [asdict(r) for r in runs]}
     path.write_text(json.dumps(document, indent=2) + "\n")
 
 
@@ -170,8 +167,11 @@ def write_chart(path: Path, cells: list[Cell]) -> bool:
     figure, axes = pyplot.subplots(figsize=(11, 5))
     for i, system in enumerate(systems):
         xs = [w + (i - (len(systems) - 1) / 2) * width for w in range(len(workloads))]
-        ys = [get[wl, system].gb_per_s if (wl, system) in get else 0 for wl in workloads]
-        axes.bar(xs, ys, width, label=system)
+        found = [get.get((wl, system)) for wl in workloads]
+        ys = [c.gb_per_s if c else 0 for c in found]
+        spread = [[c.gb_per_s - c.gb_per_s_spread[0] if c else 0 for c in found],
+                  [c.gb_per_s_spread[1] - c.gb_per_s if c else 0 for c in found]]
+        axes.bar(xs, ys, width, yerr=spread, capsize=2, label=system)
     label = "limit (no transport)"
     for w, workload in enumerate(workloads):
         if (workload, LIMIT) in get:
@@ -181,7 +181,7 @@ def write_chart(path: Path, cells: list[Cell]) -> bool:
     axes.set_xticks(range(len(workloads)), workloads)
     axes.set_yscale("log")
     axes.set_ylabel("GB/s delivered (log scale)")
-    axes.set_title("Batches delivered to the consumer, 2 workers")
+    axes.set_title("Batches delivered to the consumer, 2 workers (median, min-max)")
     axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     figure.tight_layout()
     figure.savefig(path, dpi=120)

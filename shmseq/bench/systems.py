@@ -2,8 +2,10 @@
 
 A system is a context manager: entering it starts the loader (worker pool and
 all, so the runner's clock includes the start) and gives an endless iterator
-whose ``k``-th batch holds ``workload.indices(k)`` as torch CPU tensors; leaving
-it stops every process. All use 2 workers, about 10 batches in flight and fork.
+whose ``k``-th batch holds ``workload.indices(k)`` as torch CPU tensors (numpy
+arrays where torch is not installed); leaving it stops every process. All use 2
+workers, about 10 batches in flight and fork. PyTorch's own loaders are in
+``TORCH_SYSTEMS``: they need torch.
 """
 from __future__ import annotations
 
@@ -15,10 +17,13 @@ from contextlib import contextmanager
 from typing import Callable, ContextManager, Iterator
 
 import numpy as np
-import torch
-from torch.utils.data import BatchSampler, DataLoader
 
 from shmseq import ShmSequence
+from shmseq.devices import torch_available
+
+if torch_available():
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader
 
 from .workloads import (POOL_ROWS, DyingWorker, InPlaceWorker, ReturningWorker, Workload,
                         image_pool)
@@ -34,6 +39,9 @@ System = Callable[[Workload], ContextManager[Batches]]
 
 
 def _to_torch(batch: tuple) -> tuple:
+    """What a training loop gets: torch tensors, where torch is installed."""
+    if not torch_available():
+        return batch
     return tuple(torch.from_numpy(part) for part in batch)
 
 
@@ -51,7 +59,8 @@ def _shmseq(workload: Workload, worker_class: type, thread_type: str,
     seq = ShmSequence(worker_class(workload), workload.epoch_samples,
                       batch_size=workload.batch_size, slot_bytes=workload.batch_bytes + SLOT_SLACK,
                       buffer=IN_FLIGHT, num_workers=NUM_WORKERS, shuffle=False, seed=0,
-                      thread_type=thread_type, out_type="cpu", start_method=START_METHOD,
+                      thread_type=thread_type, out_type="cpu" if torch_available() else "null",
+                      start_method=START_METHOD,
                       worker_restarts=worker_restarts)
     try:
         with warnings.catch_warnings():
@@ -183,16 +192,19 @@ def serial(workload: Workload) -> Iterator[Batches]:
     yield (_to_torch(worker[workload.indices(k)]) for k in itertools.count())
 
 
+TORCH_SYSTEMS: dict[str, System] = {
+    "torch-sample": torch_samples,
+    "torch-batch": torch_batches,
+    "torch-sample-fs": functools.partial(torch_samples, strategy="file_system"),
+    "torch-batch-fs": functools.partial(torch_batches, strategy="file_system"),
+}
 SYSTEMS: dict[str, System] = {
     "shmseq-proc": functools.partial(_shmseq, worker_class=ReturningWorker, thread_type="proc"),
     "shmseq-inplace": functools.partial(_shmseq, worker_class=InPlaceWorker, thread_type="proc"),
     "shmseq-thread": functools.partial(_shmseq, worker_class=InPlaceWorker, thread_type="thread"),
     "shmseq-restarting": functools.partial(_shmseq, worker_class=DyingWorker, thread_type="proc",
                                            worker_restarts=10**9),
-    "torch-sample": torch_samples,
-    "torch-batch": torch_batches,
-    "torch-sample-fs": functools.partial(torch_samples, strategy="file_system"),
-    "torch-batch-fs": functools.partial(torch_batches, strategy="file_system"),
+    **TORCH_SYSTEMS,
     "mp-queue": pickling_queue,
     "serial": serial,
 }

@@ -1,0 +1,141 @@
+"""``python -m shmseq.demo``: see the package's docstring, or ``--help``."""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+try:
+    import torch
+    from tqdm import tqdm
+except ImportError as missing:
+    raise SystemExit(f"the demo needs torch and tqdm ({missing}): "
+                     "pip install torch 'shmseq[demo]'") from missing
+
+from ..bench.report import machine
+from ..vision import ImageArrayWorker, ImageFolderWorker
+from . import __doc__ as ABOUT
+from . import report, sweep
+from .data import make_array_store, make_jpeg_folder
+from .loaders import LOADERS, shmseq_loader
+from .training import Epoch, Trainer, train
+
+FULL = {"images": 2000, "side": 256, "crop": 224, "batch_size": 64, "steps_ms": "50,20,10,5,2,1",
+        "repeats": 3, "seconds": 0.8, "epochs": 2}
+QUICK = {"images": 96, "side": 40, "crop": 32, "batch_size": 16, "steps_ms": "20,5,1",
+         "repeats": 1, "seconds": 0.15, "epochs": 1}
+CLASSES = 10
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m shmseq.demo", description=ABOUT,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--format", choices=("store", "jpeg"), default="store",
+                        help="decoded images memory-mapped from a store (default), or JPEG files")
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "shmseq-demo",
+                        help="where the synthetic datasets are made, and reused (%(default)s)")
+    parser.add_argument("--out", type=Path, default=Path("demo-results"),
+                        help="where results.md, results.json and sweep.png go (%(default)s)")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes, for every loader")
+    parser.add_argument("--seed", type=int, default=0, help="data, shuffling, augmentation, weights")
+    parser.add_argument("--quick", action="store_true", help="a tiny run, for the tests")
+    for name, kind, text in (("images", int, "images in the dataset"),
+                             ("side", int, "side of the stored images (store format)"),
+                             ("crop", int, "side of the random crops a batch holds"),
+                             ("batch-size", int, "images a batch"),
+                             ("steps-ms", str, "accelerator step times, in ms, comma-separated"),
+                             ("repeats", int, "interleaved repeats of the sweep"),
+                             ("seconds", float, "timed seconds per loader and step time"),
+                             ("epochs", int, "epochs of the training run")):
+        key = name.replace("-", "_")
+        parser.add_argument(f"--{name}", type=kind, help=f"{text} (default {FULL[key]}; "
+                            f"{QUICK[key]} with --quick)")
+    args = parser.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.steps_ms = [float(step) for step in str(args.steps_ms).split(",")]
+    return args
+
+
+def dataset(args):
+    """The in-place worker over the synthetic dataset, made on first use."""
+    if args.format == "store":
+        root = make_array_store(args.workdir / f"store-{args.images}-{CLASSES}-{args.side}",
+                                args.images, CLASSES, args.side, seed=args.seed)
+        return ImageArrayWorker(root, args.crop, seed=args.seed)
+    root = make_jpeg_folder(args.workdir / f"jpeg-{args.images}-{CLASSES}", args.images, CLASSES,
+                            seed=args.seed)
+    return ImageFolderWorker(root, args.crop, seed=args.seed)
+
+
+def training_run(worker, args, device: torch.device) -> list[Epoch]:
+    print(f"training a small CNN on shmseq batches ({len(worker)} images, {CLASSES} classes, "
+          f"{args.epochs} epoch{'s' * (args.epochs != 1)}):", flush=True)
+
+    def say(epoch: Epoch) -> None:
+        print(f"  epoch {epoch.number}: loss {epoch.loss:.3f}, accuracy {epoch.accuracy:.1%}, "
+              f"{epoch.images_per_s:,.0f} img/s", flush=True)
+
+    with shmseq_loader(worker, args.batch_size, args.workers, args.seed, device) as batches:
+        return train(batches, math.ceil(len(worker) / args.batch_size), args.epochs,
+                     Trainer(CLASSES, device, args.seed), say)
+
+
+def sweep_run(worker, args, device: torch.device) -> list[sweep.Measurement]:
+    loaders = {name: functools.partial(open_loader, worker, args.batch_size, args.workers,
+                                       args.seed, device)
+               for name, open_loader in LOADERS.items()}
+    total = len(loaders) * len(args.steps_ms) * args.repeats
+    with tqdm(total=total, desc="accelerator sweep", unit="run", dynamic_ncols=True,
+              file=sys.stderr) as bar:
+        def progress(m: sweep.Measurement) -> None:
+            bar.set_postfix_str(f"{m.loader} at {m.step_ms:g} ms: {m.images_per_s:,.0f} img/s, "
+                                f"stall {m.stall:.0%}")
+            bar.update()
+        return sweep.run(loaders, args.steps_ms, args.repeats, args.seconds, progress)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    began = time.perf_counter()
+    worker = dataset(args)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # The loader's workers need their cores: torch's threads spinning against busy cores
+    # slow every training step down many times over.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - args.workers))
+    epochs = training_run(worker, args, device)
+    measurements = sweep_run(worker, args, device)
+    summaries = sweep.summarize(measurements)
+    info = machine()
+    setup = {"format": args.format, "images": len(worker), "crop": args.crop,
+             "batch_size": args.batch_size, "workers": args.workers, "steps_ms": args.steps_ms,
+             "repeats": args.repeats, "seconds": args.seconds, "device": str(device),
+             "machine": info}
+    title = (f"{args.workers} workers, batches of {args.batch_size} random {args.crop}x{args.crop} "
+             f"crops from {'JPEG files' if args.format == 'jpeg' else 'a decoded image store'}")
+    command = shlex.join(["python", "-m", "shmseq.demo", *(sys.argv[1:] if argv is None else argv)])
+    text = "\n".join([
+        f"shmseq demo: {title}; {len(worker)} images, {device}; {info['nproc']} CPUs "
+        f"({info['cpu']}), torch {info['torch']}", "",
+        report.table(summaries), "", report.COLUMNS, "", "What it shows:",
+        *(f"- {line}" for line in report.findings(summaries)), "",
+        f"Reproduce: `{command}`", ""])
+    print("\n" + text)
+    report.write(args.out, setup, measurements, summaries, epochs, text)
+    written = "results.md, results.json"
+    if report.chart(args.out / "sweep.png", summaries, title):
+        written += ", sweep.png"
+    else:
+        print("matplotlib is not installed (pip install 'shmseq[demo]'): no chart", file=sys.stderr)
+    print(f"wrote {written} into {args.out} in {time.perf_counter() - began:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
