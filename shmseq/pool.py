@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
-import selectors
+import select
 import signal
 import threading
 import time
@@ -31,7 +31,7 @@ from .plan import BatchStream
 from .ring import Ring
 from .stats import LoaderStats
 from .worker_handle import JOIN_SECONDS, WorkerHandle, consumer_ends, end_workers, start_worker
-from .workers import WorkerInfo, check_picklable, decode, encode, worker_error, worker_seed
+from .workers import WorkerInfo, check_picklable, encode, worker_error, worker_seed
 
 
 class Arrival(NamedTuple):
@@ -87,6 +87,40 @@ class Waker:
             self._reader = self._writer = -1
 
 
+class _Events:
+    """One epoll for the whole run: what to do when each descriptor is ready. (Not
+    ``selectors``: its Python layer cost more, a batch, than everything else here.)"""
+
+    def __init__(self):
+        self._epoll = select.epoll()
+        self._handlers: dict[int, tuple] = {}
+
+    def watch(self, fd: int, handler: tuple, write: bool = False) -> None:
+        self._epoll.register(fd, select.EPOLLOUT if write else select.EPOLLIN)
+        self._handlers[fd] = handler
+
+    def unwatch(self, fd: int | None) -> None:
+        if fd is not None and self._handlers.pop(fd, None) is not None:
+            self._epoll.unregister(fd)
+
+    def watching(self, fd: int) -> bool:
+        return fd in self._handlers
+
+    def wait(self, timeout: float | None) -> list[tuple[int, tuple]]:
+        """The ready descriptors and their handlers, as registered when they were found."""
+        handlers = self._handlers
+        return [(fd, handlers[fd]) for fd, _ in self._epoll.poll(-1 if timeout is None else timeout)
+                if fd in handlers]
+
+    def current(self, fd: int, handler: tuple) -> bool:
+        """Whether ``handler`` still handles ``fd`` (not replaced meanwhile by a new worker's)."""
+        return self._handlers.get(fd) is handler
+
+    def close(self) -> None:
+        self._epoll.close()
+        self._handlers.clear()
+
+
 class WorkerPool:
     """Starts the workers, feeds them free slots, collects their replies, watches them, and
     (``restarts`` > 0) replaces a worker process that dies, sending its batches again."""
@@ -107,8 +141,8 @@ class WorkerPool:
                             "or use start_method='fork' or thread_type='thread'")
         self._start_args = (worker, backend, context, worker_init_fn)
         self._consumer = ProcessId.of(os.getpid())
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._waker, selectors.EVENT_READ, None)
+        self._events = _Events()
+        self._events.watch(self._waker.fileno(), (self._woken, None))
         self._workers: list[WorkerHandle] = []
         try:
             for wid in range(num_workers):
@@ -122,9 +156,9 @@ class WorkerPool:
         worker, backend, context, worker_init_fn = self._start_args
         others = [*self._waker.fds(), *consumer_ends(self._workers)]
         handle = start_worker(worker, info, backend, context, worker_init_fn, self._consumer, others)
-        self._selector.register(handle.results, selectors.EVENT_READ, (self._receive, handle))
+        self._events.watch(handle.replies.fd, (self._receive, handle))
         if handle.sentinel is not None:
-            self._selector.register(handle.sentinel, selectors.EVENT_READ, (self._died, handle))
+            self._events.watch(handle.sentinel, (self._died, handle))
         return handle
 
     def use_ring(self, ring: Ring) -> None:
@@ -152,18 +186,18 @@ class WorkerPool:
         try:
             if self.ring is not None and self.ring.has_news():  # freed before we said we wait
                 timeout = 0
-            ready = self._selector.select(timeout)
+            ready = self._events.wait(timeout)
         finally:
             self._waker.waiting = False
         arrivals: list[Arrival] = []
-        for key, _ in ready:
-            if key.data is None:
-                self._waker.drain()
-            elif self._selector.get_map().get(key.fd) is key:  # not a replaced worker's
-                handler, handle = key.data
-                handler(handle, arrivals)
+        for fd, handler in ready:
+            if self._events.current(fd, handler):  # not a replaced worker's
+                handler[0](handler[1], arrivals)
         self.dispatch()
         return arrivals
+
+    def _woken(self, _, arrivals: list[Arrival]) -> None:
+        self._waker.drain()
 
     def dispatch(self) -> None:
         """Send the next batches of the stream with free slots (the probe, before the ring)."""
@@ -194,8 +228,8 @@ class WorkerPool:
     def _send(self, handle: WorkerHandle, data: bytes) -> None:
         """Never blocks: what the pipe cannot take waits until the worker reads."""
         handle.send(data)
-        if handle.tasks.waiting and handle.tasks.fd not in self._selector.get_map():
-            self._selector.register(handle.tasks.fd, selectors.EVENT_WRITE, (self._flush, handle))
+        if handle.tasks.waiting and not self._events.watching(handle.tasks.fd):
+            self._events.watch(handle.tasks.fd, (self._flush, handle), write=True)
 
     def _flush(self, handle: WorkerHandle, arrivals: list[Arrival]) -> None:
         try:
@@ -203,21 +237,18 @@ class WorkerPool:
         except OSError:
             handle.accepting = False
         if not handle.tasks.waiting or not handle.accepting:
-            self._selector.unregister(handle.tasks.fd)
+            self._events.unwatch(handle.tasks.fd)
 
     def _receive(self, handle: WorkerHandle, arrivals: list[Arrival]) -> None:
         """Every reply the worker has sent so far."""
-        while True:
-            try:
-                data = handle.results.recv_bytes()
-            except (EOFError, OSError):
-                self._selector.unregister(handle.results)
-                handle.results.close()
-                handle.results = None  # a dying process: its sentinel tells how
-                return
-            self._handle(handle, decode(data), arrivals)
-            if not handle.has_reply():
-                return
+        try:
+            messages = handle.replies.read()
+        except (EOFError, OSError):
+            self._events.unwatch(handle.replies.fd)
+            handle.replies.close()  # a dying process: its sentinel tells how
+            return
+        for message in messages:
+            self._handle(handle, message, arrivals)
 
     def _handle(self, handle: WorkerHandle, message: tuple, arrivals: list[Arrival]) -> None:
         kind = message[0]
@@ -256,7 +287,7 @@ class WorkerPool:
     # -- deaths --------------------------------------------------------------------------------
     def _died(self, handle: WorkerHandle, arrivals: list[Arrival]) -> None:
         """A worker process ended unasked: replace it, or say how and on which batch."""
-        if handle.has_reply():
+        while handle.replies.fd >= 0 and self._events.watching(handle.replies.fd):
             self._receive(handle, arrivals)  # its last words (an init error) explain more
         handle.runner.join(JOIN_SECONDS)  # its sentinel closed: the exit status follows at once
         code = handle.runner.exitcode
@@ -309,10 +340,8 @@ class WorkerPool:
             self._send(handle, encode(("task", seq, slot, indices)))
 
     def _unwatch(self, handle: WorkerHandle) -> None:
-        registered = self._selector.get_map()
-        for fileobj in (handle.results, handle.sentinel, handle.tasks.fd):
-            if fileobj is not None and fileobj in registered:
-                self._selector.unregister(fileobj)
+        for fd in (handle.replies.fd, handle.sentinel, handle.tasks.fd):
+            self._events.unwatch(fd)
 
     def holder_of(self, seq: int) -> str:
         """Which worker is building ``seq``, for timeout messages."""
@@ -333,7 +362,7 @@ class WorkerPool:
                 self._send(handle, encode(None))
             self._drain_until_exited(time.monotonic() + grace)
         finally:
-            self._selector.close()
+            self._events.close()
             for handle in self._workers:
                 handle.close_pipes()
             end_workers(self._workers)
@@ -341,27 +370,17 @@ class WorkerPool:
     def _drain_until_exited(self, deadline: float) -> None:
         """Read and drop late replies, so that no worker blocks on a full pipe while leaving."""
         while self._still_running() and time.monotonic() < deadline:
-            for key, _ in self._selector.select(timeout=0.01):
-                handler, handle = key.data or (None, None)
+            for fd, (handler, handle) in self._events.wait(0.01):
                 if handler == self._receive:
-                    self._drain(handle)
+                    self._receive(handle, [])
                 elif handler == self._flush:
                     self._flush(handle, [])
                 else:
-                    self._selector.unregister(key.fileobj)  # the waker, or an exit
-
-    def _drain(self, handle: WorkerHandle) -> None:
-        try:
-            handle.results.recv_bytes()
-        except (EOFError, OSError):
-            self._selector.unregister(handle.results)
-            handle.results.close()
-            handle.results = None
+                    self._events.unwatch(fd)  # the waker, or an exit
 
     def _still_running(self) -> bool:
-        """Processes until their sentinel fired (it stays registered until then); live threads."""
-        registered = self._selector.get_map()
-        return any(h.runner.is_alive() if h.sentinel is None else h.sentinel in registered
+        """Processes until their sentinel fired (it stays watched until then); live threads."""
+        return any(h.runner.is_alive() if h.sentinel is None else self._events.watching(h.sentinel)
                    for h in self._workers)
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import select
 import struct
 import threading
 from multiprocessing import connection
@@ -12,10 +11,12 @@ import numpy as np
 
 from .errors import warn_user
 from .lifeline import ProcessId, sigint_held
-from .workers import ProcessTies, WorkerInfo, worker_loop
+from .workers import DONE_RECORD as _DONE, DONE_TAG as _DONE_TAG, ProcessTies, WorkerInfo, decode, worker_loop
 
 JOIN_SECONDS = 3.0
-_FRAME = struct.Struct("!i")  # multiprocessing.Connection's message header
+_FRAME = struct.Struct("!i")   # multiprocessing.Connection's message header,
+_LARGE = struct.Struct("!Q")   # and its second one, for messages of 2 GiB or more
+_READ_BYTES = 1 << 16
 
 
 class TaskPipe:
@@ -35,9 +36,15 @@ class TaskPipe:
         return bool(self._pending)
 
     def send(self, data: bytes) -> None:
-        self._pending += _FRAME.pack(len(data))
-        self._pending += data
-        self.flush()
+        """Raises OSError when the worker is gone."""
+        frame = _FRAME.pack(len(data)) + data
+        if not self._pending:
+            try:
+                written = os.write(self.fd, frame)
+            except BlockingIOError:
+                written = 0
+            frame = frame[written:]
+        self._pending += frame
 
     def flush(self) -> None:
         """Write what the pipe takes now. Raises OSError when the worker is gone."""
@@ -53,20 +60,64 @@ class TaskPipe:
         self.fd = -1
 
 
+class ReplyReader:
+    """The consumer's end of a worker's reply pipe: every complete message in one read.
+
+    Non-blocking: a message still coming (a large overflow batch) waits in the buffer for the
+    rest. Frames are ``Connection.send_bytes``'s, the worker's side of the pipe."""
+
+    def __init__(self, reader: connection.Connection):
+        self._reader = reader
+        self.fd = reader.fileno()
+        os.set_blocking(self.fd, False)
+        self._buffer = bytearray()
+        self._wanted = _READ_BYTES  # the whole message being read, when it is larger
+
+    def read(self) -> list:
+        """The messages complete so far, decoded. Raises EOFError once the worker is gone."""
+        try:
+            chunk = os.read(self.fd, max(_READ_BYTES, self._wanted - len(self._buffer)))
+        except BlockingIOError:
+            return []
+        if not chunk:
+            raise EOFError
+        buffer = self._buffer
+        buffer += chunk
+        messages, at, end = [], 0, len(buffer)
+        while end - at >= _FRAME.size:
+            size, start = _FRAME.unpack_from(buffer, at)[0], at + _FRAME.size
+            if size == -1:  # Connection's header for a message of 2 GiB or more
+                if end - start < _LARGE.size:
+                    break
+                size, start = _LARGE.unpack_from(buffer, start)[0], start + _LARGE.size
+            if end - start < size:
+                self._wanted = start - at + size
+                break
+            if buffer[start] == _DONE_TAG:  # the common reply, decoded in place
+                messages.append(("done", *_DONE.unpack_from(buffer, start + 1)))
+            else:
+                messages.append(decode(bytes(buffer[start:start + size])))
+            at = start + size
+        del buffer[:at]
+        return messages
+
+    def close(self) -> None:
+        self._reader.close()
+        self.fd = -1
+
+
 class WorkerHandle:
     """A worker process or thread, its pipes, and the tasks it has not finished."""
 
-    def __init__(self, info: WorkerInfo, tasks: TaskPipe, results: connection.Connection, runner):
+    def __init__(self, info: WorkerInfo, tasks: TaskPipe, replies: ReplyReader, runner):
         self.info = info
         self.tasks = tasks
-        self.results: connection.Connection | None = results
+        self.replies = replies
         self.runner = runner
         self.open: dict[int, tuple[np.ndarray, int | None]] = {}  # seq -> (indices, slot), as sent
         self.ready = False        # its worker object is built
         self.attached = False     # it maps the ring
         self.accepting = True     # its task pipe is open
-        self._replies = select.poll()  # Connection.poll() would build a selector per call
-        self._replies.register(results.fileno(), select.POLLIN)
 
     @property
     def wid(self) -> int:
@@ -83,10 +134,6 @@ class WorkerHandle:
     def describe(self) -> str:
         return f"worker {self.wid}" + (f" (pid {self.pid})" if self.pid else "")
 
-    def has_reply(self) -> bool:
-        """Whether a reply (or the pipe's end) can be read without waiting."""
-        return self.results is not None and bool(self._replies.poll(0))
-
     def send(self, data: bytes) -> None:
         try:
             self.tasks.send(data)
@@ -102,10 +149,10 @@ class WorkerHandle:
         return indices
 
     def close_pipes(self) -> None:
-        self.tasks.close()
-        if self.results is not None:
-            self.results.close()
-            self.results = None
+        if self.tasks.fd >= 0:
+            self.tasks.close()
+        if self.replies.fd >= 0:
+            self.replies.close()
 
 
 def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn,
@@ -133,18 +180,12 @@ def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn
             runner.start()
         task_reader.close()
         result_writer.close()
-    return WorkerHandle(info, TaskPipe(task_writer), result_reader, runner)
+    return WorkerHandle(info, TaskPipe(task_writer), ReplyReader(result_reader), runner)
 
 
 def consumer_ends(handles: Iterable[WorkerHandle]) -> list[int]:
     """The descriptors of the consumer's pipe ends to these workers."""
-    ends = []
-    for handle in handles:
-        if handle.tasks.fd >= 0:
-            ends.append(handle.tasks.fd)
-        if handle.results is not None:
-            ends.append(handle.results.fileno())
-    return ends
+    return [fd for handle in handles for fd in (handle.tasks.fd, handle.replies.fd) if fd >= 0]
 
 
 def end_workers(handles: Iterable[WorkerHandle]) -> None:

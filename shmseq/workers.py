@@ -151,7 +151,8 @@ def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn) -> None:
 # The wire. The two messages every batch costs travel as fixed binary records; the rare
 # ones (ring, stop, errors, overflow, multi-shard tasks) are pickled.
 _TASK = struct.Struct("<qq")    # seq, slot (-1: none yet, the probe that sizes the ring)
-_DONE = struct.Struct("<qqqd")  # seq, slot, bytes written, seconds spent
+DONE_RECORD = struct.Struct("<qqqd")  # seq, slot, bytes written, seconds spent
+DONE_TAG = ord("D")
 _TASK_TAG, _DONE_TAG, _PICKLE_TAG = b"T", b"D", b"P"
 
 
@@ -162,7 +163,7 @@ def encode(message) -> bytes:
         _, seq, slot, indices = message
         return _TASK_TAG + _TASK.pack(seq, -1 if slot is None else slot) + indices.tobytes()
     if message is not None and message[0] == "done":
-        return _DONE_TAG + _DONE.pack(*message[1:])
+        return _DONE_TAG + DONE_RECORD.pack(*message[1:])
     return _PICKLE_TAG + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -173,7 +174,7 @@ def decode(data: bytes):
         indices = np.frombuffer(data, np.int64, offset=1 + _TASK.size).copy()
         return ("task", seq, None if slot < 0 else slot, indices)
     if tag == _DONE_TAG:
-        return ("done", *_DONE.unpack_from(data, 1))
+        return ("done", *DONE_RECORD.unpack_from(data, 1))
     return pickle.loads(memoryview(data)[1:])
 
 

@@ -1,14 +1,15 @@
+import os
 import re
 import subprocess
 import sys
 import textwrap
 import warnings
-from multiprocessing import connection
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import shmseq.worker_handle
 from shmseq import ShmSequence, WorkerError
 from workers import DtypeWorker, FillWorker, ImageWorker, IndexWorker, Pair, SizedWorker
 
@@ -89,19 +90,22 @@ def test_in_place_worker_writes_once_into_the_slot():
 
 
 def test_only_slot_ids_cross_the_middle_pipe(monkeypatch):
-    sizes = []
-    receive = connection.Connection._recv_bytes
+    read = os.read
+    replies = []
 
-    def recording(self, maxsize=None):
-        payload = receive(self, maxsize)
-        sizes.append(len(payload.getbuffer()))
-        return payload
+    def recording(fd, size):
+        data = read(fd, size)
+        if fd in reply_fds:
+            replies.append(len(data))
+        return data
 
-    monkeypatch.setattr(connection.Connection, "_recv_bytes", recording)
     with make(ImageWorker(64), 1000, slot_bytes=1 << 17, start_method="fork").start() as seq:
+        reply_fds = {handle.replies.fd for handle in seq._runtime.pool._workers}
+        monkeypatch.setattr(shmseq.worker_handle.os, "read", recording)
         batches = sum(1 for _ in seq)
-    assert batches == 250 and len(sizes) >= batches
-    assert max(sizes) < 200, f"a message of {max(sizes)} bytes crossed the result pipes"
+    monkeypatch.undo()
+    assert batches == 250 and 0 < sum(replies) / batches < 100, (
+        f"{sum(replies)} bytes crossed the reply pipes for {batches} batches")
 
 
 def test_keeping_every_batch_neither_deadlocks_nor_corrupts():

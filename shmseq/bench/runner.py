@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .limit import limit_rate
-from .systems import SYSTEMS
-from .workloads import Workload, check_batch
+from .systems import SYSTEMS, UNORDERED
+from .workloads import Workload, check_any_batch, check_batch
 
 LIMIT = "limit"
 WARMUP_BATCHES = 3
@@ -31,12 +31,16 @@ class Run:
     first_batch_seconds: float | None = None
 
 
-def _consume(batches, workload: Workload, k: int, minimum: int, seconds: float) -> int:
-    """Take and check batches ``k``, ``k + 1``, ... for at least ``minimum`` batches and
-    ``seconds``; the next ``k``."""
+def _consume(batches, workload: Workload, k: int, minimum: int, seconds: float,
+             ordered: bool) -> int:
+    """Take and check batches ``k``, ``k + 1``, ... (in any order, unless ``ordered``) for at
+    least ``minimum`` batches and ``seconds``; the next ``k``."""
     first, since = k, time.perf_counter()
     while k - first < minimum or time.perf_counter() - since < seconds:
-        check_batch(workload, k, next(batches))
+        if ordered:
+            check_batch(workload, k, next(batches))
+        else:
+            check_any_batch(workload, next(batches))
         k += 1
     return k
 
@@ -49,13 +53,14 @@ def measure(name: str, workload: Workload, repeat: int, seconds: float,
     """
     if name == LIMIT:
         return Run(name, workload.name, repeat, limit_rate(workload, seconds))
+    ordered = name not in UNORDERED
     start = time.perf_counter()
     with SYSTEMS[name](workload) as batches:
-        check_batch(workload, 0, next(batches))
+        k = _consume(batches, workload, 0, 1, 0, ordered)
         first_batch = time.perf_counter() - start
-        k = _consume(batches, workload, 1, WARMUP_BATCHES, warmup_seconds)
+        k = _consume(batches, workload, k, WARMUP_BATCHES, warmup_seconds, ordered)
         cpu0, t0 = time.process_time(), time.perf_counter()
-        timed = _consume(batches, workload, k, MIN_BATCHES, seconds) - k
+        timed = _consume(batches, workload, k, MIN_BATCHES, seconds, ordered) - k
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     return Run(name, workload.name, repeat, timed / elapsed, cpu / timed * 1e6, first_batch)
 

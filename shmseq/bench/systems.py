@@ -18,6 +18,7 @@ from typing import Callable, ContextManager, Iterator
 
 import numpy as np
 
+from shmseq import DataLoader as ShmDataLoader
 from shmseq import ShmSequence
 from shmseq.devices import torch_available
 
@@ -25,6 +26,7 @@ if torch_available():
     import torch
     from torch.utils.data import BatchSampler, DataLoader
 
+from .bare_ring import bare_ring
 from .workloads import (POOL_ROWS, DyingWorker, InPlaceWorker, ReturningWorker, Workload,
                         image_pool)
 
@@ -71,6 +73,23 @@ def _shmseq(workload: Workload, worker_class: type, thread_type: str,
         seq.finish()
 
 
+def _shmseq_dataloader(workload: Workload) -> ContextManager[Batches]:
+    """shmseq's sample-level DataLoader: one sample per index, stacked straight into the slot."""
+    loader = ShmDataLoader(_Samples(workload), batch_size=workload.batch_size,
+                           num_workers=NUM_WORKERS, prefetch=IN_FLIGHT - 2,
+                           out_type="cpu" if torch_available() else "null",
+                           slot_bytes=workload.batch_bytes + SLOT_SLACK, start_method=START_METHOD)
+    return _running(loader)
+
+
+@contextmanager
+def _running(loader) -> Iterator[Batches]:
+    try:
+        yield _epochs(loader)
+    finally:
+        loader.close()
+
+
 # -- PyTorch DataLoader ------------------------------------------------------------------------
 class _Endless:
     """Sample indices 0, 1, ... wrapping at the epoch: the loader never meets an epoch end."""
@@ -88,6 +107,10 @@ class _Samples:
 
     def __init__(self, workload: Workload):
         self.pool = image_pool(workload.side)
+        self.size = workload.epoch_samples
+
+    def __len__(self) -> int:
+        return self.size
 
     def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
         return self.pool[index % POOL_ROWS], index
@@ -192,6 +215,8 @@ def serial(workload: Workload) -> Iterator[Batches]:
     yield (_to_torch(worker[workload.indices(k)]) for k in itertools.count())
 
 
+UNORDERED = ("bare-ring",)  # batches come as they are done: the check reads which one it is
+
 TORCH_SYSTEMS: dict[str, System] = {
     "torch-sample": torch_samples,
     "torch-batch": torch_batches,
@@ -199,11 +224,14 @@ TORCH_SYSTEMS: dict[str, System] = {
     "torch-batch-fs": functools.partial(torch_batches, strategy="file_system"),
 }
 SYSTEMS: dict[str, System] = {
+    "bare-ring": functools.partial(bare_ring, slots=IN_FLIGHT, workers=NUM_WORKERS,
+                                   start_method=START_METHOD),
     "shmseq-proc": functools.partial(_shmseq, worker_class=ReturningWorker, thread_type="proc"),
     "shmseq-inplace": functools.partial(_shmseq, worker_class=InPlaceWorker, thread_type="proc"),
     "shmseq-thread": functools.partial(_shmseq, worker_class=InPlaceWorker, thread_type="thread"),
     "shmseq-restarting": functools.partial(_shmseq, worker_class=DyingWorker, thread_type="proc",
                                            worker_restarts=10**9),
+    "shmseq-dataloader": _shmseq_dataloader,
     **TORCH_SYSTEMS,
     "mp-queue": pickling_queue,
     "serial": serial,
