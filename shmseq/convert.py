@@ -20,9 +20,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from .errors import PipelineClosed, ShmSeqError, warn_user
-from .layout import iter_arrays, map_arrays, read_batch
+from .layout import batch_reader, map_arrays
 from .pool import Arrival
-from .ring import LEASED
 from .stats import LoaderStats
 from .workers import slot_bytes_for
 
@@ -107,13 +106,13 @@ class Route:
 
     def _convert(self, arrival: Arrival) -> Delivery:
         slot, payload = arrival.slot, arrival.payload
-        views = read_batch(payload if slot is None else self.ring.lease(slot))
-        batch, copy = self.device.convert(views)
+        region = payload if slot is None else self.ring.lease(slot)
+        reader = batch_reader(region)
+        batch, copy = self.device.convert(reader.build(region, self.device.leaf))
         if copy is not None and slot is not None:
             self.ring.track_copy(slot, functools.partial(self.device.wait, copy))
-        arrays = iter_arrays(views, _array_types())
-        return Delivery(batch, copy, slot is not None and copy is None and bool(arrays),
-                        0 if payload is None else len(payload), sum(a.nbytes for a in arrays))
+        return Delivery(batch, copy, slot is not None and copy is None and reader.arrays > 0,
+                        0 if payload is None else len(payload), reader.nbytes)
 
     def hand_over(self, seq: int, delivery: Delivery):
         """The batch as the consumer gets it; copied out when keeping it would starve the ring."""
@@ -124,7 +123,7 @@ class Route:
         if delivery.payload_bytes:
             self._overflowed(seq, delivery.payload_bytes)
         if delivery.in_slot:
-            held = self.ring.count(LEASED) - self.output.waiting_in_slots  # this one included
+            held = self.ring.leased - self.output.waiting_in_slots  # this one included
             if held >= self.ring.spec.n_slots:
                 return self._copied_out(delivery.batch, held - 1)
         return self.device.hand_over(delivery.batch, delivery.copy)

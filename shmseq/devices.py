@@ -3,6 +3,8 @@
 A device turns a batch of numpy views of a slot into what the consumer gets:
 
 ``attach(ring)``        once the ring exists (page-lock it)
+``leaf``                what each array becomes as a batch is read from its slot (host
+                        devices: the numpy view itself, or a torch tensor of it), or None
 ``convert(views)``      -> (batch, copy): ``copy`` is None when the batch *is* the views
                         (host output: a copy that completes at once), else the device copy
                         still reading the slot, which stays busy until ``wait(copy)`` returns
@@ -117,6 +119,7 @@ class HostDevice:
 
     def __init__(self, to_torch: bool, pin_device: int | None = None):
         self.to_torch = to_torch
+        self.leaf = _to_torch if to_torch else None  # views made tensors as they are read
         self.pin_device = pin_device
         self._lock: PageLock | None = None
 
@@ -126,7 +129,7 @@ class HostDevice:
             ring.fence = self._lock.fence
 
     def convert(self, views):
-        return (map_arrays(views, _to_torch) if self.to_torch else views), None
+        return views, None  # already as delivered: read through ``leaf``
 
     def hand_over(self, batch, copy):
         return batch
@@ -142,6 +145,8 @@ class HostDevice:
 
 class CudaDevice:
     """Copies each batch to the GPU on one of its own streams; an event marks the end."""
+
+    leaf = None
 
     def __init__(self, device: str, num_streams: int = 1):
         import torch
@@ -277,6 +282,8 @@ class FakeDevice:
 
     ``fail_on(views)``: that batch's copy fails (raised at hand-over); ``fail_wait_on(views)``:
     waiting for that copy fails (a sticky error, seen by the releaser)."""
+
+    leaf = None
 
     def __init__(self, max_delay: float = 0.01, seed: int = 0, fail_on=None, fail_wait_on=None):
         self.stream = FakeStream(max_delay, seed)

@@ -17,6 +17,7 @@ import pickle
 import struct
 import sys
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -214,27 +215,81 @@ def encode_batch(batch) -> np.ndarray:
     return buffer
 
 
-def _rebuild(node, region: np.ndarray):
-    tag, value = node[0], node[1]
-    if tag == _ARRAY:
-        array = np.ndarray(node[2], np.dtype(value), buffer=region, offset=node[3])
-        return array if node[4] is None else _restored_tensor(array, node[4])
-    if tag == _TUPLE:
-        return tuple(_rebuild(child, region) for child in value)
-    if tag == _NAMED:
-        return value(*(_rebuild(child, region) for child in node[2]))
-    if tag == _LIST:
-        return [_rebuild(child, region) for child in value]
-    if tag == _DICT:
-        return {key: _rebuild(child, region) for key, child in value}
-    return value
+class BatchReader(NamedTuple):
+    """How to read batches of one layout (one header): compiled once, used for every batch."""
+    build: Callable   # (region, leaf) -> the batch, its arrays views of region, each leaf(view)
+    arrays: int       # how many arrays a batch holds
+    nbytes: int       # their bytes
 
 
-def read_batch(region: np.ndarray):
-    """The batch stored in ``region``, its arrays views of ``region`` (no copy)."""
+_READERS: dict[bytes, BatchReader] = {}
+_MOST_READERS = 256
+
+
+def batch_reader(region: np.ndarray) -> BatchReader:
+    """The reader of the batch in ``region``: batches of one shape share a header, so the
+    header is unpickled and compiled once, not for every batch."""
     header_offset, header_length = _PREFIX.unpack_from(region, 0)
-    skeleton = pickle.loads(region[header_offset:header_offset + header_length])
-    return _rebuild(skeleton, region)
+    header = region[header_offset:header_offset + header_length].tobytes()
+    reader = _READERS.get(header)
+    if reader is None:
+        if len(_READERS) >= _MOST_READERS:
+            _READERS.clear()
+        skeleton = pickle.loads(header)
+        arrays = _arrays_of(skeleton)
+        reader = _READERS[header] = BatchReader(_compile(skeleton), len(arrays),
+                                                sum(_nbytes(node) for node in arrays))
+    return reader
+
+
+def read_batch(region: np.ndarray, leaf: Callable | None = None):
+    """The batch stored in ``region``, its arrays views of ``region`` (no copy), each passed
+    through ``leaf`` when given (a torch tensor of the view, say)."""
+    return batch_reader(region).build(region, leaf)
+
+
+def _arrays_of(node) -> list:
+    tag = node[0]
+    if tag == _ARRAY:
+        return [node]
+    if tag in (_TUPLE, _LIST, _NAMED):
+        return [leaf for child in node[2 if tag == _NAMED else 1] for leaf in _arrays_of(child)]
+    if tag == _DICT:
+        return [leaf for _, child in node[1] for leaf in _arrays_of(child)]
+    return []
+
+
+def _nbytes(node) -> int:
+    return int(np.prod(node[2], dtype=np.int64)) * np.dtype(node[1]).itemsize
+
+
+def _compile(node) -> Callable:
+    """A function ``(region, leaf) -> part of the batch`` for a skeleton node."""
+    tag = node[0]
+    if tag == _ARRAY:
+        return _array_builder(np.dtype(node[1]), node[2], node[3], node[4])
+    if tag in (_TUPLE, _LIST, _NAMED):
+        parts = [_compile(child) for child in node[2 if tag == _NAMED else 1]]
+        make = {_TUPLE: tuple, _LIST: list}.get(tag) or (lambda items: node[1](*items))
+        return lambda region, leaf: make([part(region, leaf) for part in parts])
+    if tag == _DICT:
+        items = [(key, _compile(child)) for key, child in node[1]]
+        return lambda region, leaf: {key: part(region, leaf) for key, part in items}
+    value = node[1]
+    return lambda region, leaf: value
+
+
+def _array_builder(dtype: np.dtype, shape: tuple, offset: int, torch_dtype: str | None):
+    ndarray = np.ndarray
+    if torch_dtype is not None:
+        return lambda region, leaf: _restored_tensor(ndarray(shape, dtype, region, offset),
+                                                     torch_dtype)
+
+    def build(region, leaf):
+        array = ndarray(shape, dtype, region, offset)
+        return array if leaf is None else leaf(array)
+
+    return build
 
 
 def _restored_tensor(bits: np.ndarray, torch_dtype: str):

@@ -31,7 +31,8 @@ from .plan import BatchStream
 from .ring import Ring
 from .stats import LoaderStats
 from .worker_handle import JOIN_SECONDS, WorkerHandle, consumer_ends, end_workers, start_worker
-from .workers import WorkerInfo, check_picklable, encode, worker_error, worker_seed
+from .wire import encode, encode_task
+from .workers import WorkerInfo, check_picklable, worker_error, worker_seed
 
 
 class Arrival(NamedTuple):
@@ -207,22 +208,25 @@ class WorkerPool:
                 if self._probe_sent:
                     self.stream.advance()
             return
-        while (slot := self.ring.acquire()) is not None:
-            item = self.stream.peek()
+        ring, stream = self.ring, self.stream
+        while ring.has_free() and (slot := ring.acquire()) is not None:
+            item = stream.peek()
             if item is None or not self._send_task(item, slot):
-                self.ring.unused(slot)
+                ring.unused(slot)
                 return
-            self.stream.advance()
+            stream.advance()
 
     def _send_task(self, item: tuple, slot: int | None) -> bool:
         """Send a task to the least-busy worker; False if none takes tasks."""
         seq, indices = item
-        open_to = [h for h in self._workers if h.accepting]
-        if not open_to:
+        chosen = None
+        for handle in self._workers:
+            if handle.accepting and (chosen is None or len(handle.open) < len(chosen.open)):
+                chosen = handle
+        if chosen is None:
             return False  # gone: their sentinels say why
-        handle = min(open_to, key=lambda h: len(h.open))
-        handle.opened(seq, indices, slot)
-        self._send(handle, encode(("task", seq, slot, indices)))
+        chosen.open[seq] = (indices, slot)
+        self._send(chosen, encode_task(seq, slot, indices))
         return True
 
     def _send(self, handle: WorkerHandle, data: bytes) -> None:
@@ -245,7 +249,7 @@ class WorkerPool:
             messages = handle.replies.read()
         except (EOFError, OSError):
             self._events.unwatch(handle.replies.fd)
-            handle.replies.close()  # a dying process: its sentinel tells how
+            handle.close_replies()  # a dying process: its sentinel tells how
             return
         for message in messages:
             self._handle(handle, message, arrivals)
@@ -336,8 +340,8 @@ class WorkerPool:
         if self.ring is not None:
             self._send(handle, encode(("ring", self.ring.spec)))
         for seq, (indices, slot) in sorted(dead.open.items()):
-            handle.opened(seq, indices, slot)
-            self._send(handle, encode(("task", seq, slot, indices)))
+            handle.open[seq] = (indices, slot)
+            self._send(handle, encode_task(seq, slot, indices))
 
     def _unwatch(self, handle: WorkerHandle) -> None:
         for fd in (handle.replies.fd, handle.sentinel, handle.tasks.fd):

@@ -225,12 +225,23 @@ class Ring:
         self._array = np.frombuffer(memory, np.uint8)
         self._states = [FREE] * spec.n_slots
         self._free = list(range(spec.n_slots - 1, -1, -1))
+        self.leased = 0  # slots LEASED, kept with the states
         self._leases: list[weakref.ref | None] = [None] * spec.n_slots
         self._copies: list[list[Completion]] = [[] for _ in range(spec.n_slots)]
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = wake
-        self.fence: Callable[[], Completion] | None = None  # set by a device that page-locks
+        self._fence: Callable[[], Completion] | None = None
+        self._on_death: list[Callable] | None = None  # each slot's lease callback
         self._releaser: Releaser | None = None
+
+    @property
+    def fence(self) -> Callable[[], Completion] | None:
+        """Set by a device that page-locks the ring (see devices.py)."""
+        return self._fence
+
+    @fence.setter
+    def fence(self, fence: Callable[[], Completion] | None) -> None:
+        self._fence, self._on_death = fence, None
 
     @classmethod
     def create(cls, n_slots: int, slot_bytes: int, **options) -> "Ring":
@@ -319,10 +330,15 @@ class Ring:
     def lease(self, slot: int) -> np.ndarray:
         """The slot's bytes for the consumer: leased until this array and every view of it die."""
         self._move(slot, WRITTEN, LEASED)
+        self.leased += 1
+        if self._on_death is None:
+            self._on_death = [functools.partial(_lease_died, self._events, self._wake, self._fence,
+                                                each) for each in range(self.spec.n_slots)]
+        # Made from the mapping itself: numpy sets the base of every view of it to it, and a
+        # view of a view would skip the intermediate array, freeing the slot under the view.
         lease = np.frombuffer(self._memory, np.uint8, count=self.spec.slot_bytes,
                               offset=slot * self.spec.stride)
-        died = functools.partial(_lease_died, self._events, self._wake, self.fence, slot)
-        self._leases[slot] = weakref.ref(lease, died)
+        self._leases[slot] = weakref.ref(lease, self._on_death[slot])
         return lease
 
     def track_copy(self, slot: int, completion: Completion) -> None:
@@ -348,6 +364,7 @@ class Ring:
 
     def _lease_ended(self, slot: int, fence: Completion | None) -> None:
         self._leases[slot] = None
+        self.leased -= 1
         pending, self._copies[slot] = self._copies[slot], []
         if fence is not None:
             pending.append(fence)
@@ -386,6 +403,7 @@ class Ring:
         self.unlink()
         self._segment.close_fd()
         self._leases = [None] * self.spec.n_slots
+        self._on_death = None
         self._array = None
         memory, self._memory = self._memory, None
         if memory is not None:

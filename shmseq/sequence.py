@@ -483,7 +483,8 @@ class _Inline:
             batch, _ = build_batch(self.worker_obj, indices, None)
             if self.test_mode != "numpy":
                 # Through the slot format, so that types and layout match start() exactly.
-                batch = self.device.hand_over(*self.device.convert(read_batch(encode_batch(batch))))
+                views = read_batch(encode_batch(batch), self.device.leaf)
+                batch = self.device.hand_over(*self.device.convert(views))
             yield batch
 
     def replan(self) -> None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import struct
 import threading
 from multiprocessing import connection
 from typing import Iterable
@@ -11,12 +10,10 @@ import numpy as np
 
 from .errors import warn_user
 from .lifeline import ProcessId, sigint_held
-from .workers import DONE_RECORD as _DONE, DONE_TAG as _DONE_TAG, ProcessTies, WorkerInfo, decode, worker_loop
+from .wire import FrameReader, frame
+from .workers import ProcessTies, WorkerInfo, worker_loop
 
 JOIN_SECONDS = 3.0
-_FRAME = struct.Struct("!i")   # multiprocessing.Connection's message header,
-_LARGE = struct.Struct("!Q")   # and its second one, for messages of 2 GiB or more
-_READ_BYTES = 1 << 16
 
 
 class TaskPipe:
@@ -37,14 +34,14 @@ class TaskPipe:
 
     def send(self, data: bytes) -> None:
         """Raises OSError when the worker is gone."""
-        frame = _FRAME.pack(len(data)) + data
+        message = frame(data)
         if not self._pending:
             try:
-                written = os.write(self.fd, frame)
+                written = os.write(self.fd, message)
             except BlockingIOError:
                 written = 0
-            frame = frame[written:]
-        self._pending += frame
+            message = message[written:]
+        self._pending += message
 
     def flush(self) -> None:
         """Write what the pipe takes now. Raises OSError when the worker is gone."""
@@ -60,59 +57,14 @@ class TaskPipe:
         self.fd = -1
 
 
-class ReplyReader:
-    """The consumer's end of a worker's reply pipe: every complete message in one read.
-
-    Non-blocking: a message still coming (a large overflow batch) waits in the buffer for the
-    rest. Frames are ``Connection.send_bytes``'s, the worker's side of the pipe."""
-
-    def __init__(self, reader: connection.Connection):
-        self._reader = reader
-        self.fd = reader.fileno()
-        os.set_blocking(self.fd, False)
-        self._buffer = bytearray()
-        self._wanted = _READ_BYTES  # the whole message being read, when it is larger
-
-    def read(self) -> list:
-        """The messages complete so far, decoded. Raises EOFError once the worker is gone."""
-        try:
-            chunk = os.read(self.fd, max(_READ_BYTES, self._wanted - len(self._buffer)))
-        except BlockingIOError:
-            return []
-        if not chunk:
-            raise EOFError
-        buffer = self._buffer
-        buffer += chunk
-        messages, at, end = [], 0, len(buffer)
-        while end - at >= _FRAME.size:
-            size, start = _FRAME.unpack_from(buffer, at)[0], at + _FRAME.size
-            if size == -1:  # Connection's header for a message of 2 GiB or more
-                if end - start < _LARGE.size:
-                    break
-                size, start = _LARGE.unpack_from(buffer, start)[0], start + _LARGE.size
-            if end - start < size:
-                self._wanted = start - at + size
-                break
-            if buffer[start] == _DONE_TAG:  # the common reply, decoded in place
-                messages.append(("done", *_DONE.unpack_from(buffer, start + 1)))
-            else:
-                messages.append(decode(bytes(buffer[start:start + size])))
-            at = start + size
-        del buffer[:at]
-        return messages
-
-    def close(self) -> None:
-        self._reader.close()
-        self.fd = -1
-
-
 class WorkerHandle:
     """A worker process or thread, its pipes, and the tasks it has not finished."""
 
-    def __init__(self, info: WorkerInfo, tasks: TaskPipe, replies: ReplyReader, runner):
+    def __init__(self, info: WorkerInfo, tasks: TaskPipe, replies: connection.Connection, runner):
         self.info = info
         self.tasks = tasks
-        self.replies = replies
+        self._replies = replies
+        self.replies = FrameReader(replies.fileno())
         self.runner = runner
         self.open: dict[int, tuple[np.ndarray, int | None]] = {}  # seq -> (indices, slot), as sent
         self.ready = False        # its worker object is built
@@ -140,19 +92,20 @@ class WorkerHandle:
         except OSError:
             self.accepting = False  # it died: its sentinel (or last message) tells why
 
-    def opened(self, seq: int, indices, slot: int | None) -> None:
-        self.open[seq] = (indices, slot)
-
     def closed(self, seq: int):
         """The task ``seq`` is done (or failed): its indices."""
         indices, _ = self.open.pop(seq, (None, None))
         return indices
 
+    def close_replies(self) -> None:
+        if self.replies.fd >= 0:
+            self._replies.close()
+            self.replies.fd = -1
+
     def close_pipes(self) -> None:
         if self.tasks.fd >= 0:
             self.tasks.close()
-        if self.replies.fd >= 0:
-            self.replies.close()
+        self.close_replies()
 
 
 def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn,
@@ -180,7 +133,7 @@ def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn
             runner.start()
         task_reader.close()
         result_writer.close()
-    return WorkerHandle(info, TaskPipe(task_writer), ReplyReader(result_reader), runner)
+    return WorkerHandle(info, TaskPipe(task_writer), result_reader, runner)
 
 
 def consumer_ends(handles: Iterable[WorkerHandle]) -> list[int]:

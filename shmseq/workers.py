@@ -16,7 +16,6 @@ import os
 import pickle
 import random
 import select
-import struct
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from .errors import WorkerError
 from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
 from .lifeline import Lifeline, ProcessId
 from .ring import PAGE, WorkerRing, drop_inherited_rings, unlink_segment
+from .wire import FrameReader, decode, encode, frame, write_all
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _KEEP_BYTES = 256 << 20
@@ -148,36 +148,6 @@ def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn) -> None:
         worker_init_fn(info.id)
 
 
-# The wire. The two messages every batch costs travel as fixed binary records; the rare
-# ones (ring, stop, errors, overflow, multi-shard tasks) are pickled.
-_TASK = struct.Struct("<qq")    # seq, slot (-1: none yet, the probe that sizes the ring)
-DONE_RECORD = struct.Struct("<qqqd")  # seq, slot, bytes written, seconds spent
-DONE_TAG = ord("D")
-_TASK_TAG, _DONE_TAG, _PICKLE_TAG = b"T", b"D", b"P"
-
-
-def encode(message) -> bytes:
-    """A pipe message as bytes: ``("task", seq, slot, indices)``, ``("done", seq, slot, size,
-    seconds)``, or anything picklable."""
-    if message is not None and message[0] == "task" and isinstance(message[3], np.ndarray):
-        _, seq, slot, indices = message
-        return _TASK_TAG + _TASK.pack(seq, -1 if slot is None else slot) + indices.tobytes()
-    if message is not None and message[0] == "done":
-        return _DONE_TAG + DONE_RECORD.pack(*message[1:])
-    return _PICKLE_TAG + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def decode(data: bytes):
-    tag = data[:1]
-    if tag == _TASK_TAG:
-        seq, slot = _TASK.unpack_from(data, 1)
-        indices = np.frombuffer(data, np.int64, offset=1 + _TASK.size).copy()
-        return ("task", seq, None if slot < 0 else slot, indices)
-    if tag == _DONE_TAG:
-        return ("done", *DONE_RECORD.unpack_from(data, 1))
-    return pickle.loads(memoryview(data)[1:])
-
-
 class ProcessTies(NamedTuple):
     """What a worker process needs to follow its consumer (see lifeline.py)."""
     consumer: ProcessId
@@ -190,17 +160,17 @@ class _Inbox:
     a worker asked to stop leaves after the batch in hand."""
 
     def __init__(self, tasks):
-        self.tasks = tasks
+        self._reader = FrameReader(tasks.fileno())
         self._queued: collections.deque = collections.deque()
         self._readable = select.poll()
         self._readable.register(tasks.fileno(), select.POLLIN)
 
     def next(self):
         """The next message; None when asked to stop. Raises EOFError once the pipe closed."""
-        if not self._queued:
-            self._queued.append(decode(self.tasks.recv_bytes()))
-        while self._readable.poll(0):
-            self._queued.append(decode(self.tasks.recv_bytes()))
+        self._queued.extend(self._reader.read())
+        while not self._queued:
+            self._readable.poll()
+            self._queued.extend(self._reader.read())
         return None if None in self._queued else self._queued.popleft()
 
 
@@ -242,19 +212,19 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
         results.send_bytes(encode(("init_error", info.id, describe_exception(exc))))
         return
     ring = None
-    inbox = _Inbox(tasks)
+    inbox, replies = _Inbox(tasks), results.fileno()
     try:
-        results.send_bytes(encode(("ready", info.id)))
+        write_all(replies, frame(encode(("ready", info.id))))
         while (message := inbox.next()) is not None:
             if message[0] == "ring":
                 ring = WorkerRing(message[1])
                 orphan.ring_name = ring.spec.name
-                results.send_bytes(encode(("attached", info.id)))
+                write_all(replies, frame(encode(("attached", info.id))))
                 if lifeline is not None:
                     lifeline.bind()
             else:
                 _, seq, slot, indices = message
-                results.send_bytes(encode(_run_task(worker_obj, ring, seq, slot, indices)))
+                write_all(replies, frame(encode(_run_task(worker_obj, ring, seq, slot, indices))))
     except (EOFError, OSError):
         return  # the consumer closed the pipes: it is shutting down, or gone
     finally:
