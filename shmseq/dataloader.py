@@ -1,8 +1,9 @@
-"""An MXNet Gluon-style, sample-level ``DataLoader`` on shmseq's engine.
+"""Sample-level loaders on shmseq's engine, and the MXNet Gluon-style ``DataLoader``.
 
 Workers fetch ``dataset[i]`` for each index of a batch and stack the samples
 straight into the slot (``default_batchify`` allocates each field in the slot),
 so there is no intermediate batch array and no pickling of the batch.
+``SampleLoader`` is what this loader and the torch-style one (``shmseq.torch``) share.
 """
 from __future__ import annotations
 
@@ -37,17 +38,18 @@ def default_batchify(samples: list, out: SlotAllocator | None = None):
         arrays = [np.asarray(s) for s in samples]
     if arrays[0] is None:
         return list(samples)
-    return _stack(arrays, out)
+    return stack_into(arrays, out)
 
 
-def _stack(arrays: list[np.ndarray], out: SlotAllocator) -> np.ndarray:
+def stack_into(arrays: list[np.ndarray], out: SlotAllocator) -> np.ndarray:
+    """The samples' arrays stacked along a new first axis, written straight into ``out``."""
     shape, dtype = arrays[0].shape, arrays[0].dtype
     batch = out.empty((len(arrays),) + shape, dtype)
     for row, array in enumerate(arrays):
         if array.shape != shape:
             raise ValueError(f"sample {row} of the batch has shape {array.shape} but sample 0 has "
-                             f"{shape}: default_batchify stacks samples of one shape; pad them, "
-                             "or pass a batchify_fn")
+                             f"{shape}: the default collation stacks samples of one shape; pad "
+                             "them, or pass your own batchify_fn (collate_fn)")
         batch[row] = array
     return batch
 
@@ -71,7 +73,43 @@ class SampleWorker:
         return default_batchify(samples, out)
 
 
-class DataLoader(ShmSequence):
+class SampleLoader(ShmSequence):
+    """A sequence over a dataset of samples: started by the first iteration, closed by
+    ``close()``; its batches come from a batch sampler when one is given
+    (``self.batch_sampler``), else from shmseq's own seeded plan."""
+
+    batch_sampler = None
+    _collate_name = "collate_fn"  # the argument naming the collate function
+    _ways_around_pickling = "or use start_method='fork'"
+
+    @property
+    def dset_size(self) -> int:
+        return len(self.dataset)
+
+    def _make_plan(self, dset_size, batch_size, shuffle, last_batch, rank, world_size):
+        if self.batch_sampler is None:
+            return super()._make_plan(dset_size, batch_size, shuffle, last_batch, rank, world_size)
+        return SamplerPlan(self.batch_sampler)
+
+    def start(self, compat=None) -> "SampleLoader":
+        if self.num_workers and self.thread_type == "proc":
+            method = self.start_method or multiprocessing.get_start_method()
+            for name, value in ((self._collate_name, self.worker.batchify_fn),
+                                ("dataset", self.dataset)):
+                check_picklable(name, value, method, self._ways_around_pickling)
+        return super().start(compat)
+
+    def __iter__(self):
+        if self._runtime is None:
+            self.start()
+        return super().__iter__()
+
+    def close(self) -> None:
+        """Stop the workers (they otherwise stay up between epochs)."""
+        self.finish()
+
+
+class DataLoader(SampleLoader):
     """Gluon's ``DataLoader(dataset, batch_size, shuffle, sampler, last_batch, batch_sampler,
     batchify_fn, num_workers, pin_memory, pin_device_id, prefetch, thread_pool, timeout)``.
 
@@ -96,8 +134,8 @@ class DataLoader(ShmSequence):
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise TypeError(f"dataset must have __getitem__ and __len__, got {type(dataset).__name__}")
         self.dataset = dataset
-        self.batch_sampler = self._batch_sampler(len(dataset), batch_size, shuffle, sampler,
-                                                 last_batch, batch_sampler, seed)
+        self.batch_sampler = self._batch_sampler(batch_size, shuffle, sampler, last_batch,
+                                                 batch_sampler)
         if self.batch_sampler is not None and (rank is not None or world_size is not None):
             raise ValueError("rank and world_size shard the default samplers: with your own sampler "
                              "or batch_sampler, deal the indices to the ranks in it")
@@ -111,8 +149,11 @@ class DataLoader(ShmSequence):
                          pin_device_id=pin_device_id, rank=rank, world_size=world_size,
                          worker_init_fn=worker_init_fn, worker_restarts=worker_restarts)
 
+    _collate_name = "batchify_fn"
+    _ways_around_pickling = "or use thread_pool=True or start_method='fork'"
+
     @staticmethod
-    def _batch_sampler(length, batch_size, shuffle, sampler, last_batch, batch_sampler, seed):
+    def _batch_sampler(batch_size, shuffle, sampler, last_batch, batch_sampler):
         """Gluon's argument rules; None when the default, seeded plan does the job."""
         if batch_sampler is not None:
             if batch_size is not None or shuffle or sampler is not None or last_batch is not None:
@@ -127,31 +168,6 @@ class DataLoader(ShmSequence):
                                  "order (use RandomSampler to shuffle)")
             return BatchSampler(sampler, batch_size, last_batch or "keep")
         return None
-
-    def _make_plan(self, dset_size, batch_size, shuffle, last_batch, rank, world_size):
-        if self.batch_sampler is None:
-            return super()._make_plan(dset_size, batch_size, shuffle, last_batch, rank, world_size)
-        return SamplerPlan(self.batch_sampler)
-
-    @property
-    def dset_size(self) -> int:
-        return len(self.dataset)
-
-    def start(self, compat=None) -> "DataLoader":
-        if self.num_workers and self.thread_type == "proc":
-            method = self.start_method or multiprocessing.get_start_method()
-            for name, value in (("batchify_fn", self.worker.batchify_fn), ("dataset", self.dataset)):
-                check_picklable(name, value, method, "or use thread_pool=True or start_method='fork'")
-        return super().start(compat)
-
-    def __iter__(self):
-        if self._runtime is None:
-            self.start()
-        return super().__iter__()
-
-    def close(self) -> None:
-        """Stop the workers (they otherwise stay up between epochs)."""
-        self.finish()
 
 
 __all__ = ["DataLoader", "default_batchify", "SequentialSampler", "RandomSampler", "BatchSampler"]

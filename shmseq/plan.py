@@ -1,11 +1,15 @@
 """Epoch index plans: which sample indices go into which batch, epoch after epoch.
 
 Two plans with one contract: ``length(epoch)``, ``batches(epoch)``, ``open(epoch)`` (the
-consumer starts that epoch) and ``is_open(epoch)`` (its batches may be dispatched):
+consumer starts that epoch), ``is_open(epoch)`` (its batches may be dispatched),
+``set_epoch(epoch)``, ``refresh()`` and ``version`` (it changes whenever batches planned
+before may have changed, so that a cursor running ahead knows they are stale):
 
 * ``EpochPlan``: a pure function of (indices, batch_size, shuffle, seed, last_batch,
   rank, world_size, epoch), so the pipeline, ``start_test()`` and a resumed run all
   see exactly the same batches, and any epoch can be planned ahead of the consumer.
+  Ranks not given are read from ``torch.distributed`` when an epoch starts, not when
+  the plan is made: a loader may be built before the process group exists.
 * ``SamplerPlan``: batches drawn from a user's batch sampler, one pass when the consumer
   opens an epoch (after its ``set_epoch``), never ahead of it.
 
@@ -16,6 +20,7 @@ they are dispatched, across epochs.
 from __future__ import annotations
 
 import numbers
+import sys
 
 import numpy as np
 
@@ -48,6 +53,28 @@ def as_index_array(dset_size) -> np.ndarray:
     return indices.astype(np.int64, copy=True)
 
 
+def distributed_ranks(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """(rank, world_size): those given win; else torch.distributed's, once it is initialized;
+    else one rank."""
+    dist = _distributed()
+    if dist is not None and (rank is None or world_size is None):
+        rank = dist.get_rank() if rank is None else rank
+        world_size = dist.get_world_size() if world_size is None else world_size
+    rank, world_size = (0 if rank is None else rank), (1 if world_size is None else world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    return rank, world_size
+
+
+def _distributed():
+    """``torch.distributed`` when a process group is up (torch is never imported for this)."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist
+
+
 class EpochPlan:
     """Cuts each epoch's sample order into batches.
 
@@ -58,22 +85,52 @@ class EpochPlan:
     ``last_batch='rollover'`` (MXNet's) carries a short last batch into the next
     epoch: the batches are then consecutive chunks of the endless concatenation of
     the epochs' orders, so ``start(e) = floor(e * n / batch_size)``.
+
+    ``rank``/``world_size`` left as None follow ``torch.distributed`` (see ``refresh``). A
+    shuffled plan dealt to ranks needs one seed on every rank: unless ``seed_given``, the
+    ranks take rank 0's when the first such epoch starts (one broadcast, which every rank
+    reaches as it starts iterating).
     """
 
     def __init__(self, indices: np.ndarray, batch_size: int, *, shuffle: bool, seed: int,
-                 last_batch: str = "keep", rank: int = 0, world_size: int = 1):
+                 last_batch: str = "keep", rank: int | None = None, world_size: int | None = None,
+                 seed_given: bool = True):
         if last_batch not in LAST_BATCH_POLICIES:
             raise ValueError(f"last_batch must be one of {', '.join(map(repr, LAST_BATCH_POLICIES))}, "
                              f"got {last_batch!r}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.indices = indices
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
         self.last_batch = last_batch
-        self.rank = rank
-        self.world_size = world_size
+        self._asked = (rank, world_size)
+        self.rank, self.world_size = distributed_ranks(rank, world_size)
+        self.seed_settled = seed_given or not shuffle
+        self.version = 0
+
+    def refresh(self) -> None:
+        """Follow torch.distributed's rank and world size where none were given."""
+        ranks = distributed_ranks(*self._asked)
+        if ranks != (self.rank, self.world_size):
+            self.rank, self.world_size = ranks
+            self.version += 1
+
+    def settle_seed(self, seed: int) -> None:
+        """Use ``seed`` from now on, as every rank does (a restored state's, say)."""
+        if seed != self.seed:
+            self.seed = seed
+            self.version += 1
+        self.seed_settled = True
+
+    def _agree_on_seed(self) -> None:
+        dist = _distributed()
+        if dist is None:
+            raise ValueError(
+                f"seed must be given to shuffle for world_size={self.world_size} without "
+                "torch.distributed: every rank must shuffle alike for their shares to be disjoint")
+        shared = [self.seed]
+        dist.broadcast_object_list(shared, src=0)
+        self.settle_seed(int(shared[0]))
 
     @property
     def samples_per_epoch(self) -> int:
@@ -102,12 +159,18 @@ class EpochPlan:
             return epoch * self.samples_per_epoch // self.batch_size
         return epoch * self.length(0)
 
-    def open(self, epoch: int) -> bool:
-        """Nothing to draw: any epoch can be rebuilt, and is the same however often."""
-        return False
+    def open(self, epoch: int) -> None:
+        """Nothing to draw (any epoch can be rebuilt, the same however often); the ranks are
+        read again, and agree on a seed the first time they shuffle."""
+        self.refresh()
+        if self.world_size > 1 and not self.seed_settled:
+            self._agree_on_seed()
 
     def is_open(self, epoch: int) -> bool:
         return True
+
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing to tell: the epoch is an argument of every method."""
 
     def has_batches(self) -> bool:
         n = self.samples_per_epoch
@@ -147,10 +210,26 @@ class SamplerPlan:
     def __init__(self, batch_sampler):
         self.batch_sampler = batch_sampler
         self._drawn: dict[int, list] = {}
+        self.version = 0
 
-    def open(self, epoch: int) -> bool:
+    def open(self, epoch: int) -> None:
         self._drawn = {epoch: [as_batch(indices) for indices in self.batch_sampler]}
-        return True
+        self.version += 1
+
+    def refresh(self) -> None:
+        """The sampler deals to ranks itself, if it does."""
+
+    def settle_seed(self, seed: int) -> None:
+        """The sampler's randomness is its own."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Passed on to the batch sampler and its sampler (a ``DistributedSampler``, say)."""
+        told = set()
+        for sampler in (self.batch_sampler, getattr(self.batch_sampler, "sampler", None)):
+            set_epoch = getattr(sampler, "set_epoch", None)
+            if callable(set_epoch) and id(sampler) not in told:
+                told.add(id(sampler))
+                set_epoch(epoch)
 
     def is_open(self, epoch: int) -> bool:
         return epoch in self._drawn
@@ -195,14 +274,16 @@ class BatchStream:
 
     def reset(self, state: dict) -> None:
         """Go on from ``state`` with fresh seqs; what was taken before is stale."""
+        self.plan.refresh()
+        self._version = self.plan.version
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
         self._batches: list | None = None
         self._segments = []
 
     def open(self, epoch: int, position: int) -> int:
         """The consumer starts ``epoch`` at ``position``: the seq that batch comes as."""
-        drew = self.plan.open(epoch)
-        seq = None if drew else self._seq_of(epoch, position)
+        self.plan.open(epoch)
+        seq = self._seq_of(epoch, position) if self._version == self.plan.version else None
         if seq is None:
             self.reset({"epoch": epoch, "position": position})
             seq = self._seq

@@ -19,7 +19,7 @@ import weakref
 import numpy as np
 
 from .convert import OrderedOutput, Route
-from .devices import OUT_TYPES, make_device, resolve_out_type, torch_available
+from .devices import OUT_TYPES, make_device, resolve_out_type
 from .errors import BatchTimeout, PipelineClosed, ShmSeqError
 from .layout import encode_batch, read_batch
 from .plan import BatchStream, EpochPlan, as_index_array
@@ -111,9 +111,10 @@ class ShmSequence:
         _check_choice("thread_type", thread_type, THREAD_TYPES)
         _check_choice("start_method", start_method, (None, *multiprocessing.get_all_start_methods()))
         _check_out_type(out_type)
-        self.timeout = _check_timeout(timeout)
+        self._timeout = _check_timeout(timeout)
         self.worker = worker
-        self.seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else int(seed)
+        self._seed_given = seed is not None
+        self._seed = self._default_seed() if seed is None else int(seed)
         self._plan = self._make_plan(dset_size, batch_size, shuffle, last_batch, rank, world_size)
         self.worker_init_fn = worker_init_fn
         self.slot_bytes = slot_bytes
@@ -137,10 +138,14 @@ class ShmSequence:
         self._closer = None
         self._stats = LoaderStats()
 
+    def _default_seed(self) -> int:
+        """The seed when none is given: fresh entropy, so that each run shuffles anew."""
+        return int(np.random.SeedSequence().entropy % 2**63)
+
     def _make_plan(self, dset_size, batch_size, shuffle, last_batch, rank, world_size):
-        rank, world_size = _distributed_defaults(rank, world_size)
         return EpochPlan(as_index_array(dset_size), batch_size, shuffle=bool(shuffle),
-                         seed=self.seed, last_batch=last_batch, rank=rank, world_size=world_size)
+                         seed=self._seed, last_batch=last_batch, rank=rank, world_size=world_size,
+                         seed_given=self._seed_given)
 
     # -- the MDNC attributes --------------------------------------------------------------------
     @property
@@ -155,11 +160,28 @@ class ShmSequence:
     def length(self) -> int:
         return len(self)
 
+    @property
+    def seed(self) -> int:
+        """The shuffle's and the workers' seed (the ranks' shared one, once they agreed)."""
+        return getattr(self._plan, "seed", self._seed)
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds to wait for a batch before ``BatchTimeout``; None: as long as it takes."""
+        return self._timeout
+
     def __len__(self) -> int:
         """Batches of the epoch being iterated, or else of the one the next iteration yields
-        (with rollover, epochs differ)."""
-        epoch, position = self._open if self._open is not None else (self.epoch, self._resume_at)
+        (with rollover, epochs differ; ranks as torch.distributed has them now)."""
+        epoch, position = self._epoch_in_view()
         return self._plan.length(epoch) - position
+
+    def _epoch_in_view(self) -> tuple[int, int]:
+        """(epoch, first position) of the iteration in progress, or else of the next one."""
+        if self._open is not None:
+            return self._open
+        self._plan.refresh()
+        return self.epoch, self._resume_at
 
     @property
     def stats(self) -> LoaderStats:
@@ -262,9 +284,13 @@ class ShmSequence:
 
     # -- resuming -------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """The epoch the next iteration yields (as ``DistributedSampler.set_epoch``)."""
+        """The epoch the next iteration yields (as ``DistributedSampler.set_epoch``), told to
+        a user's sampler too. The epoch the sequence is at already keeps its position (a
+        restored mid-epoch state: trainers call this before every epoch)."""
         _check_int("epoch", epoch, 0)
-        self.epoch, self._resume_at = int(epoch), 0
+        if epoch != self.epoch:
+            self.epoch, self._resume_at = int(epoch), 0
+        self._plan.set_epoch(int(epoch))
 
     def state_dict(self) -> dict:
         """Where the consumer is: a run restored from this yields exactly the batches it had not
@@ -281,28 +307,18 @@ class ShmSequence:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()``: the next iteration continues that epoch where it was."""
+        self._plan.refresh()
         mine = self.state_dict()
         for key in ("batch_size", "dset_size", "last_batch", "rank", "world_size"):
             if state.get(key, mine[key]) != mine[key]:
                 raise ValueError(f"state {key}={state[key]!r} does not match this sequence's "
                                  f"{key}={mine[key]!r}: build the sequence as the saved one was")
-        self.seed = self._plan.seed = int(state["seed"])
+        self._seed = int(state["seed"])
+        self._plan.settle_seed(self._seed)
         self.epoch, self._resume_at = int(state["epoch"]), int(state["position"])
         self._last = (-1, 0)
         if self._runtime is not None:
             self._runtime.replan()  # batches in flight were planned with the old seed
-
-
-def _distributed_defaults(rank, world_size) -> tuple[int, int]:
-    """Explicit values win; else torch.distributed's when it is initialized; else one rank."""
-    if rank is not None and world_size is not None:
-        return rank, world_size
-    if torch_available():
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return (dist.get_rank() if rank is None else rank,
-                    dist.get_world_size() if world_size is None else world_size)
-    return rank or 0, world_size or 1
 
 
 def _remainder(plan, epoch: int) -> list[int]:
@@ -324,7 +340,7 @@ class _Pipeline:
 
     def __init__(self, seq: ShmSequence):
         self.plan = seq._plan
-        self.timeout = seq.timeout
+        self.timeout = seq._timeout
         self.n_slots = seq.buffer
         self.stats = LoaderStats()
         self.ring: Ring | None = None
@@ -347,7 +363,7 @@ class _Pipeline:
                                    restarts=seq.worker_restarts)
             if seq.slot_bytes is not None and self.plan.has_batches():
                 self._make_ring(seq.slot_bytes)
-            self._start(seq.timeout)
+            self._start(seq._timeout)
         except BaseException:
             self._broken = True
             self.close()

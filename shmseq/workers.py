@@ -130,11 +130,12 @@ def _keep_large_buffers() -> None:
     mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES)
 
 
-def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn) -> None:
+def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn, worker) -> None:
     """Seed the worker's random generators, then run the user's hook.
 
-    Only processes seed the global generators (``random``, numpy's, torch's): threads
-    share them, and read their own seed from ``get_worker_info()`` instead.
+    Only processes seed the global generators (``random``, numpy's, torch's) and answer
+    ``torch.utils.data.get_worker_info()`` (for datasets written for torch): threads share
+    them, and read their own seed from ``get_worker_info()`` instead.
     """
     _current.info = info
     if in_process:
@@ -144,6 +145,7 @@ def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn) -> None:
         torch = sys.modules.get("torch")
         if torch is not None:
             torch.manual_seed(info.seed)
+            _tell_torch(torch, info, getattr(worker, "dataset", None))
     if worker_init_fn is not None:
         worker_init_fn(info.id)
 
@@ -194,6 +196,13 @@ class _Orphan:
             unlink_segment(self.ring_name)
 
 
+def _tell_torch(torch, info: WorkerInfo, dataset) -> None:
+    """What ``torch.utils.data.get_worker_info()`` reads in its own workers."""
+    from torch.utils.data._utils import worker as torch_worker
+    torch_worker._worker_info = torch_worker.WorkerInfo(
+        id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=dataset)
+
+
 def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
                 ties: ProcessTies | None) -> None:
     """The body of a worker, process or thread (``ties`` is set in processes)."""
@@ -206,7 +215,7 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
                 os.close(fd)
             drop_inherited_rings()  # other sequences' rings: this worker maps its own only
     try:
-        _set_up(info, ties is not None, worker_init_fn)
+        _set_up(info, ties is not None, worker_init_fn, worker)
         worker_obj = make_worker(worker)
     except BaseException as exc:  # noqa: BLE001
         results.send_bytes(encode(("init_error", info.id, describe_exception(exc))))
