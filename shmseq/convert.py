@@ -132,8 +132,10 @@ class Route:
         self._warn_once("copy-out", (
             f"the consumer holds {held} earlier batches of a ring of {self.ring.spec.n_slots} "
             "slots, so handing over this one in place would leave the workers no free slot: "
-            "batches are copied out of the ring instead. Raise buffer, or drop references to "
-            "earlier batches, to stay zero-copy"))
+            "batches are copied out of the ring instead. To stay zero-copy, keep copies of what "
+            "you store across steps (batch.clone() or .copy(): a metric's targets, a list of "
+            "outputs), or raise buffer (prefetch_factor) above the batches you hold; see "
+            "docs/reference.md, 'Keeping batches'"))
         self.stats.copy_out_count += 1
         copied = map_arrays(batch, _copy_array, _array_types())
         return self.device.hand_over(copied, None)
