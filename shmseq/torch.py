@@ -181,10 +181,10 @@ class DataLoader(SampleLoader):
                     (sampler, batch_sampler, getattr(batch_sampler, "sampler", None)))
         if world_size > 1 and not dealt and not self._warned_ranks:
             self._warned_ranks = True
-            warn_user(f"torch.distributed runs {world_size} ranks but the sampler given to this "
-                  "DataLoader does not deal samples to them: every rank reads the whole dataset. "
-                  "Use a DistributedSampler, or leave sampler out and let shmseq deal the "
-                  "samples (shuffle=True or False)")
+            warn_user(f"torch.distributed runs {world_size} ranks but the sampler given to "
+                      "this DataLoader does not deal samples to them: every rank reads the "
+                      "whole dataset. Use a DistributedSampler, or leave sampler out and let "
+                      "shmseq deal the samples (shuffle=True or False)")
 
 
 class _OneIndexBatches:

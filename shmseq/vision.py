@@ -275,4 +275,3 @@ class ImageArrayWorker(_RowWorker):
         left = int(rng.integers(0, image.shape[1] - self.size + 1))
         crop = image[top:top + self.size, left:left + self.size]
         row[...] = crop[:, ::-1] if self.flip and rng.random() < 0.5 else crop
-

@@ -102,4 +102,3 @@ def test_restarts_keep_a_resumed_rollover_run_the_same(tmp_path):
 def test_restarts_need_processes():
     with pytest.raises(ValueError, match="worker_restarts=1 replaces worker processes.*thread_type"):
         make(KillOnce("/tmp", at=[]), worker_restarts=1, thread_type="thread")
-
