@@ -123,6 +123,9 @@ class DataLoader(SampleLoader):
     ``worker_restarts``.
     """
 
+    _collate_name = "batchify_fn"
+    _ways_around_pickling = "or use thread_pool=True or start_method='fork'"
+
     def __init__(self, dataset, batch_size: int | None = None, shuffle: bool = False, sampler=None,
                  last_batch: str | None = None, batch_sampler=None, batchify_fn=None,
                  num_workers: int = 0, pin_memory: bool = False, pin_device_id: int = 0,
@@ -148,9 +151,6 @@ class DataLoader(SampleLoader):
                          start_method=start_method, timeout=timeout, pin_memory=pin_memory,
                          pin_device_id=pin_device_id, rank=rank, world_size=world_size,
                          worker_init_fn=worker_init_fn, worker_restarts=worker_restarts)
-
-    _collate_name = "batchify_fn"
-    _ways_around_pickling = "or use thread_pool=True or start_method='fork'"
 
     @staticmethod
     def _batch_sampler(batch_size, shuffle, sampler, last_batch, batch_sampler):
