@@ -306,10 +306,14 @@ class ShmSequence:
                 "rollover_remainder": _remainder(plan, epoch)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from ``state_dict()``: the next iteration continues that epoch where it was."""
+        """Resume from ``state_dict()``: the next iteration continues that epoch where it was.
+
+        Any rank's state resumes every rank: ranks get as many batches per epoch and go in step,
+        so their states differ only in ``rank``, which is not checked (Lightning and Accelerate
+        checkpoint rank 0's state and load it on every rank)."""
         self._plan.refresh()
         mine = self.state_dict()
-        for key in ("batch_size", "dset_size", "last_batch", "rank", "world_size"):
+        for key in ("batch_size", "dset_size", "last_batch", "world_size"):
             if state.get(key, mine[key]) != mine[key]:
                 raise ValueError(f"state {key}={state[key]!r} does not match this sequence's "
                                  f"{key}={mine[key]!r}: build the sequence as the saved one was")

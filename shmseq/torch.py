@@ -160,6 +160,13 @@ class DataLoader(SampleLoader):
         """As torch has it: 0 waits as long as it takes."""
         return 0 if self._timeout is None else self._timeout
 
+    def __len__(self) -> int:
+        """Batches in a whole epoch, as torch's ``len(batch_sampler)``, also when resumed
+        mid-epoch: trainers count the batches taken before themselves (Lightning sizes every
+        epoch by this, once, after restoring the loader's state)."""
+        epoch, _ = self._epoch_in_view()
+        return self._plan.length(epoch)
+
     def __iter__(self):
         self._warn_if_each_rank_reads_everything()
         batches = super().__iter__()
