@@ -1,0 +1,99 @@
+"""Accelerate DDP on 2 CPU ranks (gloo), fed by a shmseq.torch.DataLoader built before
+``Accelerator()``; every rank writes the sample indices it trained on.
+
+    torchrun --standalone --nproc_per_node=2 examples/accelerate_ddp.py OUT --tag full --save-at 5
+    torchrun --standalone --nproc_per_node=2 examples/accelerate_ddp.py OUT --tag resumed \\
+        --resume OUT/step5
+
+The loader stays out of ``accelerator.prepare``: Accelerate wraps only torch's ``DataLoader``
+and hands anything else back untouched, so passing it would change nothing. The loader deals
+its own plan to the ranks when an epoch starts, by which time ``Accelerator()`` has set up
+the process group. Accelerate saves only the loaders it prepared, so this one is registered
+with ``register_for_checkpointing``: ``save_state`` stores its ``state_dict()`` (rank 0's, as
+for every custom object) and ``load_state`` loads it on every rank; ``loader.epoch`` is then
+the epoch to go on with, and ``set_epoch`` of that epoch keeps the restored position.
+"""
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+
+from shmseq.torch import DataLoader
+
+
+class Indexed(torch.utils.data.Dataset):
+    """Points on a noisy plane; each sample carries its index so that ranks can report it."""
+
+    def __init__(self, count: int):
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(count, 4, generator=generator)
+        self.y = self.x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(count, generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int):
+        return self.x[index], self.y[index], index
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="each rank writes TAG-rankN.json here")
+    parser.add_argument("--tag", default="full")
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--save-at", type=int, help="save_state after this optimizer step")
+    parser.add_argument("--resume", type=Path, help="directory of a save_state to resume from")
+    return parser.parse_args()
+
+
+def train(accelerator: Accelerator, loader: DataLoader, model, optimizer, args) -> list[dict]:
+    """Epochs from the loader's own (restored) epoch on; saves the state once after step
+    ``--save-at`` and trains on, so that the run is also the reference a resumed run repeats."""
+    seen, step = [], 0
+    for epoch in range(loader.epoch, args.epochs):
+        loader.set_epoch(epoch)
+        for x, y, index in loader:
+            x, y = x.to(accelerator.device), y.to(accelerator.device)
+            loss = torch.nn.functional.mse_loss(model(x).squeeze(1), y)
+            optimizer.zero_grad()
+            accelerator.backward(loss)
+            optimizer.step()
+            seen.append({"epoch": epoch, "indices": index.tolist()})
+            step += 1
+            if step == args.save_at:
+                accelerator.save_state(args.out / f"step{step}")  # a collective: every rank
+    return seen
+
+
+def main() -> None:
+    args = parse_args()
+    # Seeded per rank (as set_seed(..., device_specific=True) would): the shuffle seeds the
+    # ranks draw differ, and they shuffle alike only by taking rank 0's at the first epoch.
+    torch.manual_seed(args.seed + int(os.environ.get("RANK", 0)))
+    loader = DataLoader(Indexed(args.samples), batch_size=args.batch_size, shuffle=True,
+                        num_workers=1, persistent_workers=True)
+    drawn = loader.seed
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.register_for_checkpointing(loader)
+    if args.resume:
+        accelerator.load_state(args.resume)
+    seen = train(accelerator, loader, model, optimizer, args)
+    report = {"rank": accelerator.process_index, "drawn_seed": drawn, "seed": loader.seed,
+              "batches": seen}
+    loader.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.tag}-rank{accelerator.process_index}.json").write_text(json.dumps(report))
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
