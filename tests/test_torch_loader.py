@@ -320,3 +320,22 @@ def test_a_loop_that_keeps_every_batch_is_told_what_to_do():
     assert [batch.tolist() for batch in kept] == [[i, i + 1] for i in range(0, 40, 2)]
     message = " ".join(str(w.message) for w in caught)
     assert "clone()" in message and "raise buffer" in message and "Keeping batches" in message
+
+
+def test_len_is_the_whole_epochs_also_when_resumed_mid_epoch():
+    loader = DataLoader(Indices(16), batch_size=4, shuffle=True, seed=0)
+    next(iter(loader))
+    resumed = DataLoader(Indices(16), batch_size=4, shuffle=True, seed=0)
+    resumed.load_state_dict(loader.state_dict())
+    assert len(resumed) == len(resumed.batch_sampler) == 4, "trainers count the batches taken"
+    assert len(labels(resumed)) == 3
+
+
+def test_any_ranks_state_resumes_every_rank():
+    saved = shmseq.DataLoader(Indices(16), batch_size=2, shuffle=True, seed=4, rank=0, world_size=2)
+    next(iter(saved))
+    other = shmseq.DataLoader(Indices(16), batch_size=2, shuffle=True, seed=4, rank=1, world_size=2)
+    other.load_state_dict(saved.state_dict())  # trainers save rank 0's state, load it everywhere
+    expected = labels(shmseq.DataLoader(Indices(16), batch_size=2, shuffle=True, seed=4, rank=1,
+                                        world_size=2))
+    assert labels(other) == expected[1:]
