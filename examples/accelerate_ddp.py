@@ -13,43 +13,15 @@ with ``register_for_checkpointing``: ``save_state`` stores its ``state_dict()`` 
 for every custom object) and ``load_state`` loads it on every rank; ``loader.epoch`` is then
 the epoch to go on with, and ``set_epoch`` of that epoch keeps the restored position.
 """
-import argparse
 import json
 import os
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 
 from shmseq.torch import DataLoader
 
-
-class Indexed(torch.utils.data.Dataset):
-    """Points on a noisy plane; each sample carries its index so that ranks can report it."""
-
-    def __init__(self, count: int):
-        generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(count, 4, generator=generator)
-        self.y = self.x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(count, generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int):
-        return self.x[index], self.y[index], index
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="each rank writes TAG-rankN.json here")
-    parser.add_argument("--tag", default="full")
-    parser.add_argument("--samples", type=int, default=32)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--save-at", type=int, help="save_state after this optimizer step")
-    parser.add_argument("--resume", type=Path, help="directory of a save_state to resume from")
-    return parser.parse_args()
+from indexed_run import Indexed, parse_args
 
 
 def train(accelerator: Accelerator, loader: DataLoader, model, optimizer, args) -> list[dict]:
@@ -72,7 +44,8 @@ def train(accelerator: Accelerator, loader: DataLoader, model, optimizer, args) 
 
 
 def main() -> None:
-    args = parse_args()
+    args = parse_args(__doc__.splitlines()[0],
+                      "save_state after this optimizer step", "directory of a save_state to resume from")
     # Seeded per rank (as set_seed(..., device_specific=True) would): the shuffle seeds the
     # ranks draw differ, and they shuffle alike only by taking rank 0's at the first epoch.
     torch.manual_seed(args.seed + int(os.environ.get("RANK", 0)))

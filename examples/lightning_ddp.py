@@ -12,7 +12,6 @@ loads it on every rank before the resumed epoch starts (``FitLoop.setup_data``);
 ``set_epoch`` Lightning calls next keeps the restored position. Lightning's ``ddp`` strategy
 starts rank 1 by running this script again, hence the ``__main__`` guard.
 """
-import argparse
 import json
 import logging
 from pathlib import Path
@@ -22,20 +21,7 @@ import torch
 
 from shmseq.torch import DataLoader
 
-
-class Indexed(torch.utils.data.Dataset):
-    """Points on a noisy plane; each sample carries its index so that ranks can report it."""
-
-    def __init__(self, count: int):
-        generator = torch.Generator().manual_seed(0)
-        self.x = torch.randn(count, 4, generator=generator)
-        self.y = self.x @ torch.tensor([1.0, -2.0, 0.5, 3.0]) + 0.1 * torch.randn(count, generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, index: int):
-        return self.x[index], self.y[index], index
+from indexed_run import Indexed, parse_args
 
 
 class Regression(pl.LightningModule):
@@ -68,21 +54,9 @@ class SaveAt(pl.Callback):
             trainer.save_checkpoint(self.path)  # a collective: every rank calls it
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="each rank writes TAG-rankN.json here")
-    parser.add_argument("--tag", default="full")
-    parser.add_argument("--samples", type=int, default=32)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--save-at", type=int, help="checkpoint after this optimizer step")
-    parser.add_argument("--resume", type=Path, help="checkpoint to resume from")
-    return parser.parse_args()
-
-
 def main() -> None:
-    args = parse_args()
+    args = parse_args(__doc__.splitlines()[0],
+                      "checkpoint after this optimizer step", "checkpoint to resume from")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # warnings only, no banners
     pl.seed_everything(args.seed, verbose=False)  # the loader's shuffle seed is drawn from it
     loader = DataLoader(Indexed(args.samples), batch_size=args.batch_size, shuffle=True,
