@@ -95,6 +95,7 @@ class PageLock:
         self.device_index = device_index
         self.cudart = torch.cuda.cudart()
         self.address = ring.address
+        ring.allocate_all()  # registering faults in every page: allocate them, checked, first
         with torch.cuda.device(device_index):
             error = self.cudart.cudaHostRegister(self.address, ring.spec.total_bytes, 0)
         if int(error) != 0:

@@ -80,8 +80,8 @@ def worker_error(info: tuple, *, indices=None, seq=None, what: str) -> WorkerErr
 def _run_task(worker_obj, ring: WorkerRing | None, seq: int, slot: int | None, indices: np.ndarray):
     """Build and write one batch; the reply carries its size and the time it took."""
     began = time.perf_counter()
-    region = ring.region(slot) if slot is not None else None
     try:
+        region = ring.region(slot) if slot is not None else None  # may find /dev/shm full
         batch, allocator = build_batch(worker_obj, indices, region)
         if region is not None:
             try:

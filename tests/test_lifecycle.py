@@ -119,16 +119,25 @@ def _worker_pids(seq) -> list[int]:
     return [handle.pid for handle in seq._runtime.pool._workers]
 
 
+def _write_every_slot(seq) -> None:
+    """Take a ring's worth of batches: every slot's pages are then allocated (they are as each
+    slot is first written), and the workers are busy with the next ones."""
+    for _, batch in zip(range(seq.buffer), seq):
+        del batch
+
+
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
 def test_workers_map_only_their_own_ring(method):
     train = make(ImageWorker(256), 400, slot_bytes=8 * MiB, buffer=4, start_method=method)
     val = make(ImageWorker(256), 400, slot_bytes=2 * MiB, buffer=4, start_method=method)
     with train.start():
         (train_ring,) = mapped_rings()
+        _write_every_slot(train)
         with val.start():
             (val_ring,) = set(mapped_rings()) - {train_ring}
             for pid in _worker_pids(val):
                 assert set(mapped_rings(pid)) == {val_ring}
+            _write_every_slot(val)
             free = shm_free_bytes()
             train.finish()
             assert set(mapped_rings()) == {val_ring}

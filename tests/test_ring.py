@@ -179,3 +179,51 @@ def test_a_new_ring_removes_the_rings_of_consumers_killed_before_they_unlinked()
     finally:
         for name in names.values():
             unlink_segment(name)
+
+
+def allocated_bytes(ring) -> int:
+    return os.fstat(ring.spec.owner_fd).st_blocks * 512
+
+
+def test_slots_are_allocated_as_they_are_first_written_not_all_at_start():
+    ring = Ring.create(4, 1 << 20, wake=lambda: None)
+    try:
+        assert allocated_bytes(ring) == 0, "the first batch must not wait for the whole ring"
+        worker = WorkerRing(ring.spec)
+        worker.region(2)[:] = 7
+        assert allocated_bytes(ring) == ring.spec.stride
+        ring.region(0)[:1] = 1  # the consumer writes a slot too (the sizing probe's batch)
+        assert allocated_bytes(ring) == 2 * ring.spec.stride
+        ring.allocate_all()  # before page-locking
+        assert allocated_bytes(ring) == ring.spec.total_bytes
+        worker.close()
+    finally:
+        ring.close()
+
+
+def test_a_slot_dev_shm_cannot_allocate_is_refused_not_a_sigbus(monkeypatch):
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    ring = Ring.create(2, 1 << 20, wake=lambda: None)
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    try:
+        with pytest.raises(SharedMemoryFull, match="--shm-size"):
+            WorkerRing(ring.spec).region(1)
+    finally:
+        ring.close()
+
+
+def test_a_worker_that_cannot_allocate_its_slot_says_so(monkeypatch):
+    from shmseq import ShmSequence, WorkerError
+    from workers import IndexWorker
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)  # forked workers inherit it
+    seq = ShmSequence(IndexWorker, 40, batch_size=4, num_workers=1, out_type="null",
+                      slot_bytes=1 << 16, start_method="fork", timeout=30)
+    with seq.start():
+        with pytest.raises(WorkerError, match="SharedMemoryFull: the slot ring needs"):
+            next(iter(seq))
