@@ -13,6 +13,7 @@ Only the skeleton is pickled; payloads are written once, straight into the slot.
 """
 from __future__ import annotations
 
+import math
 import pickle
 import struct
 import sys
@@ -58,16 +59,17 @@ class SlotAllocator:
     def __init__(self, region: np.ndarray | None):
         self.region = region
         self.used = PAYLOAD_START
+        self.placed: dict[int, tuple[np.ndarray, int]] = {}  # id -> (array, offset in region)
 
     def empty(self, shape, dtype) -> np.ndarray:
         """An uninitialised C-contiguous array, inside the slot when it fits."""
         dtype = np.dtype(dtype)
         shape = tuple(shape) if np.iterable(shape) else (int(shape),)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        end = self.used + nbytes
+        end = self.used + int(math.prod(shape)) * dtype.itemsize
         if self.region is None or end > len(self.region):
             return np.empty(shape, dtype)
         array = np.ndarray(shape, dtype, buffer=self.region, offset=self.used)
+        self.placed[id(array)] = (array, self.used)  # known in place without pointer arithmetic
         self.used = align(end)
         return array
 
@@ -127,10 +129,11 @@ def as_ndarray(obj) -> np.ndarray | None:
 
 
 class _Packer:
-    def __init__(self, region: np.ndarray | None, start: int):
+    def __init__(self, region: np.ndarray | None, start: int, placed: dict):
         self.region = region
         self.cursor = align(start)
         self.copies: list = []
+        self.placed = placed
 
     def skeleton(self, obj, path: str):
         if is_tensor(obj):
@@ -162,7 +165,9 @@ class _Packer:
                 "cannot travel in a slot: use a numeric, bool, bytes or unicode dtype")
         dtype = array.dtype
         described = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
-        offset = _in_place_offset(array, self.region)
+        placed = self.placed.get(id(array))
+        offset = placed[1] if placed is not None and placed[0] is array else \
+            _in_place_offset(array, self.region)
         if offset is None:
             offset = self.cursor
             self.cursor = align(offset + array.nbytes)
@@ -170,11 +175,11 @@ class _Packer:
         return (_ARRAY, described, array.shape, offset, torch_dtype)
 
 
-def _pack(batch, region: np.ndarray | None, start: int) -> _Packed:
+def _pack(batch, region: np.ndarray | None, start: int, placed: dict) -> _Packed:
     if batch is None:
         raise UnsupportedBatch("the worker returned None for a batch: return an array, "
                                "or a tuple/list/dict of arrays")
-    packer = _Packer(region, start)
+    packer = _Packer(region, start, placed)
     skeleton = packer.skeleton(batch, "")
     try:
         header = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
@@ -199,8 +204,10 @@ def write_batch(batch, region: np.ndarray, allocator: SlotAllocator | None = Non
 
     Arrays that ``allocator`` placed in the region stay where they are.
     """
-    start = allocator.used if allocator is not None else PAYLOAD_START
-    packed = _pack(batch, region, start)
+    if allocator is None:
+        packed = _pack(batch, region, PAYLOAD_START, {})
+    else:
+        packed = _pack(batch, region, allocator.used, allocator.placed)
     if packed.size > len(region):
         raise SlotOverflow(packed.size)
     _emit(packed, region)
@@ -209,7 +216,7 @@ def write_batch(batch, region: np.ndarray, allocator: SlotAllocator | None = Non
 
 def encode_batch(batch) -> np.ndarray:
     """The batch in slot format in a buffer of its own (overflow path and sizing probe)."""
-    packed = _pack(batch, None, PAYLOAD_START)
+    packed = _pack(batch, None, PAYLOAD_START, {})
     buffer = np.empty(packed.size, np.uint8)
     _emit(packed, buffer)
     return buffer
