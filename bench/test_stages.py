@@ -1,7 +1,9 @@
 """Per-stage costs of one batch's trip, with pytest-benchmark: ``python -m pytest bench -q``.
 
 Encode and decode a batch's slot layout, take a slot round its state machine, hand
-a slot id to another process and back, and make the consumer's view and tensor.
+a slot id to another process and back, make the consumer's view and tensor, and take a
+whole 0.1 MB batch through shmseq and through the bare ring (the least a shared-memory
+ring can cost).
 Payload-sized stages run on a cifar and an imagenet64 batch; the others do not
 depend on the batch size.
 """
@@ -16,6 +18,7 @@ import posix_ipc
 import pytest
 
 from shmseq import SlotAllocator
+from shmseq.bench.systems import SYSTEMS
 from shmseq.bench.workloads import WORKLOADS, Workload
 from shmseq.layout import encode_batch, read_batch, write_batch
 from shmseq.ring import Ring
@@ -179,3 +182,18 @@ def test_from_numpy(benchmark, ring):
     tensor = benchmark(torch.from_numpy, view)
     assert tensor.data_ptr() == view.ctypes.data
     del tensor, view, lease
+
+
+# -- a whole batch's trip: shmseq against the bare ring ------------------------------------------
+@pytest.fixture(params=["bare-ring", "shmseq-inplace"])
+def transport(request):
+    """An endless stream of 0.1 MB batches (2 workers, 10 slots) from the system named, as
+    ``python -m shmseq.bench`` runs it."""
+    with SYSTEMS[request.param](WORKLOADS["cifar32"]) as batches:
+        yield batches
+
+
+def test_batch_trip(benchmark, transport):
+    """The per-batch floor: a slot id there and back, the views, the tensors. The bare ring
+    shows the least a shared-memory ring can cost; shmseq's figure over it is its overhead."""
+    benchmark(next, transport)

@@ -90,8 +90,8 @@ SHMSEQ_PROCESSES = ("shmseq-proc", "shmseq-inplace")  # their consumer CPU is th
 
 
 def highlights(cells: list[Cell]) -> list[str]:
-    """Per workload: shmseq's faster process system against PyTorch DataLoader's best, and the
-    limit."""
+    """Per workload: shmseq's faster process system against PyTorch DataLoader's best, the bare
+    ring (shmseq's own overhead) and the limit."""
     found = []
     for workload in dict.fromkeys(c.workload for c in cells):
         mine = [c for c in cells if c.workload == workload and c.system in SHMSEQ_PROCESSES]
@@ -106,6 +106,10 @@ def highlights(cells: list[Cell]) -> list[str]:
                      f"({rival.system}, {rival.gb_per_s:.2f} GB/s), with "
                      f"{rival.cpu_us_per_batch / best.cpu_us_per_batch:.1f}x less consumer CPU "
                      f"a batch ({best.cpu_us_per_batch:.0f} against {rival.cpu_us_per_batch:.0f} µs)")
+        bare = [c for c in cells if c.workload == workload and c.system == "bare-ring"]
+        if bare:
+            line += (f"; {best.gb_per_s / bare[0].gb_per_s:.2f}x the bare ring's GB/s with "
+                     f"{best.cpu_us_per_batch / bare[0].cpu_us_per_batch:.1f}x its consumer CPU")
         if best.of_limit is not None:
             line += f"; {best.of_limit:.2f}x the limit"
         found.append(line)
