@@ -6,7 +6,7 @@
    free slot + next (seq, indices) --> task pipe --> worker 1..N (processes or threads)
                                                       | worker_obj[indices] -> batch
                                                       | written once into its slot (workers.py)
- ring of `buffer` slots x `slot_bytes`  <-------------+ (POSIX shared memory, preallocated)
+ ring of `buffer` slots x `slot_bytes`  <-------------+ (POSIX shared memory, one segment)
                                                       | only ("done", seq, slot) comes back
  consumer thread: reply pipes + worker sentinels <----+
    every batch, one route (convert.py): slot -> device -> consumer, in order
