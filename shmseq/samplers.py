@@ -51,6 +51,11 @@ class BatchSampler:
         self._sampler, self._batch_size, self._last_batch = sampler, batch_size, last_batch
         self._carried: list[int] = []
 
+    @property
+    def sampler(self) -> Iterable[int]:
+        """The sampler batched (``set_epoch`` reaches it through here, as through torch's)."""
+        return self._sampler
+
     def __iter__(self) -> Iterator[list[int]]:
         batch, self._carried = self._carried, []
         for index in self._sampler:

@@ -339,3 +339,14 @@ def test_any_ranks_state_resumes_every_rank():
     expected = labels(shmseq.DataLoader(Indices(16), batch_size=2, shuffle=True, seed=4, rank=1,
                                         world_size=2))
     assert labels(other) == expected[1:]
+
+
+def test_set_epoch_reaches_the_sampler_given_to_the_mxnet_style_loader():
+    dataset = Indices(24)
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=3)
+    loader = shmseq.DataLoader(dataset, batch_size=4, sampler=sampler)
+    loader.set_epoch(2)
+    assert sampler.epoch == 2
+    reference = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=3)
+    reference.set_epoch(2)
+    assert [i for batch in labels(loader) for i in batch] == list(reference)
