@@ -124,10 +124,8 @@ class DataLoader(SampleLoader):
         self._batch_size = batch_size
         self._given = (sampler, batch_sampler)
         self._warned_ranks = False
-        if batch_sampler is None and sampler is not None and batch_size is not None:
-            batch_sampler = BatchSampler(sampler, batch_size, self.drop_last)
-        elif batch_sampler is None and sampler is not None:
-            batch_sampler = _OneIndexBatches(sampler)
+        if batch_sampler is None and sampler is not None:  # batch_size=None: batches of one
+            batch_sampler = BatchSampler(sampler, batch_size or 1, self.drop_last)
         self.batch_sampler = batch_sampler
         buffer = num_workers * (2 if prefetch_factor is None else prefetch_factor) + 2
         super().__init__(
@@ -192,19 +190,6 @@ class DataLoader(SampleLoader):
                       "this DataLoader does not deal samples to them: every rank reads the "
                       "whole dataset. Use a DistributedSampler, or leave sampler out and let "
                       "shmseq deal the samples (shuffle=True or False)")
-
-
-class _OneIndexBatches:
-    """A sampler's indices as one-index batches (``batch_size=None``: no automatic batching)."""
-
-    def __init__(self, sampler):
-        self.sampler = sampler
-
-    def __iter__(self):
-        return ([index] for index in self.sampler)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
 
 
 class _PlanSampler(Sampler):

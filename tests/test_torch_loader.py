@@ -350,3 +350,10 @@ def test_set_epoch_reaches_the_sampler_given_to_the_mxnet_style_loader():
     reference = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=3)
     reference.set_epoch(2)
     assert [i for batch in labels(loader) for i in batch] == list(reference)
+
+
+def test_a_sampler_without_automatic_batching_gives_torchs_samples():
+    def sampler():
+        return RandomSampler(Indices(9), generator=torch.Generator().manual_seed(1))
+    ours = list(DataLoader(Indices(9), batch_size=None, sampler=sampler(), num_workers=1))
+    assert ours == list(TorchLoader(Indices(9), batch_size=None, sampler=sampler()))
