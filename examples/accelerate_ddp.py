@@ -65,6 +65,7 @@ def main() -> None:
     loader.close()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.tag}-rank{accelerator.process_index}.json").write_text(json.dumps(report))
+    accelerator.wait_for_everyone()  # no rank tears the process group down under another
     accelerator.end_training()
 
 

@@ -107,8 +107,8 @@ class Route:
     def _convert(self, arrival: Arrival) -> Delivery:
         slot, payload = arrival.slot, arrival.payload
         region = payload if slot is None else self.ring.lease(slot)
-        reader = batch_reader(region)
-        batch, copy = self.device.convert(reader.build(region, self.device.leaf))
+        reader = batch_reader(region, self.device.leaf)
+        batch, copy = self.device.convert(reader.build(region))
         if copy is not None and slot is not None:
             self.ring.track_copy(slot, functools.partial(self.device.wait, copy))
         return Delivery(batch, copy, slot is not None and copy is None and reader.arrays > 0,

@@ -3,8 +3,9 @@
 A device turns a batch of numpy views of a slot into what the consumer gets:
 
 ``attach(ring)``        once the ring exists (page-lock it)
-``leaf``                what each array becomes as a batch is read from its slot (host
-                        devices: the numpy view itself, or a torch tensor of it), or None
+``leaf``                ``leaf(dtype)``: what makes each view of that dtype what the consumer
+                        gets as a batch is read from its slot (a torch tensor of it), or None
+                        (the leaf itself None: numpy views)
 ``convert(views)``      -> (batch, copy): ``copy`` is None when the batch *is* the views
                         (host output: a copy that completes at once), else the device copy
                         still reading the slot, which stays busy until ``wait(copy)`` returns
@@ -76,14 +77,19 @@ def resolve_out_type(out_type: str) -> str:
     return out_type
 
 
-def _to_torch(array: np.ndarray):
+def torch_leaf(dtype: np.dtype):
+    """What makes a view of ``dtype`` a tensor sharing its memory; None where torch lacks the
+    dtype (strings, structured): those stay numpy arrays. Torch holds native byte order only:
+    other orders become a copy, in native order."""
     import torch
-    if not array.dtype.isnative:  # torch holds native byte order only: a copy, in native order
-        array = array.astype(array.dtype.newbyteorder("="))
     try:
-        return torch.from_numpy(array)
-    except TypeError:  # a dtype torch lacks (strings, structured): stays a numpy array
-        return array
+        torch.from_numpy(np.empty(0, dtype.newbyteorder("=")))
+    except TypeError:
+        return None
+    if dtype.isnative:
+        return torch.from_numpy
+    native = dtype.newbyteorder("=")
+    return lambda view: torch.from_numpy(view.astype(native))
 
 
 class PageLock:
@@ -120,7 +126,7 @@ class HostDevice:
 
     def __init__(self, to_torch: bool, pin_device: int | None = None):
         self.to_torch = to_torch
-        self.leaf = _to_torch if to_torch else None  # views made tensors as they are read
+        self.leaf = torch_leaf if to_torch else None  # views made tensors as they are read
         self.pin_device = pin_device
         self._lock: PageLock | None = None
 
@@ -147,7 +153,7 @@ class HostDevice:
 class CudaDevice:
     """Copies each batch to the GPU on one of its own streams; an event marks the end."""
 
-    leaf = None
+    leaf = staticmethod(torch_leaf)  # read as tensors of the slot, then copied
 
     def __init__(self, device: str, num_streams: int = 1):
         import torch
@@ -170,11 +176,10 @@ class CudaDevice:
             event.record(stream)
         return batch, event
 
-    def _copy(self, array):
-        tensor = array if isinstance(array, self.torch.Tensor) else _to_torch(array)
-        if isinstance(tensor, np.ndarray):
-            return array.copy()  # strings and the like stay on the host, off the slot
-        return tensor.to(self.device, non_blocking=True)
+    def _copy(self, leaf):
+        if isinstance(leaf, np.ndarray):
+            return leaf.copy()  # strings and the like stay on the host, off the slot
+        return leaf.to(self.device, non_blocking=True)
 
     def hand_over(self, batch, event):
         current = self.torch.cuda.current_stream(self.device)

@@ -128,6 +128,19 @@ def as_ndarray(obj) -> np.ndarray | None:
     return None
 
 
+class _Unplaceable(Exception):
+    """Part of a batch cannot travel in a slot: ``reason`` names it ``{where}``, the path to it
+    (gathered on the way out, so that batches that do travel pay nothing for it)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+        self.keys: list[str] = []
+
+    def error(self) -> UnsupportedBatch:
+        return UnsupportedBatch(self.reason.replace("{where}", "batch" + "".join(reversed(self.keys))))
+
+
 class _Packer:
     def __init__(self, region: np.ndarray | None, start: int, placed: dict):
         self.region = region
@@ -135,33 +148,45 @@ class _Packer:
         self.copies: list = []
         self.placed = placed
 
-    def skeleton(self, obj, path: str):
+    def skeleton(self, obj):
+        if type(obj) is np.ndarray:  # the common leaf first
+            return self.array(obj, None)
         if is_tensor(obj):
-            return self.array(*tensor_bits(obj), path)
+            return self.array(*tensor_bits(obj))
         if isinstance(obj, np.ma.MaskedArray):
-            raise UnsupportedBatch(
-                f"batch{path} is a masked array, whose mask would be lost in a slot: return its "
+            raise _Unplaceable(
+                "{where} is a masked array, whose mask would be lost in a slot: return its "
                 "data and its mask (np.ma.getmaskarray) as two arrays")
         if isinstance(obj, np.ndarray):
-            return self.array(obj, None, path)
+            return self.array(obj, None)
         if isinstance(obj, tuple):
-            children = tuple(self.skeleton(v, f"{path}[{i}]") for i, v in enumerate(obj))
+            children = self.children(enumerate(obj))
             return (_NAMED, type(obj), children) if _is_namedtuple(obj) else (_TUPLE, children)
         if isinstance(obj, list):
-            return (_LIST, tuple(self.skeleton(v, f"{path}[{i}]") for i, v in enumerate(obj)))
+            return (_LIST, self.children(enumerate(obj)))
         if isinstance(obj, dict):
-            return (_DICT, tuple((k, self.skeleton(v, f"{path}[{k!r}]")) for k, v in obj.items()))
+            return (_DICT, tuple(zip(obj, self.children(obj.items(), repr))))
         if isinstance(obj, _EXTRA_TYPES):
             return (_EXTRA, obj)
-        raise UnsupportedBatch(
-            f"batch{path} is a {type(obj).__module__}.{type(obj).__qualname__}, which cannot travel "
+        raise _Unplaceable(
+            f"{{where}} is a {type(obj).__module__}.{type(obj).__qualname__}, which cannot travel "
             "in a slot: return numpy arrays (or CPU torch tensors), tuples, lists and dicts of them, "
             "and small extras (numbers, strings, bytes)")
 
-    def array(self, array: np.ndarray, torch_dtype: str | None, path: str):
+    def children(self, items, show=str) -> tuple:
+        skeletons = []
+        for key, value in items:
+            try:
+                skeletons.append(self.skeleton(value))
+            except _Unplaceable as exc:
+                exc.keys.append(f"[{show(key)}]")
+                raise
+        return tuple(skeletons)
+
+    def array(self, array: np.ndarray, torch_dtype: str | None):
         if array.dtype.hasobject:
-            raise UnsupportedBatch(
-                f"batch{path} is an array of dtype {array.dtype}, which holds Python objects and "
+            raise _Unplaceable(
+                f"{{where}} is an array of dtype {array.dtype}, which holds Python objects and "
                 "cannot travel in a slot: use a numeric, bool, bytes or unicode dtype")
         dtype = array.dtype
         described = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
@@ -180,7 +205,10 @@ def _pack(batch, region: np.ndarray | None, start: int, placed: dict) -> _Packed
         raise UnsupportedBatch("the worker returned None for a batch: return an array, "
                                "or a tuple/list/dict of arrays")
     packer = _Packer(region, start, placed)
-    skeleton = packer.skeleton(batch, "")
+    try:
+        skeleton = packer.skeleton(batch)
+    except _Unplaceable as exc:
+        raise exc.error() from None
     try:
         header = pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
@@ -224,35 +252,37 @@ def encode_batch(batch) -> np.ndarray:
 
 class BatchReader(NamedTuple):
     """How to read batches of one layout (one header): compiled once, used for every batch."""
-    build: Callable   # (region, leaf) -> the batch, its arrays views of region, each leaf(view)
+    build: Callable   # region -> the batch, its arrays views of region (made leaves)
     arrays: int       # how many arrays a batch holds
     nbytes: int       # their bytes
 
 
-_READERS: dict[bytes, BatchReader] = {}
+Leaf = Callable[[np.dtype], "Callable | None"]  # dtype -> what makes its views leaves, or None
+_READERS: dict[tuple[bytes, Leaf | None], BatchReader] = {}
 _MOST_READERS = 256
 
 
-def batch_reader(region: np.ndarray) -> BatchReader:
+def batch_reader(region: np.ndarray, leaf: Leaf | None = None) -> BatchReader:
     """The reader of the batch in ``region``: batches of one shape share a header, so the
-    header is unpickled and compiled once, not for every batch."""
+    header is unpickled and compiled once, not for every batch. ``leaf(dtype)`` says, once
+    per array of the layout, what its views become (a torch tensor, say); None: views."""
     header_offset, header_length = _PREFIX.unpack_from(region, 0)
-    header = region[header_offset:header_offset + header_length].tobytes()
-    reader = _READERS.get(header)
+    key = (region[header_offset:header_offset + header_length].tobytes(), leaf)
+    reader = _READERS.get(key)
     if reader is None:
         if len(_READERS) >= _MOST_READERS:
             _READERS.clear()
-        skeleton = pickle.loads(header)
+        skeleton = pickle.loads(key[0])
         arrays = _arrays_of(skeleton)
-        reader = _READERS[header] = BatchReader(_compile(skeleton), len(arrays),
-                                                sum(_nbytes(node) for node in arrays))
+        reader = _READERS[key] = BatchReader(_compile(skeleton, leaf), len(arrays),
+                                             sum(_nbytes(node) for node in arrays))
     return reader
 
 
-def read_batch(region: np.ndarray, leaf: Callable | None = None):
-    """The batch stored in ``region``, its arrays views of ``region`` (no copy), each passed
-    through ``leaf`` when given (a torch tensor of the view, say)."""
-    return batch_reader(region).build(region, leaf)
+def read_batch(region: np.ndarray, leaf: Leaf | None = None):
+    """The batch stored in ``region``, its arrays views of ``region`` (no copy), made leaves
+    by ``leaf`` when given (see ``batch_reader``)."""
+    return batch_reader(region, leaf).build(region)
 
 
 def _arrays_of(node) -> list:
@@ -270,33 +300,31 @@ def _nbytes(node) -> int:
     return int(np.prod(node[2], dtype=np.int64)) * np.dtype(node[1]).itemsize
 
 
-def _compile(node) -> Callable:
-    """A function ``(region, leaf) -> part of the batch`` for a skeleton node."""
+def _compile(node, leaf: Leaf | None) -> Callable:
+    """A function ``region -> part of the batch`` for a skeleton node."""
     tag = node[0]
     if tag == _ARRAY:
-        return _array_builder(np.dtype(node[1]), node[2], node[3], node[4])
+        return _array_builder(np.dtype(node[1]), node[2], node[3], node[4], leaf)
     if tag in (_TUPLE, _LIST, _NAMED):
-        parts = [_compile(child) for child in node[2 if tag == _NAMED else 1]]
+        parts = [_compile(child, leaf) for child in node[2 if tag == _NAMED else 1]]
         make = {_TUPLE: tuple, _LIST: list}.get(tag) or (lambda items: node[1](*items))
-        return lambda region, leaf: make([part(region, leaf) for part in parts])
+        return lambda region: make([part(region) for part in parts])
     if tag == _DICT:
-        items = [(key, _compile(child)) for key, child in node[1]]
-        return lambda region, leaf: {key: part(region, leaf) for key, part in items}
+        items = [(key, _compile(child, leaf)) for key, child in node[1]]
+        return lambda region: {key: part(region) for key, part in items}
     value = node[1]
-    return lambda region, leaf: value
+    return lambda region: value
 
 
-def _array_builder(dtype: np.dtype, shape: tuple, offset: int, torch_dtype: str | None):
+def _array_builder(dtype: np.dtype, shape: tuple, offset: int, torch_dtype: str | None,
+                   leaf: Leaf | None):
     ndarray = np.ndarray
     if torch_dtype is not None:
-        return lambda region, leaf: _restored_tensor(ndarray(shape, dtype, region, offset),
-                                                     torch_dtype)
-
-    def build(region, leaf):
-        array = ndarray(shape, dtype, region, offset)
-        return array if leaf is None else leaf(array)
-
-    return build
+        return lambda region: _restored_tensor(ndarray(shape, dtype, region, offset), torch_dtype)
+    make = None if leaf is None else leaf(dtype)
+    if make is None:
+        return lambda region: ndarray(shape, dtype, region, offset)
+    return lambda region: make(ndarray(shape, dtype, region, offset))
 
 
 def _restored_tensor(bits: np.ndarray, torch_dtype: str):

@@ -31,7 +31,7 @@ from .plan import BatchStream
 from .ring import Ring
 from .stats import LoaderStats
 from .worker_handle import JOIN_SECONDS, WorkerHandle, consumer_ends, end_workers, start_worker
-from .wire import encode, encode_task
+from .wire import framed, task_frame
 from .workers import WorkerInfo, check_picklable, worker_error, worker_seed
 
 
@@ -166,7 +166,7 @@ class WorkerPool:
         """Send the ring to every worker; its name is unlinked once they all mapped it."""
         self.ring = ring
         for handle in self._workers:
-            self._send(handle, encode(("ring", ring.spec)))
+            self._send(handle, framed(("ring", ring.spec)))
 
     def started(self) -> bool:
         """Every worker built its worker object and, once there is a ring, mapped it."""
@@ -226,12 +226,13 @@ class WorkerPool:
         if chosen is None:
             return False  # gone: their sentinels say why
         chosen.open[seq] = (indices, slot)
-        self._send(chosen, encode_task(seq, slot, indices))
+        self._send(chosen, task_frame(seq, slot, indices))
         return True
 
-    def _send(self, handle: WorkerHandle, data: bytes) -> None:
-        """Never blocks: what the pipe cannot take waits until the worker reads."""
-        handle.send(data)
+    def _send(self, handle: WorkerHandle, message: bytes) -> None:
+        """Send a framed message; never blocks: what the pipe cannot take waits until the
+        worker reads."""
+        handle.send(message)
         if handle.tasks.waiting and not self._events.watching(handle.tasks.fd):
             self._events.watch(handle.tasks.fd, (self._flush, handle), write=True)
 
@@ -338,10 +339,10 @@ class WorkerPool:
         handle = self._start(dead.info)
         self._workers[self._workers.index(dead)] = handle
         if self.ring is not None:
-            self._send(handle, encode(("ring", self.ring.spec)))
+            self._send(handle, framed(("ring", self.ring.spec)))
         for seq, (indices, slot) in sorted(dead.open.items()):
             handle.open[seq] = (indices, slot)
-            self._send(handle, encode_task(seq, slot, indices))
+            self._send(handle, task_frame(seq, slot, indices))
 
     def _unwatch(self, handle: WorkerHandle) -> None:
         for fd in (handle.replies.fd, handle.sentinel, handle.tasks.fd):
@@ -363,7 +364,7 @@ class WorkerPool:
         self._stopped = True
         try:
             for handle in self._workers:
-                self._send(handle, encode(None))
+                self._send(handle, framed(None))
             self._drain_until_exited(time.monotonic() + grace)
         finally:
             self._events.close()

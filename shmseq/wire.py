@@ -14,40 +14,60 @@ import struct
 
 import numpy as np
 
-_TASK = struct.Struct("<qq")          # seq, slot (-1: none yet, the probe that sizes the ring)
+_TASK = struct.Struct("!qq")          # seq, slot (-1: none yet, the probe that sizes the ring)
 _DONE = struct.Struct("<qqqd")        # seq, slot, bytes written, seconds spent
 _TASK_TAG, _DONE_TAG, _PICKLE_TAG = b"T", b"D", b"P"
 _FRAME = struct.Struct("!i")          # Connection's message header,
 _LARGE = struct.Struct("!Q")          # and its second one, for messages of 2 GiB or more
+_TASK_HEAD = struct.Struct("!icqq")   # a task's frame header, tag, seq and slot in one
+_DONE_HEAD = _FRAME.pack(1 + _DONE.size) + _DONE_TAG
 _READ_BYTES = 1 << 16
 
 
 def encode(message) -> bytes:
     """A message as bytes: ``("task", seq, slot, indices)``, ``("done", seq, slot, size,
     seconds)``, or anything picklable."""
-    if message is not None and message[0] == "task":
-        return encode_task(*message[1:])
-    if message is not None and message[0] == "done":
-        return _DONE_TAG + _DONE.pack(*message[1:])
+    if message is not None and message[0] in ("task", "done"):
+        maker = task_frame if message[0] == "task" else done_frame
+        return maker(*message[1:])[_FRAME.size:]
     return _PICKLE_TAG + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def encode_task(seq: int, slot: int | None, indices) -> bytes:
-    """A task; pickled when ``indices`` is not one array (a multi-shard batch's list)."""
+def framed(message) -> bytes:
+    """``encode(message)`` with its frame header, ready for one write."""
+    return frame(encode(message))
+
+
+def task_frame(seq: int, slot: int | None, indices) -> bytes:
+    """A task, framed; pickled when ``indices`` is not one array (a multi-shard batch's list)."""
     if not isinstance(indices, np.ndarray):
-        return _PICKLE_TAG + pickle.dumps(("task", seq, slot, indices), pickle.HIGHEST_PROTOCOL)
-    return _TASK_TAG + _TASK.pack(seq, -1 if slot is None else slot) + indices.tobytes()
+        return frame(_PICKLE_TAG + pickle.dumps(("task", seq, slot, indices),
+                                                pickle.HIGHEST_PROTOCOL))
+    head = _TASK_HEAD.pack(1 + _TASK.size + indices.nbytes, _TASK_TAG, seq,
+                           -1 if slot is None else slot)
+    return head + indices.astype(np.int64, copy=False).tobytes()
+
+
+def done_frame(seq: int, slot: int, size: int, seconds: float) -> bytes:
+    """A done reply, framed."""
+    return _DONE_HEAD + _DONE.pack(seq, slot, size, seconds)
 
 
 def decode(data) -> object:
-    tag = data[:1]
-    if tag == _TASK_TAG:
-        seq, slot = _TASK.unpack_from(data, 1)
-        indices = np.frombuffer(data, np.int64, offset=1 + _TASK.size).copy()
+    return _decode_at(data, 0, len(data))
+
+
+def _decode_at(data, start: int, size: int) -> object:
+    """The message of ``size`` bytes at ``start``: the common ones read in place, no copy."""
+    tag = data[start]
+    if tag == _DONE_TAG[0]:
+        return ("done", *_DONE.unpack_from(data, start + 1))
+    if tag == _TASK_TAG[0]:
+        seq, slot = _TASK.unpack_from(data, start + 1)
+        count = (size - 1 - _TASK.size) // 8
+        indices = np.frombuffer(data, np.int64, count, start + 1 + _TASK.size).copy()
         return ("task", seq, None if slot < 0 else slot, indices)
-    if tag == _DONE_TAG:
-        return ("done", *_DONE.unpack_from(data, 1))
-    return pickle.loads(memoryview(data)[1:])
+    return pickle.loads(bytes(data[start + 1:start + size]))
 
 
 def frame(data: bytes) -> bytes:
@@ -63,19 +83,22 @@ def write_all(fd: int, data: bytes) -> None:
 
 
 class FrameReader:
-    """One end of a pipe, read without blocking: every complete message in one read.
+    """One end of a pipe: every complete message in one read.
 
-    A message still coming (a large overflow batch) waits in the buffer for the rest; a done
-    reply, the common message, is decoded in place."""
+    Read without blocking by the consumer, which waits on many pipes at once; a worker, with
+    one pipe to wait on, blocks in the read itself. A message still coming (a large overflow
+    batch) waits in the buffer for the rest; a done reply, the common message, is decoded in
+    place."""
 
-    def __init__(self, fd: int):
+    def __init__(self, fd: int, *, blocking: bool = False):
         self.fd = fd
-        os.set_blocking(fd, False)
+        os.set_blocking(fd, blocking)
         self._buffer = bytearray()
         self._wanted = _READ_BYTES  # the whole message being read, when it is larger
 
     def read(self) -> list:
-        """The messages complete so far, decoded. Raises EOFError once the writer is gone."""
+        """The messages complete so far, decoded (blocking: once anything came, which may be
+        part of a message). Raises EOFError once the writer is gone."""
         try:
             chunk = os.read(self.fd, max(_READ_BYTES, self._wanted - len(self._buffer)))
         except BlockingIOError:
@@ -94,10 +117,7 @@ class FrameReader:
             if end - start < size:
                 self._wanted = start - at + size
                 break
-            if buffer[start] == _DONE_TAG[0]:
-                messages.append(("done", *_DONE.unpack_from(buffer, start + 1)))
-            else:
-                messages.append(decode(bytes(buffer[start:start + size])))
+            messages.append(_decode_at(buffer, start, size))
             at = start + size
         del buffer[:at]
         return messages

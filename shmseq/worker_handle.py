@@ -10,7 +10,7 @@ import numpy as np
 
 from .errors import warn_user
 from .lifeline import ProcessId, sigint_held
-from .wire import FrameReader, frame
+from .wire import FrameReader
 from .workers import ProcessTies, WorkerInfo, worker_loop
 
 JOIN_SECONDS = 3.0
@@ -32,14 +32,15 @@ class TaskPipe:
         """Whether bytes wait for the pipe to have room."""
         return bool(self._pending)
 
-    def send(self, data: bytes) -> None:
-        """Raises OSError when the worker is gone."""
-        message = frame(data)
+    def send(self, message: bytes) -> None:
+        """Send a framed message. Raises OSError when the worker is gone."""
         if not self._pending:
             try:
                 written = os.write(self.fd, message)
             except BlockingIOError:
                 written = 0
+            if written == len(message):
+                return
             message = message[written:]
         self._pending += message
 
@@ -86,9 +87,9 @@ class WorkerHandle:
     def describe(self) -> str:
         return f"worker {self.wid}" + (f" (pid {self.pid})" if self.pid else "")
 
-    def send(self, data: bytes) -> None:
+    def send(self, message: bytes) -> None:
         try:
-            self.tasks.send(data)
+            self.tasks.send(message)
         except OSError:
             self.accepting = False  # it died: its sentinel (or last message) tells why
 

@@ -28,11 +28,12 @@ from .errors import WorkerError
 from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
 from .lifeline import Lifeline, ProcessId
 from .ring import PAGE, WorkerRing, drop_inherited_rings, unlink_segment
-from .wire import FrameReader, decode, encode, frame, write_all
+from .wire import FrameReader, decode, done_frame, encode, framed, write_all
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _KEEP_BYTES = 256 << 20
 SLOT_HEADROOM = 1.25
+STOP_CHECK_SECONDS = 0.005  # how stale a worker's last look for a stop request may be
 
 
 def slot_bytes_for(needed: int) -> int:
@@ -77,8 +78,9 @@ def worker_error(info: tuple, *, indices=None, seq=None, what: str) -> WorkerErr
     return error
 
 
-def _run_task(worker_obj, ring: WorkerRing | None, seq: int, slot: int | None, indices: np.ndarray):
-    """Build and write one batch; the reply carries its size and the time it took."""
+def _run_task(worker_obj, ring: WorkerRing | None, seq: int, slot: int | None,
+              indices: np.ndarray) -> bytes:
+    """Build and write one batch; the framed reply, with its size and the time it took."""
     began = time.perf_counter()
     try:
         region = ring.region(slot) if slot is not None else None  # may find /dev/shm full
@@ -86,13 +88,13 @@ def _run_task(worker_obj, ring: WorkerRing | None, seq: int, slot: int | None, i
         if region is not None:
             try:
                 size = write_batch(batch, region, allocator)
-                return ("done", seq, slot, size, time.perf_counter() - began)
+                return done_frame(seq, slot, size, time.perf_counter() - began)
             except SlotOverflow:
                 pass
         payload = encode_batch(batch)
-        return ("overflow", seq, slot, payload, time.perf_counter() - began)
+        return framed(("overflow", seq, slot, payload, time.perf_counter() - began))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
-        return ("error", seq, slot, describe_exception(exc))
+        return framed(("error", seq, slot, describe_exception(exc)))
 
 
 class WorkerInfo(NamedTuple):
@@ -159,20 +161,30 @@ class ProcessTies(NamedTuple):
 
 class _Inbox:
     """The task pipe, read ahead: a stop request overtakes the tasks queued before it, so that
-    a worker asked to stop leaves after the batch in hand."""
+    a worker asked to stop leaves after the batch in hand.
+
+    With nothing queued the worker sleeps in the read itself (one system call a wake-up, as
+    many tasks as came). With tasks queued it looks at the pipe again only once its last look
+    is ``STOP_CHECK_SECONDS`` old: tasks that fast drain in no time, and each look costs a
+    batch as much as the wake-up it spares."""
 
     def __init__(self, tasks):
-        self._reader = FrameReader(tasks.fileno())
+        self._reader = FrameReader(tasks.fileno(), blocking=True)
         self._queued: collections.deque = collections.deque()
         self._readable = select.poll()
         self._readable.register(tasks.fileno(), select.POLLIN)
+        self._looked = time.monotonic()
 
     def next(self):
         """The next message; None when asked to stop. Raises EOFError once the pipe closed."""
-        self._queued.extend(self._reader.read())
-        while not self._queued:
-            self._readable.poll()
-            self._queued.extend(self._reader.read())
+        if not self._queued:
+            while not self._queued:
+                self._queued.extend(self._reader.read())
+            self._looked = time.monotonic()
+        elif time.monotonic() - self._looked >= STOP_CHECK_SECONDS:
+            if self._readable.poll(0):
+                self._queued.extend(self._reader.read())
+            self._looked = time.monotonic()
         return None if None in self._queued else self._queued.popleft()
 
 
@@ -223,17 +235,17 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
     ring = None
     inbox, replies = _Inbox(tasks), results.fileno()
     try:
-        write_all(replies, frame(encode(("ready", info.id))))
+        write_all(replies, framed(("ready", info.id)))
         while (message := inbox.next()) is not None:
             if message[0] == "ring":
                 ring = WorkerRing(message[1])
                 orphan.ring_name = ring.spec.name
-                write_all(replies, frame(encode(("attached", info.id))))
+                write_all(replies, framed(("attached", info.id)))
                 if lifeline is not None:
                     lifeline.bind()
             else:
                 _, seq, slot, indices = message
-                write_all(replies, frame(encode(_run_task(worker_obj, ring, seq, slot, indices))))
+                write_all(replies, _run_task(worker_obj, ring, seq, slot, indices))
     except (EOFError, OSError):
         return  # the consumer closed the pipes: it is shutting down, or gone
     finally:

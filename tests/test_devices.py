@@ -146,3 +146,16 @@ def test_a_slot_freed_when_its_copy_completes_wakes_the_consumer(fake):
     with seq.start():
         assert [b["label"][0] for b in seq] == list(range(0, 60, 4))
     assert time.monotonic() - began < 10, "the consumer slept through a freed slot"
+
+
+def test_torch_leaves_share_the_slot_where_torch_can():
+    torch = pytest.importorskip("torch")
+    from shmseq.devices import torch_leaf
+    region = np.arange(64, dtype=np.uint8)
+    native = np.ndarray((4,), np.dtype("<i4"), region, 0)
+    tensor = torch_leaf(native.dtype)(native)
+    assert tensor.dtype == torch.int32 and tensor.data_ptr() == region.ctypes.data
+    swapped = np.ndarray((4,), np.dtype(">i4"), region, 16)
+    copied = torch_leaf(swapped.dtype)(swapped)  # torch holds native order only: a copy
+    assert copied.tolist() == swapped.tolist() and copied.data_ptr() != swapped.ctypes.data
+    assert torch_leaf(np.dtype("U3")) is None  # torch lacks it: stays a numpy view

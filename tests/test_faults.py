@@ -451,3 +451,30 @@ def test_a_second_ctrl_c_during_shutdown_still_stops_everything_at_once(backend)
     for timer in timers:
         timer.join()
     assert leftovers(grace=1.0) == {}
+
+
+class _Counting(Slow):
+    """A slow worker shared by threads, counting the batches it started."""
+
+    def __init__(self, seconds):
+        super().__init__(seconds)
+        self.started = []
+
+    def __getitem__(self, indices):
+        self.started.append(int(indices[0]))
+        return super().__getitem__(indices)
+
+
+def test_a_stop_overtakes_the_tasks_queued_before_it():
+    """finish() with ten slow batches queued for each worker thread: each leaves after the
+    batch in hand (threads cannot be killed; without the overtaking they would build all)."""
+    worker = _Counting(0.1)
+    seq = make(worker, dset_size=400, buffer=20, num_workers=2, thread_type="thread", slot_bytes=4096)
+    with seq.start():
+        next(iter(seq))
+        started = len(worker.started)
+    deadline = time.monotonic() + 10
+    while any(t.name.startswith("shmseq-worker") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the worker threads did not leave"
+        time.sleep(0.02)
+    assert len(worker.started) <= started + 2, (started, worker.started)

@@ -62,6 +62,17 @@ def test_unsupported_batches_are_named(bad):
         encode_batch(bad)
 
 
+@pytest.mark.parametrize("bad, where", [
+    ({"a": [np.zeros(2), object()]}, r"batch\['a'\]\[1\] is a builtins.object"),
+    ((np.zeros(2), np.ma.masked_array([1, 2])), r"batch\[1\] is a masked array"),
+    ([{"k": np.array([None])}], r"batch\[0\]\['k'\] is an array of dtype object"),
+    (np.array([None]), r"^batch is an array of dtype object"),
+])
+def test_unsupported_parts_are_named_by_their_path(bad, where):
+    with pytest.raises(UnsupportedBatch, match=where):
+        encode_batch(bad)
+
+
 def test_in_place_arrays_are_not_copied():
     region = np.zeros(1 << 16, np.uint8)
     out = SlotAllocator(region)
