@@ -48,6 +48,11 @@ class OrderedOutput:
         self.floor = 0
         self.waiting_in_slots = 0  # deliveries here holding a leased slot
 
+    @property
+    def waiting(self) -> int:
+        """Deliveries the consumer has not taken yet."""
+        return len(self._items)
+
     def put(self, seq: int, delivery: Delivery) -> None:
         if seq >= self.floor:
             self._items[seq] = delivery

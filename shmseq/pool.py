@@ -3,7 +3,7 @@
 The consumer's thread drives the pool (``pump``) whenever it waits for a batch:
 
 1. each free slot of the ring goes, with the next ``(seq, indices)`` of the stream, down
-   the least-busy worker's task pipe;
+   a worker's task pipe (``_send_task`` says which);
 2. it waits on every worker's reply pipe and process sentinel at once (and on the waker,
    which other threads use to cut the wait short), so that a worker that dies is reported
    at once, as ``concurrent.futures`` and ``loky`` do;
@@ -177,11 +177,16 @@ class WorkerPool:
                          if not (h.ready and (self.ring is None or h.attached)))
 
     # -- the consumer's thread -----------------------------------------------------------------
-    def pump(self, timeout: float | None) -> list[Arrival]:
-        """Hand free slots to workers, then wait up to ``timeout`` s (None: until something
-        happens) for replies: what arrived.
+    def pump(self, timeout: float | None) -> tuple[list[Arrival], bool]:
+        """What arrived, and whether the consumer had to wait for it: what is there already
+        (replies, deaths, wake-ups), or else (free slots handed to the workers first) what
+        comes within ``timeout`` s (None: until something happens). The caller dispatches
+        once it has placed the arrivals.
 
         Raises what went wrong with a worker (it died, or failed to start)."""
+        ready = self._events.wait(0)
+        if ready:  # replies, a death, a wake-up: the caller looks again before anyone waits
+            return self._handle_ready(ready), False
         self.dispatch()
         self._waker.waiting = True
         try:
@@ -190,37 +195,47 @@ class WorkerPool:
             ready = self._events.wait(timeout)
         finally:
             self._waker.waiting = False
+        return self._handle_ready(ready), True
+
+    def _handle_ready(self, ready: list[tuple[int, tuple]]) -> list[Arrival]:
         arrivals: list[Arrival] = []
         for fd, handler in ready:
             if self._events.current(fd, handler):  # not a replaced worker's
                 handler[0](handler[1], arrivals)
-        self.dispatch()
         return arrivals
 
     def _woken(self, _, arrivals: list[Arrival]) -> None:
         self._waker.drain()
 
-    def dispatch(self) -> None:
-        """Send the next batches of the stream with free slots (the probe, before the ring)."""
+    def dispatch(self, pack: bool = False) -> None:
+        """Send the next batches of the stream with free slots (the probe, before the ring);
+        ``pack``: see ``_send_task``."""
         if self.ring is None:
             if not self._probe_sent and (item := self.stream.peek()) is not None:
-                self._probe_sent = self._send_task(item, None)
+                self._probe_sent = self._send_task(item, None, pack=False)
                 if self._probe_sent:
                     self.stream.advance()
             return
         ring, stream = self.ring, self.stream
         while ring.has_free() and (slot := ring.acquire()) is not None:
             item = stream.peek()
-            if item is None or not self._send_task(item, slot):
+            if item is None or not self._send_task(item, slot, pack):
                 ring.unused(slot)
                 return
             stream.advance()
 
-    def _send_task(self, item: tuple, slot: int | None) -> bool:
-        """Send a task to the least-busy worker; False if none takes tasks."""
+    def _send_task(self, item: tuple, slot: int | None, pack: bool) -> bool:
+        """Send a task to a worker; False if none takes tasks.
+
+        Tasks go to the least-busy worker: the work is spread. But while the consumer is the
+        slower side (``pack``), they all go to the first worker that takes tasks, awake most
+        often, where the least-busy one would be a sleeping one woken for each batch; on small
+        batches the wake-ups cost more than the batches themselves."""
         seq, indices = item
         chosen = None
-        for handle in self._workers:
+        if pack:
+            chosen = next((h for h in self._workers if h.accepting), None)
+        for handle in self._workers if chosen is None else ():
             if handle.accepting and (chosen is None or len(handle.open) < len(chosen.open)):
                 chosen = handle
         if chosen is None:

@@ -353,6 +353,7 @@ class _Pipeline:
         self._turn = threading.RLock()  # held by the consumer while it takes a batch
         self._closed = False
         self._broken = False  # a failure was raised: workers get no time to finish politely
+        self._packing = False  # the consumer is the slower side (see _follow_the_pace)
         self.waker = Waker()
         self.output = OrderedOutput()
         self.stream = BatchStream(self.plan, seq.epoch, seq._resume_at)
@@ -391,11 +392,23 @@ class _Pipeline:
         self.pool.use_ring(self.ring)
 
     def _pump(self, timeout: float | None) -> None:
-        for arrival in self.pool.pump(timeout):
+        arrivals, waited = self.pool.pump(timeout)
+        for arrival in arrivals:
             if self.ring is None:
                 self._sized_by(arrival)
             else:
                 self.route.arrive(arrival)
+        self._follow_the_pace(waited)
+        self.pool.dispatch(pack=self._packing)
+
+    def _follow_the_pace(self, waited: bool) -> None:
+        """Which side is slower: the consumer, once it found half the ring or more waiting for
+        it, until it has to wait for a batch again. Its tasks are then packed on one worker
+        (see ``WorkerPool._send_task``)."""
+        if waited:
+            self._packing = False
+        elif 2 * self.output.waiting >= self.n_slots:
+            self._packing = True
 
     def _sized_by(self, probe: Arrival) -> None:
         """The first batch came back encoded: size the ring to it, and deliver it from there."""
@@ -428,7 +441,7 @@ class _Pipeline:
                 if delivery is None:
                     delivery = self._wait_for(seq, epoch, position)
                 elif self.ring.has_free():
-                    self.pool.dispatch()  # keep the workers busy while batches wait here
+                    self.pool.dispatch(pack=self._packing)  # keep the workers busy meanwhile
                 return self.route.hand_over(seq, delivery)
             except PipelineClosed:
                 raise

@@ -3,6 +3,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 
 import numpy as np
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import shmseq.worker_handle
 from shmseq import ShmSequence, WorkerError
-from workers import DtypeWorker, FillWorker, ImageWorker, IndexWorker, Pair, SizedWorker
+from workers import DtypeWorker, FillWorker, ImageWorker, IndexWorker, Pair, SizedWorker, WhoBuilt
 
 
 def make(worker=IndexWorker, dset_size=40, **options):
@@ -285,3 +286,40 @@ def test_a_masked_array_is_refused_naming_the_fix():
     with make(DtypeWorker("masked"), slot_bytes=4096).start() as seq:
         with pytest.raises(WorkerError, match="masked array.*two arrays"):
             next(iter(seq))
+
+
+def _builders(worker, consumer_seconds: float) -> list[int]:
+    """Which worker built each batch of the epoch's second half (the first fills the ring)."""
+    with make(worker, dset_size=160, buffer=8, slot_bytes=4096).start() as seq:
+        built = []
+        for who, _ in seq:
+            built.append(int(who[0]))
+            time.sleep(consumer_seconds)
+    return built[len(built) // 2:]
+
+
+def test_a_slow_consumer_keeps_its_tasks_on_a_worker_that_is_awake():
+    """Batches wait for the consumer: tasks go to the first worker with room, not to a sleeping
+    one woken for each batch."""
+    builders = _builders(WhoBuilt(0.0), consumer_seconds=0.005)
+    assert max(builders.count(0), builders.count(1)) >= 0.9 * len(builders), builders
+
+
+def test_slow_workers_share_the_work():
+    """The consumer waits for batches: tasks are spread over the workers."""
+    builders = _builders(WhoBuilt(0.01), consumer_seconds=0.0)
+    assert min(builders.count(0), builders.count(1)) >= 0.3 * len(builders), builders
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.filterwarnings("ignore:the consumer holds")  # a one-slot ring: copied out
+@pytest.mark.parametrize("backend", ["proc", "thread"])
+@pytest.mark.parametrize("slot_bytes", [None, 4096])
+def test_start_returns_once_the_workers_are_ready_not_at_its_timeout(backend, slot_bytes):
+    """A reply read without waiting (the last worker mapping the ring, say) ends the wait of
+    start(): twenty starts, each allowed 60 s, fit in the test's 30 s."""
+    for _ in range(20):
+        seq = make(dset_size=1, batch_size=1, num_workers=1, buffer=1, thread_type=backend,
+                   slot_bytes=slot_bytes, timeout=60)
+        with seq.start():
+            assert [b.tolist() for b in seq] == [[0]]

@@ -225,3 +225,16 @@ class SlowStart5(SlowStart):
 class SlowStart30(SlowStart):
     def __init__(self):
         super().__init__(30)
+
+
+class WhoBuilt:
+    """Tells which worker built the batch, after ``seconds`` of work."""
+
+    def __init__(self, seconds=0.0):
+        self.seconds = seconds
+
+    def __getitem__(self, indices):
+        import time
+        import shmseq
+        time.sleep(self.seconds)
+        return np.array([shmseq.get_worker_info().id]), indices
