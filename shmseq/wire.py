@@ -43,9 +43,10 @@ def task_frame(seq: int, slot: int | None, indices) -> bytes:
     if not isinstance(indices, np.ndarray):
         return frame(_PICKLE_TAG + pickle.dumps(("task", seq, slot, indices),
                                                 pickle.HIGHEST_PROTOCOL))
+    indices = indices.astype(np.int64, copy=False)
     head = _TASK_HEAD.pack(1 + _TASK.size + indices.nbytes, _TASK_TAG, seq,
                            -1 if slot is None else slot)
-    return head + indices.astype(np.int64, copy=False).tobytes()
+    return head + indices.tobytes()
 
 
 def done_frame(seq: int, slot: int, size: int, seconds: float) -> bytes:

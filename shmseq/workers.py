@@ -165,8 +165,8 @@ class _Inbox:
 
     With nothing queued the worker sleeps in the read itself (one system call a wake-up, as
     many tasks as came). With tasks queued it looks at the pipe again only once its last look
-    is ``STOP_CHECK_SECONDS`` old: tasks that fast drain in no time, and each look costs a
-    batch as much as the wake-up it spares."""
+    is ``STOP_CHECK_SECONDS`` old: quick tasks drain within milliseconds anyway, and a look
+    before each would cost two system calls a batch."""
 
     def __init__(self, tasks):
         self._reader = FrameReader(tasks.fileno(), blocking=True)

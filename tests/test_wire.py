@@ -12,6 +12,7 @@ from shmseq.wire import FrameReader, decode, done_frame, encode, framed, task_fr
 MESSAGES = [
     ("task", 3, 4, np.arange(5, dtype=np.int64)),
     ("task", 0, None, np.arange(3, dtype=np.int64)),       # the probe: no slot yet
+    ("task", 2, 0, np.arange(4, dtype=np.int32)),           # any integer dtype: sent as int64
     ("task", 7, 1, [np.arange(2), np.arange(2, 4)]),        # multi-shard: pickled
     ("done", 9, 2, 4096, 0.25),
     ("ring", {"name": "/x"}),
@@ -22,8 +23,8 @@ MESSAGES = [
 def _same(a, b) -> bool:
     if isinstance(a, (tuple, list)):
         return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and b.dtype == np.int64 and np.array_equal(a, b)
+    if isinstance(a, np.ndarray):  # a: as decoded, which is always int64
+        return a.dtype == np.int64 and isinstance(b, np.ndarray) and np.array_equal(a, b)
     return a == b
 
 
@@ -55,10 +56,11 @@ def test_reader_takes_every_complete_message_and_waits_for_the_rest():
     reader, writer = os.pipe()
     try:
         frames = FrameReader(reader)
-        data = task_frame(1, 0, np.arange(3)) + done_frame(1, 0, 10, 0.1) + framed(("ring", "r"))
+        data = (task_frame(1, 0, np.arange(3, dtype=np.int32)) + done_frame(1, 0, 10, 0.1)
+                + framed(("ring", "r")))
         os.write(writer, data[:-5])
         got = frames.read()
-        assert [m[0] for m in got] == ["task", "done"]
+        assert [m[0] for m in got] == ["task", "done"] and got[0][3].tolist() == [0, 1, 2]
         assert frames.read() == []  # nothing more yet: no blocking
         os.write(writer, data[-5:])
         assert frames.read() == [("ring", "r")]
