@@ -232,14 +232,10 @@ class WorkerPool:
         often, where the least-busy one would be a sleeping one woken for each batch; on small
         batches the wake-ups cost more than the batches themselves."""
         seq, indices = item
-        chosen = None
-        if pack:
-            chosen = next((h for h in self._workers if h.accepting), None)
-        for handle in self._workers if chosen is None else ():
-            if handle.accepting and (chosen is None or len(handle.open) < len(chosen.open)):
-                chosen = handle
-        if chosen is None:
+        taking = [handle for handle in self._workers if handle.accepting]
+        if not taking:
             return False  # gone: their sentinels say why
+        chosen = taking[0] if pack else min(taking, key=lambda handle: len(handle.open))
         chosen.open[seq] = (indices, slot)
         self._send(chosen, task_frame(seq, slot, indices))
         return True
