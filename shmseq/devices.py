@@ -82,13 +82,13 @@ def torch_leaf(dtype: np.dtype):
     dtype (strings, structured): those stay numpy arrays. Torch holds native byte order only:
     other orders become a copy, in native order."""
     import torch
+    native = dtype.newbyteorder("=")
     try:
-        torch.from_numpy(np.empty(0, dtype.newbyteorder("=")))
+        torch.from_numpy(np.empty(0, native))
     except TypeError:
         return None
     if dtype.isnative:
         return torch.from_numpy
-    native = dtype.newbyteorder("=")
     return lambda view: torch.from_numpy(view.astype(native))
 
 

@@ -68,7 +68,7 @@ def _decode_at(data, start: int, size: int) -> object:
         count = (size - 1 - _TASK.size) // 8
         indices = np.frombuffer(data, np.int64, count, start + 1 + _TASK.size).copy()
         return ("task", seq, None if slot < 0 else slot, indices)
-    return pickle.loads(bytes(data[start + 1:start + size]))
+    return pickle.loads(memoryview(data)[start + 1:start + size])  # no copy of an overflow batch
 
 
 def frame(data: bytes) -> bytes:
