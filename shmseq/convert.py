@@ -31,7 +31,7 @@ class Delivery(NamedTuple):
     batch: object          # what the consumer gets
     copy: object = None    # the device's copy still in flight, if any
     in_slot: bool = False  # the batch is views of a leased slot
-    payload_bytes: int = 0  # size of an out-of-ring payload (overflow), else 0
+    payload_bytes: int = 0  # size of a payload too large for its slot (overflow), else 0
     nbytes: int = 0         # the batch's array bytes
     error: Callable[[], BaseException] | None = None  # makes the error (see pool.Arrival)
 
@@ -73,6 +73,12 @@ class OrderedOutput:
         if delivery is not None:
             self.waiting_in_slots -= delivery.in_slot
         return delivery
+
+    def pop_first(self, first_seq: int) -> tuple[int, Delivery] | None:
+        """The delivery of seq ``first_seq`` or after that arrived first, with its seq."""
+        self.check()
+        seq = next((seq for seq in self._items if seq >= first_seq), None)
+        return None if seq is None else (seq, self.pop(seq))
 
     def drop_below(self, seq: int) -> None:
         """Forget deliveries before ``seq`` (an epoch left early): their leases die here."""
@@ -117,7 +123,7 @@ class Route:
         if copy is not None and slot is not None:
             self.ring.track_copy(slot, functools.partial(self.device.wait, copy))
         return Delivery(batch, copy, slot is not None and copy is None and reader.arrays > 0,
-                        0 if payload is None else len(payload), reader.nbytes)
+                        len(payload) if arrival.overflowed else 0, reader.nbytes)
 
     def hand_over(self, seq: int, delivery: Delivery):
         """The batch as the consumer gets it; copied out when keeping it would starve the ring."""

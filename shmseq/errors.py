@@ -1,6 +1,8 @@
 """Typed failures a user can catch.
 
-Every error says what happened, to which batch, and what to do about it.
+Every error says what happened, to which batch, and what to do about it. Every one pickles
+(a trainer may send it to another process): the constructors' keywords have defaults, and
+the attributes travel in the pickled state.
 """
 from __future__ import annotations
 
@@ -10,10 +12,13 @@ class ShmSeqError(RuntimeError):
 
 
 class WorkerError(ShmSeqError):
-    """The user's worker raised: carries the original type, message, traceback and batch."""
+    """What a worker's exception left behind: its type's name, message and traceback, and the
+    batch. Raised itself only when the exception cannot be rebuilt in the consumer (it does
+    not unpickle); otherwise it is the ``__cause__`` of the worker's exception, raised as its
+    own type."""
 
-    def __init__(self, message: str, *, exc_type: str, exc_message: str,
-                 worker_traceback: str, batch_indices=None, seq: int | None = None):
+    def __init__(self, message: str, *, exc_type: str = "", exc_message: str = "",
+                 worker_traceback: str = "", batch_indices=None, seq: int | None = None):
         super().__init__(message)
         self.exc_type = exc_type
         self.exc_message = exc_message
@@ -25,7 +30,7 @@ class WorkerError(ShmSeqError):
 class WorkerDied(ShmSeqError):
     """A worker process ended without being asked to (killed, crashed, exited)."""
 
-    def __init__(self, message: str, *, pid: int | None, exitcode: int | None):
+    def __init__(self, message: str, *, pid: int | None = None, exitcode: int | None = None):
         super().__init__(message)
         self.pid = pid
         self.exitcode = exitcode
@@ -45,6 +50,40 @@ class SharedMemoryFull(ShmSeqError, MemoryError):
 
 class PipelineClosed(ShmSeqError):
     """The sequence was finished (or restarted) while a consumer was still reading it."""
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``; on Python 3.10, which has no notes, kept in ``__notes__`` only."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+
+
+def raised_in_worker(described: tuple, *, what: str, batch_indices=None,
+                     seq: int | None = None) -> BaseException:
+    """The exception to raise in the consumer for one a worker raised: the worker's own, of its
+    own type (an ``except KeyError`` catches it, as it would without workers), its cause a
+    ``WorkerError`` carrying the worker's traceback and the batch, and a note saying ``what``
+    failed. A ``WorkerError`` itself when the exception does not unpickle here.
+
+    ``described`` is the worker's ``(type name, message, traceback text, pickled exception)``.
+    """
+    import pickle
+
+    exc_type, exc_message, text, pickled = described
+    record = WorkerError(f"{what}: {exc_type}: {exc_message}\n\nWorker traceback:\n{text}",
+                         exc_type=exc_type, exc_message=exc_message, worker_traceback=text,
+                         batch_indices=batch_indices, seq=seq)
+    try:
+        original = pickle.loads(pickled) if pickled is not None else None
+    except Exception:  # noqa: BLE001 - any failure to rebuild it means the record is raised
+        original = None
+    if not isinstance(original, BaseException):
+        return record
+    original.__cause__ = record
+    add_note(original, f"shmseq: {what}")
+    return original
 
 
 def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:

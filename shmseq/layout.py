@@ -9,10 +9,14 @@ Slot format::
                        offset, the torch dtype its bits stand for if numpy lacks
                        it) and every small extra (number, string) kept as is
 
-Only the skeleton is pickled; payloads are written once, straight into the slot.
+Only the skeleton is pickled; payloads are written once, straight into the slot. Any other
+object in a batch (a mapping or list of another type, a dataclass, a sparse tensor, a masked
+array) is pickled into the skeleton whole, except the plain arrays and tensors inside it,
+which are placed in the slot as the others are and read back as views: nothing is refused.
 """
 from __future__ import annotations
 
+import io
 import math
 import pickle
 import struct
@@ -30,7 +34,7 @@ _PREFIX = struct.Struct("<QQ")
 _EXTRA_TYPES = (bool, int, float, complex, str, bytes, type(None), np.generic)
 
 # Skeleton tags.
-_ARRAY, _TUPLE, _LIST, _DICT, _EXTRA, _NAMED = range(6)
+_ARRAY, _TUPLE, _LIST, _DICT, _EXTRA, _NAMED, _PICKLED = range(7)
 _BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}  # carries a dtype numpy lacks
 
 
@@ -106,8 +110,13 @@ def is_tensor(obj) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
+def _is_dense_tensor(obj) -> bool:
+    """A tensor whose elements lie in one strided buffer (not sparse, not nested)."""
+    return is_tensor(obj) and obj.layout is sys.modules["torch"].strided and not obj.is_nested
+
+
 def tensor_bits(tensor) -> tuple[np.ndarray, str | None]:
-    """A tensor's data as numpy, without a copy when on the CPU; a dtype numpy lacks
+    """A dense tensor's data as numpy, without a copy when on the CPU; a dtype numpy lacks
     (bfloat16, float8, complex32) as its bits, with the dtype's name to restore it."""
     tensor = tensor.detach().cpu()
     try:
@@ -119,11 +128,11 @@ def tensor_bits(tensor) -> tuple[np.ndarray, str | None]:
 
 
 def as_ndarray(obj) -> np.ndarray | None:
-    """``obj`` as a numpy array if it is one, or a torch tensor of a dtype numpy has."""
-    if is_tensor(obj):
+    """``obj`` as a numpy array if it is one, or a dense torch tensor of a dtype numpy has."""
+    if _is_dense_tensor(obj):
         array, torch_dtype = tensor_bits(obj)
         return array if torch_dtype is None else None
-    if isinstance(obj, np.ndarray):
+    if isinstance(obj, np.ndarray) and not isinstance(obj, np.ma.MaskedArray):
         return obj
     return None
 
@@ -149,29 +158,25 @@ class _Packer:
         self.placed = placed
 
     def skeleton(self, obj):
-        if type(obj) is np.ndarray:  # the common leaf first
+        kind = type(obj)
+        if kind is np.ndarray and not obj.dtype.hasobject:  # the common leaf first
             return self.array(obj, None)
-        if is_tensor(obj):
+        if _is_dense_tensor(obj):
             return self.array(*tensor_bits(obj))
-        if isinstance(obj, np.ma.MaskedArray):
-            raise _Unplaceable(
-                "{where} is a masked array, whose mask would be lost in a slot: return its "
-                "data and its mask (np.ma.getmaskarray) as two arrays")
-        if isinstance(obj, np.ndarray):
-            return self.array(obj, None)
-        if isinstance(obj, tuple):
-            children = self.children(enumerate(obj))
-            return (_NAMED, type(obj), children) if _is_namedtuple(obj) else (_TUPLE, children)
-        if isinstance(obj, list):
+        if kind is tuple:
+            return (_TUPLE, self.children(enumerate(obj)))
+        if _is_namedtuple(obj):
+            return (_NAMED, kind, self.children(enumerate(obj)))
+        if kind is list:
             return (_LIST, self.children(enumerate(obj)))
-        if isinstance(obj, dict):
+        if kind is dict:
             return (_DICT, tuple(zip(obj, self.children(obj.items(), repr))))
         if isinstance(obj, _EXTRA_TYPES):
             return (_EXTRA, obj)
-        raise _Unplaceable(
-            f"{{where}} is a {type(obj).__module__}.{type(obj).__qualname__}, which cannot travel "
-            "in a slot: return numpy arrays (or CPU torch tensors), tuples, lists and dicts of them, "
-            "and small extras (numbers, strings, bytes)")
+        if isinstance(obj, np.ndarray) and not isinstance(obj, np.ma.MaskedArray) and \
+                not obj.dtype.hasobject:
+            return self.array(obj, None)  # a subclass (a memmap, say): delivered as an array
+        return self.pickled(obj)
 
     def children(self, items, show=str) -> tuple:
         skeletons = []
@@ -184,10 +189,6 @@ class _Packer:
         return tuple(skeletons)
 
     def array(self, array: np.ndarray, torch_dtype: str | None):
-        if array.dtype.hasobject:
-            raise _Unplaceable(
-                f"{{where}} is an array of dtype {array.dtype}, which holds Python objects and "
-                "cannot travel in a slot: use a numeric, bool, bytes or unicode dtype")
         dtype = array.dtype
         described = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
         placed = self.placed.get(id(array))
@@ -199,11 +200,72 @@ class _Packer:
             self.copies.append((array, offset))
         return (_ARRAY, described, array.shape, offset, torch_dtype)
 
+    def pickled(self, obj):
+        """An object the skeleton has no node for: pickled whole, the plain arrays and dense
+        tensors in it placed in the slot (``_SlotPickler``)."""
+        pickler = _SlotPickler(io.BytesIO(), self)
+        try:
+            pickler.dump(obj)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure means the same fix
+            raise _Unplaceable(
+                f"{{where}} is a {type(obj).__module__}.{type(obj).__qualname__}, which has to be "
+                f"pickled to travel and cannot be ({type(exc).__name__}: {exc}): define its "
+                "class at module level, or return arrays, tensors, tuples, lists and dicts") \
+                from None
+        return (_PICKLED, pickler.getvalue(), tuple(pickler.arrays))
+
+
+class _SlotPickler(pickle.Pickler):
+    """Pickles an object but places the plain arrays and dense tensors in it in the slot: each
+    is pickled as its array node, and read back as a view (``_SlotUnpickler``)."""
+
+    def __init__(self, file: io.BytesIO, packer: _Packer):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.file = file
+        self.packer = packer
+        self.arrays: list = []
+
+    def persistent_id(self, obj):
+        if type(obj) is np.ndarray and not obj.dtype.hasobject:
+            node = self.packer.array(obj, None)
+        elif _is_dense_tensor(obj):
+            node = self.packer.array(*tensor_bits(obj))
+        else:
+            return None
+        self.arrays.append(node)
+        return node
+
+    def getvalue(self) -> bytes:
+        return self.file.getvalue()
+
+
+class _SlotUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, region: np.ndarray, leaf):
+        super().__init__(io.BytesIO(data))
+        self.region = region
+        self.leaf = leaf
+
+    def persistent_load(self, node):
+        _, dtype, shape, offset, torch_dtype = node
+        return _array_builder(np.dtype(dtype), shape, offset, torch_dtype, self.leaf)(self.region)
+
+    def load(self):
+        try:
+            return super().load()
+        finally:
+            _validate_sparse_tensors()
+
+
+def _validate_sparse_tensors() -> None:
+    """Check the sparse tensors just unpickled, as ``torch.load`` does: until then torch keeps
+    each in a list of its own, and with it the slot it views."""
+    validate = getattr(getattr(sys.modules.get("torch"), "_utils", None),
+                       "_validate_loaded_sparse_tensors", None)
+    if validate is not None:
+        validate()
+
 
 def _pack(batch, region: np.ndarray | None, start: int, placed: dict) -> _Packed:
-    if batch is None:
-        raise UnsupportedBatch("the worker returned None for a batch: return an array, "
-                               "or a tuple/list/dict of arrays")
     packer = _Packer(region, start, placed)
     try:
         skeleton = packer.skeleton(batch)
@@ -289,6 +351,8 @@ def _arrays_of(node) -> list:
     tag = node[0]
     if tag == _ARRAY:
         return [node]
+    if tag == _PICKLED:
+        return list(node[2])
     if tag in (_TUPLE, _LIST, _NAMED):
         return [leaf for child in node[2 if tag == _NAMED else 1] for leaf in _arrays_of(child)]
     if tag == _DICT:
@@ -312,6 +376,9 @@ def _compile(node, leaf: Leaf | None) -> Callable:
     if tag == _DICT:
         items = [(key, _compile(child, leaf)) for key, child in node[1]]
         return lambda region: {key: part(region) for key, part in items}
+    if tag == _PICKLED:
+        data = node[1]
+        return lambda region: _SlotUnpickler(data, region, leaf).load()
     value = node[1]
     return lambda region: value
 

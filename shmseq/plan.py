@@ -1,17 +1,20 @@
 """Epoch index plans: which sample indices go into which batch, epoch after epoch.
 
-Two plans with one contract: ``length(epoch)``, ``batches(epoch)``, ``open(epoch)`` (the
-consumer starts that epoch), ``is_open(epoch)`` (its batches may be dispatched),
-``set_epoch(epoch)``, ``refresh()`` and ``version`` (it changes whenever batches planned
-before may have changed, so that a cursor running ahead knows they are stale):
+Two plans with one contract (``Plan``): ``batch(epoch, position)`` (the batch's sample
+indices, or None past the epoch's last), ``length(epoch)``, ``open(epoch)`` (the consumer
+starts that epoch), ``is_open(epoch)`` (its batches may be dispatched), ``release(epoch,
+position)`` (the consumer has every batch before ``position``), ``set_epoch(epoch)``,
+``refresh()`` and ``version`` (it changes whenever batches planned before may have changed,
+so that a cursor running ahead knows they are stale):
 
 * ``EpochPlan``: a pure function of (indices, batch_size, shuffle, seed, last_batch,
   rank, world_size, epoch), so the pipeline, ``start_test()`` and a resumed run all
   see exactly the same batches, and any epoch can be planned ahead of the consumer.
   Ranks not given are read from ``torch.distributed`` when an epoch starts, not when
   the plan is made: a loader may be built before the process group exists.
-* ``SamplerPlan``: batches drawn from a user's batch sampler, one pass when the consumer
-  opens an epoch (after its ``set_epoch``), never ahead of it.
+* ``SamplerPlan``: batches drawn from a user's batch sampler, a new pass each time the
+  consumer opens an epoch (after its ``set_epoch``), never ahead of it, and within the pass
+  only as the dispatcher needs them (a sampler may never end).
 
 ``BatchStream`` walks a plan for the dispatcher, as a node of ``torchdata.nodes`` does
 (``next``, ``state``, ``reset`` from a state), numbering batches by ``seq`` in the order
@@ -19,8 +22,10 @@ they are dispatched, across epochs.
 """
 from __future__ import annotations
 
+import collections
 import numbers
 import sys
+from typing import Callable, Iterable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -51,6 +56,30 @@ def as_index_array(dset_size) -> np.ndarray:
     if indices.size and not np.issubdtype(indices.dtype, np.integer):
         raise TypeError(f"dset_size as an index array must hold integers, got dtype {indices.dtype}")
     return indices.astype(np.int64, copy=True)
+
+
+class Plan(Protocol):
+    """Which sample indices go into which batch, epoch after epoch (see the module's text)."""
+
+    version: int
+
+    def batch(self, epoch: int, position: int): ...
+
+    def length(self, epoch: int) -> int: ...
+
+    def open(self, epoch: int, batches: Iterable | None = None) -> None: ...
+
+    def is_open(self, epoch: int) -> bool: ...
+
+    def release(self, epoch: int, position: int) -> None: ...
+
+    def has_batches(self) -> bool: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def refresh(self) -> None: ...
+
+    def settle_seed(self, seed: int) -> None: ...
 
 
 def distributed_ranks(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -107,6 +136,7 @@ class EpochPlan:
         self.rank, self.world_size = distributed_ranks(rank, world_size)
         self.seed_settled = seed_given or not shuffle
         self.version = 0
+        self._planned: dict[tuple[int, int], list[np.ndarray]] = {}  # (version, epoch) -> batches
 
     def refresh(self) -> None:
         """Follow torch.distributed's rank and world size where none were given."""
@@ -159,15 +189,31 @@ class EpochPlan:
             return epoch * self.samples_per_epoch // self.batch_size
         return epoch * self.length(0)
 
-    def open(self, epoch: int) -> None:
+    def open(self, epoch: int, batches: Iterable | None = None) -> None:
         """Nothing to draw (any epoch can be rebuilt, the same however often); the ranks are
         read again, and agree on a seed the first time they shuffle."""
+        if batches is not None:
+            raise ValueError("an epoch plan makes its own batches: it takes none")
         self.refresh()
         if self.world_size > 1 and not self.seed_settled:
             self._agree_on_seed()
 
     def is_open(self, epoch: int) -> bool:
         return True
+
+    def batch(self, epoch: int, position: int) -> np.ndarray | None:
+        """Batch ``position`` of ``epoch``; None past its last. The two epochs asked for last
+        (the consumer's, and the dispatcher's running ahead) are kept planned."""
+        key = (self.version, epoch)
+        batches = self._planned.get(key)
+        if batches is None:
+            if len(self._planned) >= 2:
+                del self._planned[next(iter(self._planned))]
+            batches = self._planned[key] = self.batches(epoch)
+        return batches[position] if position < len(batches) else None
+
+    def release(self, epoch: int, position: int) -> None:
+        """Nothing to forget: an epoch's batches are made again whenever asked for."""
 
     def set_epoch(self, epoch: int) -> None:
         """Nothing to tell: the epoch is an argument of every method."""
@@ -203,17 +249,28 @@ def as_batch(indices):
 
 
 class SamplerPlan:
-    """Batches from a user's batch sampler (any iterable of index lists), one pass per epoch,
-    drawn when the consumer opens the epoch: a sampler told ``set_epoch(e)`` before epoch
-    ``e`` starts is drawn after it, as in a serial loop."""
+    """Batches from a user's batch sampler (any iterable of index lists), a new pass each time
+    the consumer opens an epoch: a sampler told ``set_epoch(e)`` before epoch ``e`` starts is
+    drawn after it, as in a serial loop. Within the pass, batches are drawn as the dispatcher
+    asks for them, and forgotten once the consumer has them: a sampler may never end.
 
-    def __init__(self, batch_sampler):
+    ``as_task`` makes each item of the sampler what a worker is sent (``as_batch``: int64
+    indices)."""
+
+    def __init__(self, batch_sampler, as_task: Callable = as_batch):
         self.batch_sampler = batch_sampler
-        self._drawn: dict[int, list] = {}
+        self._as_task = as_task
+        self._epoch: int | None = None
+        self._pass = None               # the open pass's iterator, until it ends
+        self._drawn: collections.deque = collections.deque()
+        self._first = 0                 # the position of _drawn[0]
         self.version = 0
 
-    def open(self, epoch: int) -> None:
-        self._drawn = {epoch: [as_batch(indices) for indices in self.batch_sampler]}
+    def open(self, epoch: int, batches: Iterable | None = None) -> None:
+        """A new pass of the sampler (or of ``batches``, an iterator of the sampler's items)."""
+        self._pass = iter(self.batch_sampler if batches is None else batches)
+        self._epoch, self._first = epoch, 0
+        self._drawn.clear()
         self.version += 1
 
     def refresh(self) -> None:
@@ -232,25 +289,49 @@ class SamplerPlan:
                 set_epoch(epoch)
 
     def is_open(self, epoch: int) -> bool:
-        return epoch in self._drawn
+        return epoch == self._epoch
 
     def has_batches(self) -> bool:
         return True  # known only once drawn: an empty pass simply yields nothing
 
-    def batches(self, epoch: int) -> list:
-        if epoch not in self._drawn:
-            raise ValueError(f"epoch {epoch} of the batch sampler was not drawn: a sampler is "
+    def batch(self, epoch: int, position: int):
+        """Batch ``position`` of the open pass, drawn now if it was not yet; None past the end."""
+        if epoch != self._epoch:
+            raise ValueError(f"epoch {epoch} of the batch sampler is not open: a sampler is "
                              "drawn when the consumer starts its epoch")
-        return self._drawn[epoch]
+        if position < self._first:
+            raise ValueError(f"batch {position} of epoch {epoch} was already delivered")
+        while self._pass is not None and position >= self._first + len(self._drawn):
+            try:
+                self._drawn.append(self._as_task(next(self._pass)))
+            except StopIteration:
+                self._pass = None
+        at = position - self._first
+        return self._drawn[at] if at < len(self._drawn) else None
+
+    def release(self, epoch: int, position: int) -> None:
+        """Forget the batches before ``position``: the consumer has them."""
+        if epoch == self._epoch:
+            while self._first < position and self._drawn:
+                self._drawn.popleft()
+                self._first += 1
 
     def length(self, epoch: int) -> int:
-        if epoch in self._drawn:
-            return len(self._drawn[epoch])
+        if epoch == self._epoch and self._pass is None:
+            return self._first + len(self._drawn)
         try:
             return len(self.batch_sampler)
         except TypeError:
             raise TypeError(f"the batch sampler {type(self.batch_sampler).__name__} has no len(), "
-                            "so neither has this loader before its epoch starts") from None
+                            "so neither has this loader before its epoch ends") from None
+
+
+class Task(NamedTuple):
+    """A batch as the dispatcher sends it: its ``seq``, its indices, and its position in its
+    epoch (which worker builds it, when batches go to the workers in turn)."""
+    seq: int
+    indices: object
+    position: int
 
 
 class BatchStream:
@@ -277,39 +358,39 @@ class BatchStream:
         self.plan.refresh()
         self._version = self.plan.version
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
-        self._batches: list | None = None
         self._segments = []
 
-    def open(self, epoch: int, position: int) -> int:
-        """The consumer starts ``epoch`` at ``position``: the seq that batch comes as."""
-        self.plan.open(epoch)
-        seq = self._seq_of(epoch, position) if self._version == self.plan.version else None
+    def open(self, epoch: int, position: int, batches: Iterable | None = None) -> int:
+        """The consumer starts ``epoch`` at ``position`` (the plan's ``batches`` for it, when
+        given): the seq that batch comes as."""
+        self.plan.open(epoch, batches)
+        seq = self.seq_of(epoch, position) if self._version == self.plan.version else None
         if seq is None:
             self.reset({"epoch": epoch, "position": position})
             seq = self._seq
         self._segments = [s for s in self._segments if s[0] + s[3] > seq]
         return seq
 
-    def _seq_of(self, epoch: int, position: int) -> int | None:
+    def seq_of(self, epoch: int, position: int) -> int | None:
+        """The seq batch ``position`` of ``epoch`` was dispatched as; None if it was not."""
         for first, taken_epoch, first_position, count in self._segments:
             if taken_epoch == epoch and first_position <= position < first_position + count:
                 return first + position - first_position
         return None
 
-    def peek(self):
-        """The next ``(seq, indices)``, left in the stream; None while the next batch's epoch
-        is not open (a user's sampler waits for the consumer) or the plan has none."""
+    def peek(self) -> Task | None:
+        """The next task, left in the stream; None while the next batch's epoch is not open
+        (a user's sampler waits for the consumer) or the plan has none."""
         while True:
-            if self._batches is None:
-                if not (self.plan.has_batches() and self.plan.is_open(self._epoch)):
-                    return None
-                self._batches = self.plan.batches(self._epoch)
-            if self._position < len(self._batches):
-                return self._seq, self._batches[self._position]
-            self._epoch, self._position, self._batches = self._epoch + 1, 0, None
+            if not (self.plan.has_batches() and self.plan.is_open(self._epoch)):
+                return None
+            indices = self.plan.batch(self._epoch, self._position)
+            if indices is not None:
+                return Task(self._seq, indices, self._position)
+            self._epoch, self._position = self._epoch + 1, 0
 
-    def next(self):
-        """The next ``(seq, indices)``, taken out of the stream (None as for ``peek``)."""
+    def next(self) -> Task | None:
+        """The next task, taken out of the stream (None as for ``peek``)."""
         item = self.peek()
         if item is not None:
             self.advance()

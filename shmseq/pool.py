@@ -7,8 +7,11 @@ The consumer's thread drives the pool (``pump``) whenever it waits for a batch:
 2. it waits on every worker's reply pipe and process sentinel at once (and on the waker,
    which other threads use to cut the wait short), so that a worker that dies is reported
    at once, as ``concurrent.futures`` and ``loky`` do;
-3. each reply becomes an ``Arrival``: a batch written in its slot, an encoded batch too
-   large for it (or the probe that sizes the ring), or the worker's error.
+3. each reply becomes an ``Arrival``: a batch written in its slot, an encoded batch (too
+   large for its slot, or built before there was a ring), or the worker's error.
+
+Before there is a ring (its slot size is not known yet), each worker gets one batch at a
+time without a slot and sends it back encoded: the first of them sizes the ring.
 
 Doing this in the consumer's thread spares two thread hand-offs per batch; the ring
 bounds how far workers run ahead anyway, so nothing is lost while the consumer computes.
@@ -25,25 +28,27 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .errors import WorkerDied, warn_user
+from .errors import WorkerDied, raised_in_worker, warn_user
 from .lifeline import ProcessId
-from .plan import BatchStream
+from .plan import BatchStream, Task
 from .ring import Ring
 from .stats import LoaderStats
 from .worker_handle import JOIN_SECONDS, WorkerHandle, consumer_ends, end_workers, start_worker
 from .wire import framed, task_frame
-from .workers import WorkerInfo, check_picklable, worker_error, worker_seed
+from .workers import WorkerInfo, check_picklable
 
 
 class Arrival(NamedTuple):
-    """What a reply brings: batch ``seq`` in ``slot``, or as ``payload`` bytes (too large for
-    a slot, or the probe), or ``error``, which makes the error to raise in its place (made
-    when raised: an exception kept in a frame of its own traceback is a reference cycle,
-    which would keep the consumer's batches, and their ring, until a garbage collection)."""
+    """What a reply brings: batch ``seq`` in ``slot``, or as ``payload`` bytes (built before
+    there was a ring, or ``overflowed`` its slot), or ``error``, which makes the error to
+    raise in its place (made when raised: an exception kept in a frame of its own traceback
+    is a reference cycle, which would keep the consumer's batches, and their ring, until a
+    garbage collection)."""
     seq: int
     slot: int | None
     payload: np.ndarray | None = None
     error: Callable[[], BaseException] | None = None
+    overflowed: bool = False
 
 
 class Waker:
@@ -124,16 +129,21 @@ class _Events:
 
 class WorkerPool:
     """Starts the workers, feeds them free slots, collects their replies, watches them, and
-    (``restarts`` > 0) replaces a worker process that dies, sending its batches again."""
+    (``restarts`` > 0) replaces a worker process that dies, sending its batches again.
+
+    Worker ``k`` is seeded with ``base_seed + k``. ``in_turn``: batch ``k`` of an epoch goes to
+    worker ``k % num_workers``, as torch's DataLoader deals them (a worker's random stream
+    then meets the same batches as under torch's loader)."""
 
     def __init__(self, worker, *, num_workers: int, backend: str, context, stream: BatchStream,
-                 waker: Waker, stats: LoaderStats, seed: int = 0, worker_init_fn=None,
-                 restarts: int = 0):
+                 waker: Waker, stats: LoaderStats, base_seed: int = 0, worker_init_fn=None,
+                 restarts: int = 0, in_turn: bool = False):
         self.stream = stream
         self.stats = stats
         self.ring: Ring | None = None
         self._waker = waker
-        self._probe_sent = False  # the first batch, sent without a slot to size the ring
+        self._in_turn = in_turn
+        self._unslotted = 0  # batches sent before there was a ring, not back yet: each takes a slot
         self._stopped = False
         self._restarts = restarts
         self._killers: set[int] = set()  # batches that killed a worker once
@@ -147,7 +157,7 @@ class WorkerPool:
         self._workers: list[WorkerHandle] = []
         try:
             for wid in range(num_workers):
-                self._workers.append(self._start(WorkerInfo(wid, num_workers, worker_seed(seed, wid))))
+                self._workers.append(self._start(WorkerInfo(wid, num_workers, base_seed + wid)))
         except BaseException:
             self.stop()  # a start failed: stop those that did start
             raise
@@ -208,37 +218,47 @@ class WorkerPool:
         self._waker.drain()
 
     def dispatch(self, pack: bool = False) -> None:
-        """Send the next batches of the stream with free slots (the probe, before the ring);
-        ``pack``: see ``_send_task``."""
+        """Send the next batches of the stream with free slots (before there is a ring, one
+        batch without a slot to each worker that has none); ``pack``: see ``_choose``."""
+        stream = self.stream
         if self.ring is None:
-            if not self._probe_sent and (item := self.stream.peek()) is not None:
-                self._probe_sent = self._send_task(item, None, pack=False)
-                if self._probe_sent:
-                    self.stream.advance()
+            while (task := stream.peek()) is not None:
+                chosen = self._choose(task, pack=False)
+                if chosen is None or chosen.open:
+                    return
+                self._send_task(chosen, task, None)
+                stream.advance()
             return
-        ring, stream = self.ring, self.stream
-        while ring.has_free() and (slot := ring.acquire()) is not None:
-            item = stream.peek()
-            if item is None or not self._send_task(item, slot, pack):
-                ring.unused(slot)
+        ring = self.ring
+        while ring.free_count() > self._unslotted and (task := stream.peek()) is not None:
+            chosen = self._choose(task, pack)
+            if chosen is None or (slot := ring.acquire()) is None:
                 return
+            self._send_task(chosen, task, slot)
             stream.advance()
 
-    def _send_task(self, item: tuple, slot: int | None, pack: bool) -> bool:
-        """Send a task to a worker; False if none takes tasks.
+    def _choose(self, task: Task, pack: bool) -> WorkerHandle | None:
+        """The worker for a task; None if none takes tasks (gone: their sentinels say why).
 
-        Tasks go to the least-busy worker: the work is spread. But while the consumer is the
-        slower side (``pack``), they all go to the first worker that takes tasks, awake most
+        In turn (``in_turn``): worker ``position % num_workers``, or the next one that takes
+        tasks. Else the least-busy worker: the work is spread. But while the consumer is the
+        slower side (``pack``), tasks all go to the first worker that takes tasks, awake most
         often, where the least-busy one would be a sleeping one woken for each batch; on small
         batches the wake-ups cost more than the batches themselves."""
-        seq, indices = item
-        taking = [handle for handle in self._workers if handle.accepting]
+        workers = self._workers
+        if self._in_turn:
+            first = task.position % len(workers)
+            return next((handle for handle in workers[first:] + workers[:first]
+                         if handle.accepting), None)
+        taking = [handle for handle in workers if handle.accepting]
         if not taking:
-            return False  # gone: their sentinels say why
-        chosen = taking[0] if pack else min(taking, key=lambda handle: len(handle.open))
-        chosen.open[seq] = (indices, slot)
-        self._send(chosen, task_frame(seq, slot, indices))
-        return True
+            return None
+        return taking[0] if pack else min(taking, key=lambda handle: len(handle.open))
+
+    def _send_task(self, chosen: WorkerHandle, task: Task, slot: int | None) -> None:
+        self._unslotted += slot is None
+        chosen.open[task.seq] = (task.indices, slot)
+        self._send(chosen, task_frame(task.seq, slot, task.indices))
 
     def _send(self, handle: WorkerHandle, message: bytes) -> None:
         """Send a framed message; never blocks: what the pipe cannot take waits until the
@@ -279,14 +299,14 @@ class WorkerPool:
             handle.closed(seq)
             self.stats.worker_busy_s += busy
             self._give_back(slot)
-            arrivals.append(Arrival(seq, None, payload))
+            arrivals.append(Arrival(seq, None, payload, overflowed=slot is not None))
         elif kind == "error":
             _, seq, slot, info = message
             indices = handle.closed(seq)
             self._give_back(slot)
-            what = f"worker {handle.wid} failed on batch {seq} (sample indices {_brief(indices)})"
+            what = f"{handle.describe()} failed on batch {seq} (sample indices {brief(indices)})"
             arrivals.append(Arrival(seq, None, error=functools.partial(
-                worker_error, info, indices=indices, seq=seq, what=what)))
+                raised_in_worker, info, what=what, batch_indices=indices, seq=seq)))
         elif kind == "ready":
             handle.ready = True
         elif kind == "attached":
@@ -294,10 +314,12 @@ class WorkerPool:
             if all(h.attached for h in self._workers):
                 self.ring.unlink()  # every worker maps it: nothing can be left in /dev/shm
         elif kind == "init_error":
-            raise worker_error(message[2], what=f"worker {handle.wid} failed to start")
+            raise raised_in_worker(message[2], what=f"{handle.describe()} failed to start")
 
     def _give_back(self, slot: int | None) -> None:
-        if slot is not None:  # None: the probe, which sizes the ring
+        if slot is None:  # sent before there was a ring: the consumer copies it into one
+            self._unslotted -= 1
+        else:
             self.ring.unused(slot)
 
     # -- deaths --------------------------------------------------------------------------------
@@ -315,7 +337,7 @@ class WorkerPool:
                              "worker_init_fn)", pid=handle.pid, exitcode=code)
         current = min(handle.open, default=None)  # a worker takes its tasks in order
         if current is not None:
-            died += f" while building batch {current} (sample indices {_brief(handle.open[current][0])})"
+            died += f" while building batch {current} (sample indices {brief(handle.open[current][0])})"
         refusal = self._why_not_restart(current)
         if refusal is None:
             self._restart(handle, died, current)
@@ -388,11 +410,18 @@ class WorkerPool:
         while self._still_running() and time.monotonic() < deadline:
             for fd, (handler, handle) in self._events.wait(0.01):
                 if handler == self._receive:
-                    self._receive(handle, [])
+                    self._drop_replies(handle)
                 elif handler == self._flush:
                     self._flush(handle, [])
                 else:
                     self._events.unwatch(fd)  # the waker, or an exit
+
+    def _drop_replies(self, handle: WorkerHandle) -> None:
+        try:
+            handle.replies.read()
+        except (EOFError, OSError):
+            self._events.unwatch(handle.replies.fd)
+            handle.close_replies()
 
     def _still_running(self) -> bool:
         """Processes until their sentinel fired (it stays watched until then); live threads."""
@@ -400,7 +429,13 @@ class WorkerPool:
                    for h in self._workers)
 
 
-def _brief(indices) -> str:
+def brief(indices) -> str:
+    """Sample indices as an error message shows them: a dozen at most."""
     if indices is None:
         return "unknown"
-    return np.array2string(np.asarray(indices), threshold=12, separator=", ")
+    if isinstance(indices, np.ndarray):
+        if indices.size <= 12:
+            return str(indices.tolist())
+        return np.array2string(indices, threshold=12, separator=", ")
+    text = repr(indices)
+    return text if len(text) <= 120 else text[:117] + "..."

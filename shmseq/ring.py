@@ -334,6 +334,12 @@ class Ring(_SlotPages):
     def has_free(self) -> bool:
         return bool(self._free) or not self._events.empty()
 
+    def free_count(self) -> int:
+        """Slots free now (after applying what other threads reported, if none was)."""
+        if not self._free:
+            self.collect()
+        return len(self._free)
+
     def has_news(self) -> bool:
         """Whether other threads reported something ``collect()`` has not applied yet."""
         return not self._events.empty()

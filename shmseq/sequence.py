@@ -1,80 +1,28 @@
-"""ShmSequence: wires plan -> workers -> ring -> device -> the consumer, and owns the lifecycle.
+"""ShmSequence: the public API, its epochs and resumable state, and the lifecycle.
 
-A started sequence owns one runtime: ``_Pipeline`` (workers) or ``_Inline`` (everything in
-the calling thread). A runtime never refers back to its sequence, and nothing in it sits in
-a reference cycle, so that a sequence nobody references any more is closed by its
-finalizer at once, without the garbage collector. ``finish()`` closes it from any thread.
+A started sequence owns one runtime (pipeline.py): a ``Pipeline`` (workers) or an ``Inline``
+one (everything in the calling thread). A runtime never refers back to its sequence, and
+nothing in it sits in a reference cycle, so that a sequence nobody references any more is
+closed by its finalizer at once, without the garbage collector. ``finish()`` closes it from
+any thread.
 """
 from __future__ import annotations
 
-import contextlib
-import math
 import multiprocessing
-import numbers
 import os
 import threading
-import time
 import weakref
 
 import numpy as np
 
-from .convert import OrderedOutput, Route
-from .devices import OUT_TYPES, make_device, resolve_out_type
-from .errors import BatchTimeout, PipelineClosed, ShmSeqError
-from .layout import encode_batch, read_batch
-from .plan import BatchStream, EpochPlan, as_index_array
-from .pool import Arrival, Waker, WorkerPool
-from .worker_handle import JOIN_SECONDS
-from .ring import Ring
+from .checks import check_choice, check_int, check_out_type, check_timeout, check_worker
+from .devices import resolve_out_type
+from .pipeline import Inline, Pipeline, PipelineSpec
+from .plan import EpochPlan, as_index_array
 from .stats import LoaderStats
-from .workers import build_batch, make_worker, slot_bytes_for
 
 THREAD_TYPES = ("proc", "thread")
-MAX_TIMEOUT = 2_147_483  # seconds: the most select() takes (a 32-bit count of milliseconds)
-ERROR_GRACE = 0.2  # seconds workers get to leave once a failure was raised, before they are killed
 TEST_MODES = ("default", "cpu", "numpy")
-
-
-def _check_int(name: str, value, minimum: int, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}"
-                         f"{' or None' if optional else ''}, got {value!r}")
-
-
-def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
-
-
-def _check_out_type(out_type) -> None:
-    if not isinstance(out_type, str) or not (
-            out_type in OUT_TYPES or (out_type.startswith("cuda:") and out_type[5:].isdigit())):
-        raise ValueError(f"out_type must be 'null' (numpy), 'cpu' (torch), 'cuda' or 'cuda:N', "
-                         f"got {out_type!r}")
-
-
-def _check_timeout(timeout) -> float | None:
-    """Seconds to wait for a batch; None (given as None or inf): as long as it takes."""
-    if timeout is None or (isinstance(timeout, numbers.Real) and timeout == math.inf):
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (
-            0 < timeout <= MAX_TIMEOUT):
-        raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:,}], or None "
-                         f"(or inf) to wait as long as it takes, got {timeout!r}")
-    return float(timeout)
-
-
-def _remaining(deadline: float | None) -> float | None:
-    """Seconds left until ``deadline`` (a ``time.monotonic()`` value); None: no deadline."""
-    return None if deadline is None else deadline - time.monotonic()
-
-
-def _check_worker(worker) -> None:
-    if not (hasattr(worker, "__getitem__") or hasattr(worker, "fill_batch")):
-        raise TypeError(f"worker must be a class or an object with __getitem__(indices) "
-                        f"(or fill_batch(indices, out)), got {worker!r}")
 
 
 class ShmSequence:
@@ -96,22 +44,22 @@ class ShmSequence:
                  last_batch: str = "keep", pin_memory: bool | None = None, pin_device_id: int = 0,
                  rank: int | None = None, world_size: int | None = None, worker_init_fn=None,
                  worker_restarts: int = 0):
-        _check_worker(worker)
-        _check_int("batch_size", batch_size, 1)
-        _check_int("buffer", buffer, 1)
-        _check_int("num_workers", num_workers, 0)
-        _check_int("num_converters", num_converters, 1, optional=True)
-        _check_int("slot_bytes", slot_bytes, 1, optional=True)
-        _check_int("seed", seed, 0, optional=True)
-        _check_int("pin_device_id", pin_device_id, 0)
-        _check_int("worker_restarts", worker_restarts, 0)
+        check_worker(worker)
+        check_int("batch_size", batch_size, 1)
+        check_int("buffer", buffer, 1)
+        check_int("num_workers", num_workers, 0)
+        check_int("num_converters", num_converters, 1, optional=True)
+        check_int("slot_bytes", slot_bytes, 1, optional=True)
+        check_int("seed", seed, 0, optional=True)
+        check_int("pin_device_id", pin_device_id, 0)
+        check_int("worker_restarts", worker_restarts, 0)
         if worker_restarts and thread_type == "thread":
             raise ValueError(f"worker_restarts={worker_restarts} replaces worker processes that "
                              "die, but thread_type='thread' runs none: use thread_type='proc'")
-        _check_choice("thread_type", thread_type, THREAD_TYPES)
-        _check_choice("start_method", start_method, (None, *multiprocessing.get_all_start_methods()))
-        _check_out_type(out_type)
-        self._timeout = _check_timeout(timeout)
+        check_choice("thread_type", thread_type, THREAD_TYPES)
+        check_choice("start_method", start_method, (None, *multiprocessing.get_all_start_methods()))
+        check_out_type(out_type)
+        self._timeout = check_timeout(timeout)
         self.worker = worker
         self._seed_given = seed is not None
         self._seed = self._default_seed() if seed is None else int(seed)
@@ -201,7 +149,9 @@ class ShmSequence:
         processes or threads to choose: copies run on CUDA streams).
         """
         self.finish()
-        return self._own(_Pipeline(self) if self.num_workers else _Inline(self, "default"))
+        if not self.num_workers:
+            return self._own(Inline(self._spec(), self._plan))
+        return self._own(Pipeline(self._spec(), self._plan, self.epoch, self._resume_at))
 
     def start_test(self, test_mode: str = "default") -> "ShmSequence":
         """Run everything in the calling thread, with the same batches as ``start()``.
@@ -209,9 +159,21 @@ class ShmSequence:
         ``'default'``: delivered as ``start()`` would; ``'cpu'``: torch CPU tensors even if
         ``out_type`` is CUDA; ``'numpy'``: the worker's output untouched.
         """
-        _check_choice("test_mode", test_mode, TEST_MODES)
+        check_choice("test_mode", test_mode, TEST_MODES)
         self.finish()
-        return self._own(_Inline(self, test_mode))
+        return self._own(Inline(self._spec(), self._plan, test_mode))
+
+    def _spec(self) -> PipelineSpec:
+        """What the pipeline started now runs. Its workers' seeds come from the sequence's
+        seed and the epoch it starts at: a pipeline started again later draws fresh streams,
+        the same ones for the same seed and epoch."""
+        base = np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0]
+        return PipelineSpec(
+            self.worker, self.num_workers, self.buffer, slot_bytes=self.slot_bytes,
+            thread_type=self.thread_type, start_method=self.start_method,
+            out_type=self.out_type, pin_memory=self.pin_memory, pin_device_id=self.pin_device_id,
+            num_converters=self.num_converters, timeout=self._timeout, base_seed=int(base >> 1),
+            worker_init_fn=self.worker_init_fn, restarts=self.worker_restarts)
 
     def _own(self, runtime) -> "ShmSequence":
         self._runtime = runtime
@@ -287,7 +249,7 @@ class ShmSequence:
         """The epoch the next iteration yields (as ``DistributedSampler.set_epoch``), told to
         a user's sampler too. The epoch the sequence is at already keeps its position (a
         restored mid-epoch state: trainers call this before every epoch)."""
-        _check_int("epoch", epoch, 0)
+        check_int("epoch", epoch, 0)
         if epoch != self.epoch:
             self.epoch, self._resume_at = int(epoch), 0
         self._plan.set_epoch(int(epoch))
@@ -337,192 +299,3 @@ def _close_in_owner(runtime, owner_pid: int) -> None:
     """The finalizer of a started sequence: a forked child that inherited it does nothing."""
     if os.getpid() == owner_pid:
         runtime.close()
-
-
-class _Pipeline:
-    """The running machinery of a started sequence: pool, ring, route, and their closing."""
-
-    def __init__(self, seq: ShmSequence):
-        self.plan = seq._plan
-        self.timeout = seq._timeout
-        self.n_slots = seq.buffer
-        self.stats = LoaderStats()
-        self.ring: Ring | None = None
-        self.pool: WorkerPool | None = None
-        self.device = None
-        self._turn = threading.RLock()  # held by the consumer while it takes a batch
-        self._closed = False
-        self._broken = False  # a failure was raised: workers get no time to finish politely
-        self._packing = False  # the consumer is the slower side (see _follow_the_pace)
-        self.waker = Waker()
-        self.output = OrderedOutput()
-        self.stream = BatchStream(self.plan, seq.epoch, seq._resume_at)
-        try:
-            self.device = make_device(seq.out_type, seq.pin_memory, seq.pin_device_id,
-                                      seq.num_converters)
-            self.route = Route(self.device, self.output, self.stats)
-            self.pool = WorkerPool(seq.worker, num_workers=seq.num_workers, backend=seq.thread_type,
-                                   context=multiprocessing.get_context(seq.start_method),
-                                   stream=self.stream, waker=self.waker, stats=self.stats,
-                                   seed=seq.seed, worker_init_fn=seq.worker_init_fn,
-                                   restarts=seq.worker_restarts)
-            if seq.slot_bytes is not None and self.plan.has_batches():
-                self._make_ring(seq.slot_bytes)
-            self._start(seq._timeout)
-        except BaseException:
-            self._broken = True
-            self.close()
-            raise
-
-    def _start(self, timeout: float | None) -> None:
-        """Return once every worker built its worker object and mapped the ring (whose name
-        is then unlinked), and the probe batch sized the ring if it had to."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.pool.started() or (self.ring is None and self.stream.peek() is not None):
-            remaining = _remaining(deadline)
-            if remaining is not None and remaining <= 0:
-                raise ShmSeqError(f"the workers did not start within timeout={timeout} s: "
-                                  f"{self.pool.which_not_started() or 'the probe batch is late'}")
-            self._pump(remaining)
-
-    def _make_ring(self, slot_bytes: int) -> None:
-        self.ring = Ring.create(self.n_slots, slot_bytes, wake=self.waker.wake_if_waiting)
-        self.route.ring = self.ring
-        self.device.attach(self.ring)
-        self.pool.use_ring(self.ring)
-
-    def _pump(self, timeout: float | None) -> None:
-        arrivals, waited = self.pool.pump(timeout)
-        for arrival in arrivals:
-            if self.ring is None:
-                self._sized_by(arrival)
-            else:
-                self.route.arrive(arrival)
-        self._follow_the_pace(waited)
-        self.pool.dispatch(pack=self._packing)
-
-    def _follow_the_pace(self, waited: bool) -> None:
-        """Which side is slower: the consumer, once it found half the ring or more waiting for
-        it, until it has to wait for a batch again. Its tasks are then packed on one worker
-        (see ``WorkerPool._send_task``)."""
-        if waited:
-            self._packing = False
-        elif 2 * self.output.waiting >= self.n_slots:
-            self._packing = True
-
-    def _sized_by(self, probe: Arrival) -> None:
-        """The first batch came back encoded: size the ring to it, and deliver it from there."""
-        if probe.error is not None:
-            raise probe.error()
-        payload = probe.payload
-        self._make_ring(slot_bytes_for(len(payload)))
-        slot = self.ring.acquire()
-        self.ring.region(slot)[:len(payload)] = payload
-        self.ring.written(slot)
-        self.route.arrive(Arrival(probe.seq, slot))
-
-    # -- the consumer's side ---------------------------------------------------------------------
-    def batches(self, epoch: int, position: int = 0):
-        with self._turn:
-            self.output.check()
-            seq = self.stream.open(epoch, position)
-            self.output.drop_below(seq)
-        for position in range(position, self.plan.length(epoch)):
-            yield self.take(seq, epoch, position)
-            seq += 1
-
-    def take(self, seq: int, epoch: int, position: int):
-        """Batch ``seq``: from the output if it is there, else once the pool brings it."""
-        with self._turn:
-            try:
-                delivery = self.output.pop(seq)  # raises once the pipeline is closed
-                if self.ring is not None:
-                    self.ring.collect()  # slots freed, and copies failed, in other threads
-                if delivery is None:
-                    delivery = self._wait_for(seq, epoch, position)
-                elif self.ring.has_free():
-                    self.pool.dispatch(pack=self._packing)  # keep the workers busy meanwhile
-                return self.route.hand_over(seq, delivery)
-            except PipelineClosed:
-                raise
-            except BaseException:
-                self._broken = True  # report first: the workers are then stopped at once
-                raise
-
-    def _wait_for(self, seq: int, epoch: int, position: int):
-        began = time.perf_counter()
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        while True:
-            remaining = _remaining(deadline)
-            if remaining is not None and remaining <= 0:
-                self._timed_out(seq, epoch, position)
-            try:
-                self._pump(remaining)
-            except Exception:
-                self.output.check()  # closed meanwhile, by a signal handler: say so
-                raise
-            if (delivery := self.output.pop(seq)) is not None:
-                self.stats.consumer_wait_s += time.perf_counter() - began
-                return delivery
-
-    def _timed_out(self, seq: int, epoch: int, position: int):
-        raise BatchTimeout(
-            f"batch {position} of epoch {epoch} (sample indices "
-            f"{self.plan.batches(epoch)[position].tolist()}) did not arrive within timeout="
-            f"{self.timeout} s; it is with {self.pool.holder_of(seq)}")
-
-    def replan(self) -> None:
-        """The plan changed (a new seed): batches planned so far are stale."""
-        with self._turn:
-            self.stream.reset(self.stream.state())
-
-    # -- the end ---------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Wake a waiting consumer, then stop the workers, wait for copies in flight, close the
-        device and unmap the ring: every step runs even if one before it fails."""
-        self.output.close("the sequence was finished or restarted while iterating")
-        self.waker.wake()
-        with self._turn:
-            if self._closed:
-                return
-            self._closed = True
-            with contextlib.ExitStack() as steps:  # run last to first
-                steps.callback(self.waker.close)
-                if self.ring is not None:
-                    steps.callback(self.ring.close)
-                if self.device is not None:
-                    steps.callback(self.device.close)
-                if self.ring is not None:
-                    steps.callback(self.ring.finish_copies)
-                if self.pool is not None:
-                    steps.callback(self.pool.stop, ERROR_GRACE if self._broken else JOIN_SECONDS)
-                steps.callback(self.output.clear)
-
-
-class _Inline:
-    """Everything in the calling thread: ``start_test()`` and ``num_workers=0``."""
-
-    def __init__(self, seq: ShmSequence, test_mode: str):
-        self.plan = seq._plan
-        self.worker_obj = make_worker(seq.worker)
-        self.test_mode = test_mode
-        out_type = "cpu" if test_mode == "cpu" and seq.use_cuda else seq.out_type
-        self.device = make_device(out_type, pin_memory=False)
-        self.stats = LoaderStats()
-
-    def batches(self, epoch: int, position: int = 0):
-        self.plan.open(epoch)
-        for indices in self.plan.batches(epoch)[position:]:
-            batch, _ = build_batch(self.worker_obj, indices, None)
-            if self.test_mode != "numpy":
-                # Through the slot format, so that types and layout match start() exactly.
-                views = read_batch(encode_batch(batch), self.device.leaf)
-                batch = self.device.hand_over(*self.device.convert(views))
-            yield batch
-
-    def replan(self) -> None:
-        """Nothing planned ahead."""
-
-    def close(self) -> None:
-        self.worker_obj = None
-        self.device.close()

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import WorkerError
+from .errors import UnsupportedBatch
 from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
 from .lifeline import Lifeline, ProcessId
 from .ring import PAGE, WorkerRing, drop_inherited_rings, unlink_segment
@@ -47,12 +47,17 @@ def make_worker(worker):
 
 
 def build_batch(worker_obj, indices: np.ndarray, region: np.ndarray | None):
-    """Call the user's worker; in-place workers get an allocator over the slot."""
+    """Call the user's worker; in-place workers get an allocator over the slot. A worker's
+    ``__getitem__`` that returns None most likely forgot its ``return``: that is refused."""
     fill = getattr(worker_obj, "fill_batch", None)
-    if fill is None:
-        return worker_obj[indices], None
-    allocator = SlotAllocator(region)
-    return fill(indices, allocator), allocator
+    if fill is not None:
+        allocator = SlotAllocator(region)
+        return fill(indices, allocator), allocator
+    batch = worker_obj[indices]
+    if batch is None:
+        raise UnsupportedBatch("the worker returned None for a batch: return an array, "
+                               "or a tuple/list/dict of arrays")
+    return batch, None
 
 
 def describe_exception(exc: BaseException) -> tuple:
@@ -63,19 +68,6 @@ def describe_exception(exc: BaseException) -> tuple:
         pickled = None
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return (f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), text, pickled)
-
-
-def worker_error(info: tuple, *, indices=None, seq=None, what: str) -> WorkerError:
-    exc_type, exc_message, text, pickled = info
-    error = WorkerError(f"{what}: {exc_type}: {exc_message}\n\nWorker traceback:\n{text}",
-                        exc_type=exc_type, exc_message=exc_message, worker_traceback=text,
-                        batch_indices=indices, seq=seq)
-    if pickled is not None:
-        try:
-            error.__cause__ = pickle.loads(pickled)
-        except Exception:  # noqa: BLE001 - the cause is a courtesy
-            pass
-    return error
 
 
 def _run_task(worker_obj, ring: WorkerRing | None, seq: int, slot: int | None,
@@ -98,7 +90,8 @@ def _run_task(worker_obj, ring: WorkerRing | None, seq: int, slot: int | None,
 
 
 class WorkerInfo(NamedTuple):
-    """What ``get_worker_info()`` tells the code running inside a worker."""
+    """What ``get_worker_info()`` tells the code running inside a worker. ``seed`` is the
+    pipeline's base seed plus ``id``, as torch's DataLoader seeds its workers."""
     id: int
     num_workers: int
     seed: int
@@ -110,11 +103,6 @@ _current = threading.local()
 def get_worker_info() -> WorkerInfo | None:
     """The calling worker's id, the number of workers and its seed; None outside workers."""
     return getattr(_current, "info", None)
-
-
-def worker_seed(base_seed: int, wid: int) -> int:
-    """A reproducible seed of its own for each worker."""
-    return int(np.random.SeedSequence([base_seed, wid]).generate_state(1, np.uint64)[0])
 
 
 def _keep_large_buffers() -> None:
@@ -133,23 +121,34 @@ def _keep_large_buffers() -> None:
 
 
 def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn, worker) -> None:
-    """Seed the worker's random generators, then run the user's hook.
+    """Seed the worker's random generators as torch's DataLoader seeds its workers, run torch's
+    operators on one thread, then run the user's hook.
 
-    Only processes seed the global generators (``random``, numpy's, torch's) and answer
-    ``torch.utils.data.get_worker_info()`` (for datasets written for torch): threads share
-    them, and read their own seed from ``get_worker_info()`` instead.
+    Only processes seed the global generators (``random``, numpy's, torch's), set torch's
+    threads and answer ``torch.utils.data.get_worker_info()`` (for datasets written for
+    torch): threads share them, and read their own seed from ``get_worker_info()`` instead.
+    One intra-op thread per worker, as torch's: a forked worker that kept the trainer's pool
+    would deadlock in it once the trainer had run a multi-threaded operator, and every worker
+    would compete with the others for every core.
     """
     _current.info = info
     if in_process:
         _keep_large_buffers()
         random.seed(info.seed)
-        np.random.seed(info.seed % 2**32)
+        np.random.seed(numpy_seed(info))
         torch = sys.modules.get("torch")
         if torch is not None:
+            torch.set_num_threads(1)
             torch.manual_seed(info.seed)
             _tell_torch(torch, info, getattr(worker, "dataset", None))
     if worker_init_fn is not None:
         worker_init_fn(info.id)
+
+
+def numpy_seed(info: WorkerInfo) -> np.ndarray:
+    """The global numpy generator's seed in a worker: the state numpy's ``SeedSequence`` makes
+    of the worker id and the base seed, which is what torch's DataLoader seeds it with."""
+    return np.random.SeedSequence([info.id, info.seed - info.id]).generate_state(4)
 
 
 class ProcessTies(NamedTuple):

@@ -213,7 +213,10 @@ def test_worker_processes_seed_their_global_generators_and_run_the_init_hook():
                       out_type="null")
     with seq.start():
         draws = [int(info[2]) for info, _ in seq]
-    with seq.start():
+    with seq.start():  # started at the next epoch: fresh random streams
+        assert [int(info[2]) for info, _ in seq] != draws
+    seq.set_epoch(0)
+    with seq.start():  # at the same epoch again: the same streams
         assert [int(info[2]) for info, _ in seq] == draws
     init = ShmSequence(InitReporter, 40, batch_size=2, num_workers=2, out_type="null",
                        worker_init_fn=record_init)

@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-import shmseq.sequence
+import shmseq.pipeline
 from shmseq import ShmSeqError, ShmSequence
 from shmseq.devices import FakeDevice, FakeStream, make_device
 from shmseq.ring import LEASED, Ring
@@ -39,7 +39,7 @@ def fake(monkeypatch):
         def factory(*args, **kwargs):
             devices.append(RecordingFake(max_delay=max_delay, fail_on=fail_on))
             return devices[-1]
-        monkeypatch.setattr(shmseq.sequence, "make_device", factory)
+        monkeypatch.setattr(shmseq.pipeline, "make_device", factory)
         return devices
 
     return make

@@ -1,3 +1,5 @@
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -71,12 +73,12 @@ def test_ranks_share_an_epoch_disjointly_and_equally(n, size, ranks, policy, epo
 def test_stream_runs_ahead_across_epochs_and_finds_what_it_planned():
     stream = BatchStream(plan(6, 4))
     taken = [stream.next() for _ in range(3)]
-    assert [(seq, idx.tolist()) for seq, idx in taken] == [(0, [0, 1, 2, 3]), (1, [4, 5]),
-                                                           (2, [0, 1, 2, 3])]
+    assert [(seq, idx.tolist(), at) for seq, idx, at in taken] == [
+        (0, [0, 1, 2, 3], 0), (1, [4, 5], 1), (2, [0, 1, 2, 3], 0)]
     assert stream.state() == {"epoch": 1, "position": 1}
     assert stream.open(1, 0) == 2  # already dispatched: it arrives as seq 2
     assert stream.open(0, 1) == 3  # back to a batch gone by: fresh seqs from there
-    assert [(seq, idx.tolist()) for seq, idx in (stream.next(), stream.next())] == [
+    assert [(seq, idx.tolist()) for seq, idx, _ in (stream.next(), stream.next())] == [
         (3, [4, 5]), (4, [0, 1, 2, 3])]
 
 
@@ -92,14 +94,14 @@ def test_whatever_the_consumer_opens_arrives_as_the_seqs_it_expects(n, size, pol
     dispatched = {}
     for epoch, position, ahead in moves:
         for _ in range(ahead):
-            seq, indices = stream.next()
+            seq, indices, _ = stream.next()
             assert seq not in dispatched
             dispatched[seq] = indices.tolist()
         position = min(position, p.length(epoch))
         first = stream.open(epoch, position)
         for offset, expected in enumerate(p.batches(epoch)[position:]):
             while first + offset not in dispatched:
-                seq, indices = stream.next()
+                seq, indices, _ = stream.next()
                 dispatched[seq] = indices.tolist()
             assert dispatched[first + offset] == expected.tolist()
 
@@ -123,6 +125,30 @@ def test_a_sampler_is_drawn_when_its_epoch_opens_and_never_ahead():
     assert first.tolist() == [0, 1] and [s.tolist() for s in shards] == [[2, 3], [4, 5]]
     assert stream.next() is None and len(draws) == 1  # the next epoch waits for the consumer
     assert stream.open(1, 0) == 2 and len(draws) == 2 and stream.next()[0] == 2
+
+
+def test_a_sampler_is_drawn_as_batches_are_needed_and_forgotten_once_delivered():
+    drawn = []
+
+    def endless():
+        for k in itertools.count():
+            drawn.append(k)
+            yield [k]
+
+    sampler_plan = SamplerPlan(endless())
+    sampler_plan.open(0)
+    assert sampler_plan.batch(0, 2).tolist() == [2] and drawn == [0, 1, 2]
+    sampler_plan.release(0, 2)
+    assert sampler_plan.batch(0, 2).tolist() == [2] and drawn == [0, 1, 2]
+    with pytest.raises(ValueError, match="already delivered"):
+        sampler_plan.batch(0, 1)
+
+
+def test_a_pass_given_to_the_plan_replaces_the_samplers():
+    sampler_plan = SamplerPlan([[0, 1], [2]])
+    sampler_plan.open(0, iter([[7], [8], [9]]))
+    assert [sampler_plan.batch(0, k).tolist() for k in range(3)] == [[7], [8], [9]]
+    assert sampler_plan.batch(0, 3) is None and sampler_plan.length(0) == 3
 
 
 def test_a_sampler_without_len_says_so():

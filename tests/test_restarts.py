@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from shmseq import ShmSequence, WorkerDied, WorkerError
+from shmseq import ShmSequence, WorkerDied
 from workers import Crash, ExitInInit, KillOnce, SizedWorker
 
 
@@ -65,7 +65,7 @@ def test_once_the_restarts_are_used_up_a_death_is_raised(tmp_path):
 def test_an_exception_in_the_worker_is_not_a_death():
     seq = make(SizedWorker([]), slot_bytes=4096, worker_restarts=2)
     with seq.start():
-        with pytest.raises(WorkerError, match="ZeroDivisionError|modulo"):
+        with pytest.raises(ZeroDivisionError, match="modulo"):
             next(iter(seq))
     assert seq.stats.restarts == 0
 
@@ -81,7 +81,7 @@ def test_restarts_keep_a_resumed_rollover_run_the_same(tmp_path):
     expected = [b for epoch in reference(tmp_path / "none", 4, **options) for b in epoch]
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
-    first = make(KillOnce(tmp_path / "first", at=[5, 22]), worker_restarts=4, **options)
+    first = make(KillOnce(tmp_path / "first", at=[13, 22]), worker_restarts=4, **options)
     delivered = []
     with first.start():
         for _ in range(2):

@@ -215,7 +215,7 @@ def test_a_slot_dev_shm_cannot_allocate_is_refused_not_a_sigbus(monkeypatch):
 
 
 def test_a_worker_that_cannot_allocate_its_slot_says_so(monkeypatch):
-    from shmseq import ShmSequence, WorkerError
+    from shmseq import SharedMemoryFull, ShmSequence
     from workers import IndexWorker
 
     def full(*args):
@@ -225,5 +225,5 @@ def test_a_worker_that_cannot_allocate_its_slot_says_so(monkeypatch):
     seq = ShmSequence(IndexWorker, 40, batch_size=4, num_workers=1, out_type="null",
                       slot_bytes=1 << 16, start_method="fork", timeout=30)
     with seq.start():
-        with pytest.raises(WorkerError, match="SharedMemoryFull: the slot ring needs"):
+        with pytest.raises(SharedMemoryFull, match="the slot ring needs"):
             next(iter(seq))

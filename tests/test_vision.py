@@ -4,7 +4,7 @@ import pytest
 
 simplejpeg = pytest.importorskip("simplejpeg")
 
-from shmseq import ShmSequence, SlotAllocator, WorkerError  # noqa: E402
+from shmseq import ShmSequence, SlotAllocator  # noqa: E402
 from shmseq.demo.data import make_jpeg_folder  # noqa: E402
 from shmseq.vision import ImageDecodeError, ImageFolder, ImageFolderWorker  # noqa: E402
 
@@ -111,5 +111,5 @@ def test_corrupt_jpeg_is_named(tmp_path):
         with pytest.raises(ImageDecodeError, match=name):
             worker.load_into(index, np.empty((8, 8, 3), np.uint8), np.random.default_rng(0))
     seq = make(worker, batch_size=1, num_workers=1, shuffle=False)
-    with seq.start(), pytest.raises(WorkerError, match="cats/truncated.jpg"):
+    with seq.start(), pytest.raises(ImageDecodeError, match="cats/truncated.jpg"):
         list(seq)

@@ -1,0 +1,326 @@
+"""The running pipeline: plan -> workers -> ring -> device -> the consumer, and its closing.
+
+A front end (``ShmSequence``, the torch-style ``DataLoader``) describes what to run in a
+``PipelineSpec`` and starts a ``Pipeline`` (workers) or an ``Inline`` runtime (everything in
+the calling thread). Then, for each epoch (or pass of a sampler), it ``open``s the epoch
+and ``take``s its batches by seq. A runtime never refers back to its front end, and nothing
+in it sits in a reference cycle, so that a front end nobody references any more closes it by
+its finalizer at once, without the garbage collector. ``close()`` works from any thread.
+
+The ring is sized without a lone first batch: with no ``slot_bytes`` given, the first batch of
+each worker is built at once by all of them and sent back encoded, and the first of those to
+arrive sizes the ring; the batches after them go through the ring.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import multiprocessing
+import threading
+import time
+from typing import Callable, Iterable
+
+from .convert import OrderedOutput, Route
+from .devices import make_device
+from .errors import BatchTimeout, PipelineClosed, ShmSeqError
+from .layout import encode_batch, read_batch
+from .plan import BatchStream, Plan
+from .pool import Arrival, Waker, WorkerPool, brief
+from .ring import Ring
+from .stats import LoaderStats
+from .worker_handle import JOIN_SECONDS
+from .workers import build_batch, make_worker, slot_bytes_for
+
+ERROR_GRACE = 0.2  # seconds workers get to leave once a failure was raised, before they are killed
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+    """What a pipeline runs, fixed when it starts."""
+    worker: object                    # a class made in each worker, or an instance copied there
+    num_workers: int
+    buffer: int                       # slots in the ring
+    slot_bytes: int | None = None     # None: sized by the first batches
+    thread_type: str = "proc"
+    start_method: str | None = None
+    out_type: str = "null"
+    pin_memory: bool | None = None
+    pin_device_id: int = 0
+    num_converters: int = 1
+    timeout: float | None = None      # seconds to wait for a batch (and for the workers to start)
+    base_seed: int = 0                # worker k's seed is base_seed + k
+    worker_init_fn: Callable | None = None
+    restarts: int = 0
+    in_turn: bool = False             # batch k of an epoch goes to worker k % num_workers
+    wait_for_workers: bool = True     # the pipeline is made once every worker started
+
+
+def _remaining(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (a ``time.monotonic()`` value); None: no deadline."""
+    return None if deadline is None else deadline - time.monotonic()
+
+
+class Pipeline:
+    """Workers, ring, route, and their closing."""
+
+    def __init__(self, spec: PipelineSpec, plan: Plan, epoch: int = 0, position: int = 0,
+                 stats: LoaderStats | None = None):
+        self.plan = plan
+        self.spec = spec
+        self.stats = LoaderStats() if stats is None else stats
+        self.ring: Ring | None = None
+        self.pool: WorkerPool | None = None
+        self.device = None
+        self._turn = threading.RLock()  # held by the consumer while it takes a batch
+        self._closed = False
+        self._broken = False  # a failure was raised: workers get no time to finish politely
+        self._packing = False  # the consumer is the slower side (see _follow_the_pace)
+        self.waker = Waker()
+        self.output = OrderedOutput()
+        self.stream = BatchStream(plan, epoch, position)
+        try:
+            self.device = make_device(spec.out_type, spec.pin_memory, spec.pin_device_id,
+                                      spec.num_converters)
+            self.route = Route(self.device, self.output, self.stats)
+            self.pool = WorkerPool(spec.worker, num_workers=spec.num_workers,
+                                   backend=spec.thread_type,
+                                   context=multiprocessing.get_context(spec.start_method),
+                                   stream=self.stream, waker=self.waker, stats=self.stats,
+                                   base_seed=spec.base_seed, worker_init_fn=spec.worker_init_fn,
+                                   restarts=spec.restarts, in_turn=spec.in_turn)
+            if spec.slot_bytes is not None:
+                self._make_ring(spec.slot_bytes)
+            if spec.wait_for_workers:
+                self._start(spec.timeout)
+        except BaseException:
+            self._broken = True
+            self.close()
+            raise
+
+    def _start(self, timeout: float | None) -> None:
+        """Return once every worker built its worker object and mapped the ring (its name is
+        unlinked once they all did): a ring sized by the first batches, made once the first
+        of them came back (or the first failed: it is raised at its turn)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.pool.started() or (self.ring is None and not self.output.waiting
+                                          and self.stream.peek() is not None):
+            remaining = _remaining(deadline)
+            if remaining is not None and remaining <= 0:
+                raise ShmSeqError(f"the workers did not start within timeout={timeout} s: "
+                                  f"{self.pool.which_not_started()}")
+            self._pump(remaining)
+
+    def _make_ring(self, slot_bytes: int) -> None:
+        self.ring = Ring.create(self.spec.buffer, slot_bytes, wake=self.waker.wake_if_waiting)
+        self.route.ring = self.ring
+        self.device.attach(self.ring)
+        self.pool.use_ring(self.ring)
+
+    def _pump(self, timeout: float | None) -> None:
+        arrivals, waited = self.pool.pump(timeout)
+        if self.ring is None:
+            sizes = [len(arrival.payload) for arrival in arrivals if arrival.payload is not None]
+            if sizes:  # the first batches came back encoded: size the ring to them
+                self._make_ring(slot_bytes_for(max(sizes)))
+        for arrival in arrivals:
+            if arrival.payload is not None and not arrival.overflowed:
+                arrival = self._into_ring(arrival)
+            self.route.arrive(arrival)
+        self._follow_the_pace(waited)
+        if self.ring is not None or self.output.waiting < self.spec.buffer:
+            self.pool.dispatch(pack=self._packing)  # without a ring, failures do not pile up
+
+    def _into_ring(self, arrival: Arrival) -> Arrival:
+        """A batch built before there was a ring: copied into a slot, to be delivered as views
+        of the ring as every batch is. One larger than a slot is delivered as it came, as an
+        overflow; with no slot free (a ring smaller than the workers), as it came."""
+        if arrival.seq < self.output.floor:
+            return arrival  # stale: dropped on arrival
+        if len(arrival.payload) > self.ring.spec.slot_bytes:
+            return arrival._replace(overflowed=True)
+        slot = self.ring.acquire()
+        if slot is None:
+            return arrival
+        self.ring.region(slot)[:len(arrival.payload)] = arrival.payload
+        self.ring.written(slot)
+        return Arrival(arrival.seq, slot)
+
+    def _follow_the_pace(self, waited: bool) -> None:
+        """Which side is slower: the consumer, once it found half the ring or more waiting for
+        it, until it has to wait for a batch again. Its tasks are then packed on one worker
+        (see ``WorkerPool._send_task``)."""
+        if waited:
+            self._packing = False
+        elif 2 * self.output.waiting >= self.spec.buffer:
+            self._packing = True
+
+    # -- the consumer's side ---------------------------------------------------------------------
+    def open(self, epoch: int, position: int = 0, batches: Iterable | None = None) -> int:
+        """The consumer starts ``epoch`` at ``position`` (with the plan's ``batches`` for it,
+        when given): the seq of that batch. Deliveries of earlier epochs are dropped, and the
+        workers are given the epoch's first batches at once."""
+        with self._turn:
+            self.output.check()
+            seq = self.stream.open(epoch, position, batches)
+            self.output.drop_below(seq)
+            if self.ring is not None:
+                self.ring.collect()
+            self.pool.dispatch(pack=self._packing)
+            return seq
+
+    def batches(self, epoch: int, position: int = 0):
+        """The batches of ``epoch`` from ``position`` on, in order."""
+        seq = self.open(epoch, position)
+        for position in itertools.count(position):
+            if self.plan.batch(epoch, position) is None:
+                return
+            yield self.take(seq, epoch, position)
+            seq += 1
+
+    def take(self, seq: int, epoch: int, position: int):
+        """Batch ``seq`` (``position`` of ``epoch``), as the consumer gets it."""
+        return self.hand_over(seq, self.receive(seq, epoch, position))
+
+    def receive(self, seq: int, epoch: int, position: int):
+        """The delivery of batch ``seq`` (``position`` of ``epoch``): from the output if it is
+        there, else once the pool brings it. Raises what keeps it from coming (a timeout, a
+        worker's death, the pipeline closed)."""
+        with self._failures_reported():
+            delivery = self.output.pop(seq)  # raises once the pipeline is closed
+            if delivery is None:
+                delivery = self._wait_for(lambda: self.output.pop(seq), epoch, position)
+            else:
+                self._keep_busy()
+            self.plan.release(epoch, position + 1)
+            return delivery
+
+    def receive_any(self, first_seq: int, epoch: int, position: int) -> tuple[int, object]:
+        """The delivery of seq ``first_seq`` or after that arrived first, and its seq (an
+        epoch's batches in the order they are ready); ``position`` is ``first_seq``'s."""
+        with self._failures_reported():
+            ready = self.output.pop_first(first_seq)
+            if ready is None:
+                ready = self._wait_for(lambda: self.output.pop_first(first_seq), epoch, position)
+            else:
+                self._keep_busy()
+            return ready
+
+    def hand_over(self, seq: int, delivery):
+        """The batch as the consumer gets it; raises the batch's error (its worker's exception)
+        in its place."""
+        with self._failures_reported():
+            return self.route.hand_over(seq, delivery)
+
+    @contextlib.contextmanager
+    def _failures_reported(self):
+        """The consumer's turn; a failure raised in it leaves the workers no time to finish
+        politely when the pipeline closes."""
+        with self._turn:
+            try:
+                yield
+            except PipelineClosed:
+                raise
+            except BaseException:
+                self._broken = True
+                raise
+
+    def release(self, epoch: int, position: int) -> None:
+        """The consumer has every batch of ``epoch`` before ``position`` (``receive_any``'s)."""
+        self.plan.release(epoch, position)
+
+    def _keep_busy(self) -> None:
+        """A batch was there already: free slots go to the workers meanwhile."""
+        if self.ring is not None:
+            self.ring.collect()  # slots freed, and copies failed, in other threads
+            if self.ring.has_free():
+                self.pool.dispatch(pack=self._packing)
+
+    def _wait_for(self, delivered: Callable, epoch: int, position: int):
+        began = time.perf_counter()
+        deadline = None if self.spec.timeout is None else time.monotonic() + self.spec.timeout
+        if self.ring is not None:
+            self.ring.collect()
+        while True:
+            remaining = _remaining(deadline)
+            if remaining is not None and remaining <= 0:
+                self._timed_out(epoch, position)
+            try:
+                self._pump(remaining)
+            except Exception:
+                self.output.check()  # closed meanwhile, by a signal handler: say so
+                raise
+            if (delivery := delivered()) is not None:
+                self.stats.consumer_wait_s += time.perf_counter() - began
+                return delivery
+
+    def _timed_out(self, epoch: int, position: int):
+        seq = self.stream.seq_of(epoch, position)
+        raise BatchTimeout(
+            f"batch {position} of epoch {epoch} (sample indices "
+            f"{brief(self.plan.batch(epoch, position))}) did not arrive within timeout="
+            f"{self.spec.timeout} s; it is with "
+            f"{self.pool.holder_of(seq) if seq is not None else 'no worker yet'}")
+
+    def replan(self) -> None:
+        """The plan changed (a new seed): batches planned so far are stale."""
+        with self._turn:
+            self.stream.reset(self.stream.state())
+
+    # -- the end ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Wake a waiting consumer, then stop the workers, wait for copies in flight, close the
+        device and unmap the ring: every step runs even if one before it fails."""
+        self.output.close("the sequence was finished or restarted while iterating")
+        self.waker.wake()
+        with self._turn:
+            if self._closed:
+                return
+            self._closed = True
+            with contextlib.ExitStack() as steps:  # run last to first
+                steps.callback(self.waker.close)
+                if self.ring is not None:
+                    steps.callback(self.ring.close)
+                if self.device is not None:
+                    steps.callback(self.device.close)
+                if self.ring is not None:
+                    steps.callback(self.ring.finish_copies)
+                if self.pool is not None:
+                    steps.callback(self.pool.stop, ERROR_GRACE if self._broken else JOIN_SECONDS)
+                steps.callback(self.output.clear)
+
+
+class Inline:
+    """Everything in the calling thread: ``start_test()`` and ``num_workers=0``.
+
+    ``test_mode``: ``'default'`` delivers as a pipeline would (through the slot format, so
+    that types and layout match exactly), ``'cpu'`` as torch CPU tensors even where the
+    output is CUDA, ``'numpy'`` the worker's output untouched."""
+
+    def __init__(self, spec: PipelineSpec, plan: Plan, test_mode: str = "default"):
+        self.plan = plan
+        self.worker_obj = make_worker(spec.worker)
+        self.test_mode = test_mode
+        cpu_instead = test_mode == "cpu" and spec.out_type.startswith("cuda")
+        self.device = make_device("cpu" if cpu_instead else spec.out_type, pin_memory=False)
+        self.stats = LoaderStats()
+
+    def batches(self, epoch: int, position: int = 0):
+        self.plan.open(epoch)
+        for position in itertools.count(position):
+            indices = self.plan.batch(epoch, position)
+            if indices is None:
+                return
+            batch, _ = build_batch(self.worker_obj, indices, None)
+            if self.test_mode != "numpy":
+                views = read_batch(encode_batch(batch), self.device.leaf)
+                batch = self.device.hand_over(*self.device.convert(views))
+            self.plan.release(epoch, position + 1)
+            yield batch
+
+    def replan(self) -> None:
+        """Nothing planned ahead."""
+
+    def close(self) -> None:
+        self.worker_obj = None
+        self.device.close()
