@@ -21,14 +21,11 @@ class Indexed(torch.utils.data.Dataset):
         return self.x[index], self.y[index], index
 
 
-def parse_args(description: str, save_help: str, resume_help: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("out", type=Path, help="each rank writes TAG-rankN.json here")
-    parser.add_argument("--tag", default="full")
-    parser.add_argument("--samples", type=int, default=32)
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out", type=Path, help="each rank writes its report here")
+    parser.add_argument("--samples", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--save-at", type=int, help=save_help)
-    parser.add_argument("--resume", type=Path, help=resume_help)
-    return parser.parse_args()
+    parser.add_argument("--save-at", type=int, default=5,
+                        help="checkpoint after this optimizer step, then resume from it")

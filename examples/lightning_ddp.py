@@ -1,50 +1,57 @@
-"""Lightning DDP on 2 CPU ranks (gloo), fed by a shmseq.torch.DataLoader built before the
-process group exists; every rank writes the sample indices it trained on.
+"""Lightning DDP on 2 CPU ranks (gloo): the same training run fed by torch's DataLoader and by
+shmseq.torch's, for a side-by-side record of what each rank trained and validated on.
 
-    python examples/lightning_ddp.py OUT --tag full --save-at 5       # checkpoint at step 5
-    python examples/lightning_ddp.py OUT --tag resumed --resume OUT/step5.ckpt
+    python examples/lightning_ddp.py OUT --loader shmseq
 
-The loader is not a torch DataLoader, so Lightning neither re-shards it nor swaps its sampler:
-it deals its own plan to the ranks when an epoch starts, by which time Lightning has set up
-the process group. It has ``state_dict``/``load_state_dict``, so Lightning stores its state in
-the checkpoint by itself (``FitLoop.on_save_checkpoint``, from rank 0, as for any loader) and
-loads it on every rank before the resumed epoch starts (``FitLoop.setup_data``); the
-``set_epoch`` Lightning calls next keeps the restored position. Lightning's ``ddp`` strategy
-starts rank 1 by running this script again, hence the ``__main__`` guard.
+A default Trainer (sanity check included), validating twice an epoch (``val_check_interval=0.5``),
+checkpointing mid-epoch after step ``--save-at``; then a second Trainer resumes from that
+checkpoint. Both loaders are built before the process group, as plain torch code builds them:
+Lightning replaces their sampler with its ``DistributedSampler`` by building them again, so a
+shmseq loader is rebuilt as a shmseq loader (the report says how many batches came through its
+ring). Each rank writes ``LOADER-rankN.json``. Lightning's ``ddp`` strategy starts rank 1 by
+running this script again, hence the ``__main__`` guard.
 """
+import argparse
 import json
 import logging
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+from torch.utils.data import DataLoader as TorchLoader
 
 from shmseq.torch import DataLoader
 
-from indexed_run import Indexed, parse_args
+from indexed_run import Indexed, add_run_arguments
+
+LOADERS = {"torch": TorchLoader, "shmseq": DataLoader}
 
 
 class Regression(pl.LightningModule):
-    """A linear model that records, batch by batch, which samples it was fed."""
+    """A linear model that records, batch by batch, which samples it trained and validated on."""
 
     def __init__(self):
         super().__init__()
         self.linear = torch.nn.Linear(4, 1)
-        self.seen: list[dict] = []
+        self.seen: dict[str, list] = {"train": [], "val": []}
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y, index = batch
-        self.seen.append({"epoch": self.current_epoch, "batch": batch_idx,
-                          "indices": index.tolist()})
+        self.seen["train"].append({"epoch": self.current_epoch, "step": self.global_step,
+                                   "indices": index.tolist()})
         return torch.nn.functional.mse_loss(self.linear(x).squeeze(1), y)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        x, y, index = batch
+        self.seen["val"].append({"epoch": self.current_epoch, "step": self.global_step,
+                                 "sanity": self.trainer.sanity_checking, "indices": index.tolist()})
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
 class SaveAt(pl.Callback):
-    """Checkpoints once, after optimizer step ``step``, and trains on: the run goes on to be
-    the reference that a run resumed from that checkpoint must repeat exactly."""
+    """Checkpoints once, after optimizer step ``step``, and trains on."""
 
     def __init__(self, step: int, path: Path):
         self.step, self.path = step, path
@@ -54,23 +61,39 @@ class SaveAt(pl.Callback):
             trainer.save_checkpoint(self.path)  # a collective: every rank calls it
 
 
-def main() -> None:
-    args = parse_args(__doc__.splitlines()[0],
-                      "checkpoint after this optimizer step", "checkpoint to resume from")
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # warnings only, no banners
-    pl.seed_everything(args.seed, verbose=False)  # the loader's shuffle seed is drawn from it
-    loader = DataLoader(Indexed(args.samples), batch_size=args.batch_size, shuffle=True,
-                        num_workers=1, persistent_workers=True)
-    callbacks = [SaveAt(args.save_at, args.out / f"step{args.save_at}.ckpt")] if args.save_at else []
+def fit(Loader, args, checkpoint: Path, resume: bool) -> dict:
+    """One Trainer's run: what it saw, and how many batches came through shmseq's ring."""
+    pl.seed_everything(args.seed, verbose=False)
+    train = Loader(Indexed(args.samples), batch_size=args.batch_size, shuffle=True, num_workers=1)
+    val = Loader(Indexed(args.val_samples), batch_size=args.batch_size, num_workers=1,
+                 persistent_workers=True)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=args.epochs,
-                         callbacks=callbacks, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False)
+                         val_check_interval=0.5, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, enable_checkpointing=False,
+                         callbacks=[] if resume else [SaveAt(args.save_at, checkpoint)])
     model = Regression()
-    trainer.fit(model, train_dataloaders=loader, ckpt_path=args.resume)
-    report = {"rank": trainer.global_rank, "seed": loader.seed, "batches": model.seen}
-    loader.close()
+    trainer.fit(model, train, val, ckpt_path=checkpoint if resume else None)
+    used = {"train": trainer.train_dataloader, "val": trainer.val_dataloaders}
+    return {**model.seen, "steps": trainer.global_step,
+            "loaders": {part: type(loader).__module__ for part, loader in used.items()},
+            "ring_batches": {part: loader.stats.batches if hasattr(loader, "stats") else 0
+                             for part, loader in used.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(parser)
+    parser.add_argument("--loader", choices=sorted(LOADERS), required=True)
+    parser.add_argument("--val-samples", type=int, default=21)
+    args = parser.parse_args()
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # no banners, no advice
+    checkpoint = args.out / f"{args.loader}-step{args.save_at}.ckpt"
+    Loader = LOADERS[args.loader]
+    report = {"full": fit(Loader, args, checkpoint, resume=False),
+              "resumed": fit(Loader, args, checkpoint, resume=True)}
+    rank = torch.distributed.get_rank()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.tag}-rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    (args.out / f"{args.loader}-rank{rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -258,10 +258,43 @@ class _RingIterator(_BaseDataLoaderIter):
         self._closer()
 
 
+_TORCH_ARGUMENTS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+                    "multiprocessing_context", "generator", "prefetch_factor",
+                    "persistent_workers", "pin_memory_device", "in_order")
+
+
+def on_ring(loader, like: DataLoader | None = None):
+    """``loader`` reading through shmseq's ring again, after a framework rebuilt it as torch's.
+
+    Accelerate's ``prepare()`` and ``skip_first_batches()`` build a torch ``DataLoader`` from
+    the attributes of the one they are given (inside a ``DataLoaderShard`` for ``prepare``):
+    its batches would no longer come through the ring. Given what they return, this gives it
+    a shmseq ``DataLoader`` with the same arguments instead (and the ``slot_bytes`` and
+    ``worker_restarts`` of ``like``); everything else Accelerate does (sharding, ``even_batches``,
+    ``gather_for_metrics``, device placement) is unchanged. A loader already on the ring is
+    returned as it is."""
+    base = getattr(loader, "base_dataloader", loader)
+    if isinstance(base, DataLoader):
+        return loader
+    if not isinstance(base, TorchDataLoader):
+        raise TypeError(f"loader must be a torch DataLoader or one Accelerate prepared, got "
+                        f"{type(loader).__name__}")
+    batching = ({"batch_sampler": base.batch_sampler} if base.batch_sampler is not None else
+                {"batch_size": None, "sampler": base.sampler})
+    rebuilt = DataLoader(base.dataset, **batching,
+                         **{name: getattr(base, name) for name in _TORCH_ARGUMENTS},
+                         slot_bytes=getattr(like, "slot_bytes", None),
+                         worker_restarts=getattr(like, "worker_restarts", 0))
+    if base is loader:
+        return rebuilt
+    loader.base_dataloader = rebuilt
+    return loader
+
+
 def _close_in_owner(pipeline: Pipeline, owner_pid: int) -> None:
     """The finalizer of an iterator: a forked child that inherited it does nothing."""
     if os.getpid() == owner_pid:
         pipeline.close()
 
 
-__all__ = ["DataLoader", "slot_collate"]
+__all__ = ["DataLoader", "on_ring", "slot_collate"]

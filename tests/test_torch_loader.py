@@ -217,3 +217,22 @@ def test_set_epoch_reaches_the_sampler_given_to_the_mxnet_style_loader():
     reference.set_epoch(2)
     assert [i for batch in labels(loader) for i in batch] == list(reference)
 
+
+
+def test_accelerate_prepare_rebuilds_the_loader_as_torchs_and_on_ring_puts_it_back():
+    accelerate = pytest.importorskip("accelerate")
+    from shmseq.torch import on_ring
+    accelerator = accelerate.Accelerator(cpu=True)
+    loader = DataLoader(data.Counting(20), batch_size=4, shuffle=True, num_workers=1,
+                        slot_bytes=1 << 16)
+    prepared = accelerator.prepare(loader)
+    torch.manual_seed(0)
+    as_prepared = labels(prepared)
+    assert loader.stats.batches == 0 and not hasattr(prepared.base_dataloader, "stats")
+    on_ring(prepared, like=loader)
+    torch.manual_seed(0)
+    assert labels(prepared) == as_prepared and prepared.stats.batches == 5
+    assert prepared.base_dataloader.slot_bytes == 1 << 16 and on_ring(prepared) is prepared
+    skipped = on_ring(accelerator.skip_first_batches(prepared, 2), like=loader)
+    assert len(labels(skipped)) == 3 and skipped.stats.batches == 3
+    accelerator.free_memory()
