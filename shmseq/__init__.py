@@ -16,7 +16,8 @@
 Where to look: ``plan.py`` (which indices), ``pool.py`` (dispatch and replies),
 ``workers.py`` (where a batch is written), ``layout.py`` (the bytes of a slot),
 ``ring.py`` (the slot state machine: when a slot is freed), ``convert.py`` (where a batch
-is read), ``devices.py`` (numpy, torch, CUDA), ``sequence.py`` (the lifecycle).
+is read), ``devices.py`` (numpy, torch, CUDA), ``pipeline.py`` (the running pipeline and its
+closing), ``sequence.py`` (the public API and its epochs), ``torch.py`` (torch's DataLoader).
 """
 from .compat import MPSequence, MSequence, MTSequence
 from .dataloader import DataLoader, default_batchify

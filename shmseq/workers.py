@@ -137,7 +137,9 @@ def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn, worker) -> None:
         random.seed(info.seed)
         np.random.seed(numpy_seed(info))
         torch = sys.modules.get("torch")
-        if torch is not None:
+        if torch is None:
+            os.environ["OMP_NUM_THREADS"] = "1"  # read by torch when the worker's code imports it
+        else:
             torch.set_num_threads(1)
             torch.manual_seed(info.seed)
             _tell_torch(torch, info, getattr(worker, "dataset", None))

@@ -328,3 +328,12 @@ def test_start_returns_once_the_workers_are_ready_not_at_its_timeout(backend, sl
                    slot_bytes=slot_bytes, timeout=60)
         with seq.start():
             assert [b.tolist() for b in seq] == [[0]]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_worker_processes_run_torchs_operators_on_one_thread(start_method):
+    torch = pytest.importorskip("torch")
+    from workers import ThreadCount
+    torch.set_num_threads(2)
+    with make(ThreadCount, dset_size=8, start_method=start_method).start() as seq:
+        assert {int(n) for batch in seq for n in batch} == {1}

@@ -238,3 +238,11 @@ class WhoBuilt:
         import shmseq
         time.sleep(self.seconds)
         return np.array([shmseq.get_worker_info().id]), indices
+
+
+class ThreadCount:
+    """How many threads torch's operators run on in this worker."""
+
+    def __getitem__(self, indices):
+        import torch
+        return np.full(len(indices), torch.get_num_threads())

@@ -18,7 +18,7 @@ from shmseq.devices import torch_available
 from .report import machine, markdown, summarize, write_chart, write_json
 from .runner import LIMIT, run_matrix
 from .systems import OPT_IN, SYSTEMS, TORCH_SYSTEMS
-from .workloads import WORKLOADS, image_pool
+from .workloads import TRANSPORT_WORKLOADS, WORKLOADS, image_pool
 
 ALL_SYSTEMS = [LIMIT, *SYSTEMS]
 DEFAULT_SYSTEMS = [name for name in ALL_SYSTEMS if name not in OPT_IN]
@@ -41,8 +41,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="one short repeat of the matrix (under a minute)")
-    parser.add_argument("--workloads", type=_names(list(WORKLOADS)), default=list(WORKLOADS),
-                        help=f"comma-separated, among {', '.join(WORKLOADS)} (default: all)")
+    parser.add_argument("--workloads", type=_names(list(WORKLOADS)), default=TRANSPORT_WORKLOADS,
+                        help=f"comma-separated, among {', '.join(WORKLOADS)} (default: all but "
+                             "augment, whose workers spend their time augmenting images with "
+                             "torch's operators)")
     parser.add_argument("--systems", type=_names(ALL_SYSTEMS), default=DEFAULT_SYSTEMS,
                         help=f"comma-separated, among {', '.join(ALL_SYSTEMS)} "
                              f"(default: all but {', '.join(OPT_IN)})")
@@ -70,6 +72,10 @@ def main(argv: list[str]) -> int:
             _log(f"torch is not installed: {', '.join(skipped)} skipped "
                  "(pip install torch to compare with PyTorch's DataLoader)")
         args.systems = [name for name in args.systems if name not in TORCH_SYSTEMS]
+        if any(WORKLOADS[name].augment for name in args.workloads):
+            _log("torch is not installed: the augment workload skipped (its augmentation runs "
+                 "torch's operators)")
+            args.workloads = [name for name in args.workloads if not WORKLOADS[name].augment]
     began = time.perf_counter()
     for workload in workloads:
         image_pool(workload.side)  # built before any clock starts, then inherited by every worker

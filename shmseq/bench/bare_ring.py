@@ -23,7 +23,7 @@ import posix_ipc
 
 from shmseq.devices import torch_available
 
-from .workloads import Workload, fill, image_pool
+from .workloads import Workload, fill, image_pool, one_operator_thread
 
 _DONE = struct.Struct("<qq")  # slot, batch number
 _SLOT = struct.Struct("<q")
@@ -40,13 +40,14 @@ def _views(memory: mmap.mmap, workload: Workload, slot: int, stride: int):
 
 def _worker(workload: Workload, wid: int, workers: int, memory: mmap.mmap, stride: int,
             free_name: str, done_name: str) -> None:
+    one_operator_thread()
     free, done = posix_ipc.MessageQueue(free_name), posix_ipc.MessageQueue(done_name)
     pool = image_pool(workload.side)
     k = wid
     while True:
         slot = _SLOT.unpack(free.receive()[0])[0]
         images, labels = _views(memory, workload, slot, stride)
-        fill(pool, workload.indices(k), images, labels)
+        fill(pool, workload.indices(k), images, labels, workload.augment)
         done.send(_DONE.pack(slot, k))
         k += workers
 

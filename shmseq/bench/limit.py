@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from .systems import IN_FLIGHT, JOIN_SECONDS, NUM_WORKERS, START_METHOD, stop_processes
-from .workloads import Workload, fill, image_pool
+from .workloads import Workload, fill, image_pool, one_operator_thread
 
 
 def _faulted(shape: tuple, dtype) -> np.ndarray:
@@ -22,6 +22,7 @@ def _faulted(shape: tuple, dtype) -> np.ndarray:
 
 
 def _build(workload: Workload, wid: int, seconds: float, barrier, rates) -> None:
+    one_operator_thread()
     pool = image_pool(workload.side)
     buffers = [(_faulted((workload.batch_size, *workload.image_shape), np.uint8),
                 _faulted(workload.batch_size, np.int64)) for _ in range(IN_FLIGHT // NUM_WORKERS)]
@@ -29,7 +30,8 @@ def _build(workload: Workload, wid: int, seconds: float, barrier, rates) -> None
     built, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:
         images, labels = buffers[built % len(buffers)]
-        fill(pool, workload.indices(wid + built * NUM_WORKERS), images, labels)
+        fill(pool, workload.indices(wid + built * NUM_WORKERS), images, labels,
+             workload.augment)
         built += 1
     rates.put(built / elapsed)
 

@@ -87,15 +87,18 @@ def table(cells: list[Cell]) -> str:
 
 
 SHMSEQ_PROCESSES = ("shmseq-proc", "shmseq-inplace")  # their consumer CPU is the transport's
+DROP_IN, ITS_ORIGINAL = "shmseq-torch", "torch-sample"  # the same loader arguments, side by side
 
 
 def highlights(cells: list[Cell]) -> list[str]:
     """Per workload: shmseq's faster process system against PyTorch DataLoader's best, the bare
-    ring (shmseq's own overhead) and the limit."""
+    ring (shmseq's own overhead) and the limit; shmseq.torch's DataLoader against torch's."""
     found = []
     for workload in dict.fromkeys(c.workload for c in cells):
+        found += _drop_in(cells, workload)
         mine = [c for c in cells if c.workload == workload and c.system in SHMSEQ_PROCESSES]
-        torch = [c for c in cells if c.workload == workload and c.system in TORCH_SYSTEMS]
+        torch = [c for c in cells if c.workload == workload and c.system in TORCH_SYSTEMS
+                 and c.system != DROP_IN]
         if not mine:
             continue
         best = max(mine, key=lambda c: c.gb_per_s)
@@ -114,6 +117,21 @@ def highlights(cells: list[Cell]) -> list[str]:
             line += f"; {best.of_limit:.2f}x the limit"
         found.append(line)
     return found
+
+
+def _drop_in(cells: list[Cell], workload: str) -> list[str]:
+    """shmseq.torch's DataLoader against torch's, given the same arguments."""
+    get = {c.system: c for c in cells if c.workload == workload}
+    if DROP_IN not in get or ITS_ORIGINAL not in get:
+        return []
+    ours, theirs = get[DROP_IN], get[ITS_ORIGINAL]
+    images = WORKLOADS[workload].batch_size
+    return [f"{workload}: {DROP_IN} {ours.batches_per_s * images:,.0f} images/s "
+            f"({ours.gb_per_s:.2f} GB/s), {ours.gb_per_s / theirs.gb_per_s:.2f}x torch's "
+            f"DataLoader given the same arguments ({theirs.batches_per_s * images:,.0f} "
+            f"images/s), with {theirs.cpu_us_per_batch / ours.cpu_us_per_batch:.1f}x less "
+            f"consumer CPU a batch ({ours.cpu_us_per_batch:.0f} against "
+            f"{theirs.cpu_us_per_batch:.0f} µs)"]
 
 
 def _read(path: str, key: str) -> str:

@@ -28,7 +28,7 @@ if torch_available():
 
 from .bare_ring import bare_ring
 from .workloads import (POOL_ROWS, DyingWorker, InPlaceWorker, ReturningWorker, Workload,
-                        image_pool)
+                        augmented, image_pool, one_operator_thread)
 
 NUM_WORKERS = 2
 IN_FLIGHT = 10             # shmseq's ring slots, DataLoader's prefetch, the queue's open tasks
@@ -103,17 +103,20 @@ class _Endless:
 
 
 class _Samples:
-    """Map-style, one sample per index: a view of its pool row, and its label."""
+    """Map-style, one sample per index: a view of its pool row (augmented, for a workload that
+    augments), and its label."""
 
     def __init__(self, workload: Workload):
         self.pool = image_pool(workload.side)
         self.size = workload.epoch_samples
+        self.augment = workload.augment
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int) -> tuple[np.ndarray, int]:
-        return self.pool[index % POOL_ROWS], index
+        image = self.pool[index % POOL_ROWS]
+        return (augmented(image, index) if self.augment else image), index
 
 
 class _Batches:
@@ -127,14 +130,16 @@ class _Batches:
 
 
 @contextmanager
-def _dataloader(dataset, strategy: str, **kwargs) -> Iterator[Batches]:
-    """Persistent workers; ``strategy`` is how torch shares a batch's tensors with the consumer."""
+def _dataloader(dataset, strategy: str, loader_class=None, **kwargs) -> Iterator[Batches]:
+    """Persistent workers; ``strategy`` is how torch shares a batch's tensors with the consumer
+    (``loader_class``: torch's DataLoader unless given)."""
     previous = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy(strategy)
     try:
-        loader = DataLoader(dataset, num_workers=NUM_WORKERS, persistent_workers=True,
-                            prefetch_factor=IN_FLIGHT // NUM_WORKERS,
-                            multiprocessing_context=START_METHOD, **kwargs)
+        loader = (loader_class or DataLoader)(
+            dataset, num_workers=NUM_WORKERS, persistent_workers=True,
+            prefetch_factor=IN_FLIGHT // NUM_WORKERS, multiprocessing_context=START_METHOD,
+            **kwargs)
         batches = iter(loader)
         try:
             yield batches
@@ -150,6 +155,13 @@ def torch_samples(workload: Workload, strategy: str = "file_descriptor") -> Cont
                        sampler=_Endless(workload))
 
 
+def shmseq_torch(workload: Workload) -> ContextManager[Batches]:
+    """shmseq.torch's DataLoader, given exactly the arguments torch-sample's loader is given."""
+    from shmseq.torch import DataLoader as RingLoader
+    return _dataloader(_Samples(workload), "file_descriptor", RingLoader,
+                       batch_size=workload.batch_size, sampler=_Endless(workload))
+
+
 def torch_batches(workload: Workload, strategy: str = "file_descriptor") -> ContextManager[Batches]:
     """Batch-level: one ``__getitem__`` per batch, ``batch_size=None`` turns off collation."""
     return _dataloader(_Batches(workload), strategy, batch_size=None,
@@ -158,6 +170,7 @@ def torch_batches(workload: Workload, strategy: str = "file_descriptor") -> Cont
 
 # -- a pickling queue, in the manner of MDNC -----------------------------------------------------
 def _queue_worker(workload: Workload, tasks, results) -> None:
+    one_operator_thread()
     worker = ReturningWorker(workload)
     results.cancel_join_thread()  # at shutdown, exit without waiting for the consumer to drain
     while (task := tasks.get()) is not None:
@@ -218,6 +231,7 @@ def serial(workload: Workload) -> Iterator[Batches]:
 UNORDERED = ("bare-ring",)  # batches come as they are done: the check reads which one it is
 
 TORCH_SYSTEMS: dict[str, System] = {
+    "shmseq-torch": shmseq_torch,
     "torch-sample": torch_samples,
     "torch-batch": torch_batches,
     "torch-sample-fs": functools.partial(torch_samples, strategy="file_system"),

@@ -1,7 +1,9 @@
 """The benchmark's workloads: image batches copied row by row from an in-memory pool.
 
 Building a batch costs one memcpy's worth of work, so what a system adds on top
-of it is its transport. Every sample carries its identity: its label is its
+of it is its transport; the ``augment`` workload instead runs a training augmentation on
+every sample with torch's operators (resized crop, flip, normalization), so that the
+workers' CPU is what is measured. Every sample carries its identity: its label is its
 sample index, and the first and last byte of its image are markers of the pool
 row it was copied from. The consumer checks a few bytes of every row, so a torn,
 stale or misordered batch stops the run instead of producing a number.
@@ -26,11 +28,13 @@ class BatchMismatch(AssertionError):
 
 @dataclass(frozen=True)
 class Workload:
-    """A batch of ``batch_size`` uint8 ``side`` x ``side`` x 3 images and their int64 labels."""
+    """A batch of ``batch_size`` uint8 ``side`` x ``side`` x 3 images and their int64 labels;
+    ``augment``: each image augmented on its way (see ``augmented``)."""
 
     name: str
     batch_size: int
     side: int
+    augment: bool = False
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -53,7 +57,9 @@ class Workload:
 WORKLOADS = {w.name: w for w in (Workload("cifar32", 32, 32),   # 0.1 MB: the per-batch floor
                                  Workload("cifar", 256, 32),
                                  Workload("imagenet64", 64, 224),
-                                 Workload("imagenet256", 256, 224))}
+                                 Workload("imagenet256", 256, 224),
+                                 Workload("augment", 32, 224, augment=True))}
+TRANSPORT_WORKLOADS = [name for name, workload in WORKLOADS.items() if not workload.augment]
 
 
 def _head(rows: np.ndarray) -> np.ndarray:
@@ -74,20 +80,54 @@ def image_pool(side: int) -> np.ndarray:
     return pool
 
 
-def fill(pool: np.ndarray, indices: np.ndarray, images: np.ndarray, labels: np.ndarray) -> None:
-    """The per-batch work of every system: copy the rows, write the labels.
+def fill(pool: np.ndarray, indices: np.ndarray, images: np.ndarray, labels: np.ndarray,
+         augment: bool = False) -> None:
+    """The per-batch work of every system: copy (or augment) the rows, write the labels.
 
     ``mode='clip'`` lets ``np.take`` write straight into ``images``; the default
     ``'raise'`` goes through a temporary and copies twice.
     """
-    np.take(pool, indices % POOL_ROWS, axis=0, out=images, mode="clip")
+    if augment:
+        for row, index in enumerate(indices):
+            images[row] = augmented(pool[index % POOL_ROWS], int(index))
+    else:
+        np.take(pool, indices % POOL_ROWS, axis=0, out=images, mode="clip")
     labels[:] = indices
+
+
+def one_operator_thread() -> None:
+    """In a worker process: torch's operators on one thread, as every loader's workers run them
+    (torch's DataLoader, shmseq): each worker takes one core."""
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
+def augmented(image: np.ndarray, index: int) -> np.ndarray:
+    """A training augmentation with torch's operators, as a transform pipeline runs it: a crop
+    resized back (bilinear), a horizontal flip for odd samples, normalization and back to
+    bytes. The marker bytes are put back, so that the batch still says where it came from."""
+    import torch
+    side = image.shape[0]
+    margin = 8 + index % 16
+    pixels = torch.from_numpy(image).permute(2, 0, 1)[None].float()
+    crop = pixels[..., margin:side - margin, margin:side - margin]
+    resized = torch.nn.functional.interpolate(crop, size=(side, side), mode="bilinear",
+                                              align_corners=False)
+    if index % 2:
+        resized = resized.flip(-1)
+    normalized = (resized - resized.mean((2, 3), keepdim=True)) / (resized.std((2, 3), keepdim=True) + 1)
+    out = (normalized * 32 + 128).clamp(0, 255).to(torch.uint8)[0].permute(1, 2, 0).numpy().copy()
+    out[0, 0, 0], out[-1, -1, -1] = image[0, 0, 0], image[-1, -1, -1]
+    return out
 
 
 class _PoolWorker:
     def __init__(self, workload: Workload):
         self.shape = (workload.batch_size, *workload.image_shape)
         self.pool = image_pool(workload.side)
+        self.augment = workload.augment
 
 
 class ReturningWorker(_PoolWorker):
@@ -96,7 +136,7 @@ class ReturningWorker(_PoolWorker):
     def __getitem__(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         images = np.empty(self.shape, np.uint8)
         labels = np.empty(len(indices), np.int64)
-        fill(self.pool, indices, images, labels)
+        fill(self.pool, indices, images, labels, self.augment)
         return images, labels
 
 
@@ -106,7 +146,7 @@ class InPlaceWorker(_PoolWorker):
     def fill_batch(self, indices: np.ndarray, out) -> tuple[np.ndarray, np.ndarray]:
         images = out.empty(self.shape, np.uint8)
         labels = out.empty(len(indices), np.int64)
-        fill(self.pool, indices, images, labels)
+        fill(self.pool, indices, images, labels, self.augment)
         return images, labels
 
 
