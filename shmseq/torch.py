@@ -188,7 +188,7 @@ class _RingIterator(_BaseDataLoaderIter):
         self._in_order = loader.in_order
         self._plan = SamplerPlan(self._index_sampler, as_task=_as_task)
         context = loader.multiprocessing_context
-        spec = PipelineSpec(
+        self._spec = PipelineSpec(
             _Fetcher(self._dataset, self._auto_collation, self._collate_fn, self._drop_last),
             self._num_workers, buffer=self._num_workers * loader.prefetch_factor + 2,
             slot_bytes=loader.slot_bytes,
@@ -198,20 +198,23 @@ class _RingIterator(_BaseDataLoaderIter):
             timeout=self._timeout or None, base_seed=self._base_seed,
             worker_init_fn=loader.worker_init_fn, restarts=loader.worker_restarts,
             in_turn=True, wait_for_workers=False)
-        self._pipeline: Pipeline | None = Pipeline(spec, self._plan, stats=loader.stats)
-        self._closer = weakref.finalize(self, _close_in_owner, self._pipeline, os.getpid())
+        self._stats = loader.stats
+        self._pipeline: Pipeline | None = None
         self._epoch = -1
         self._reset(loader, first_iter=True)
 
     def _reset(self, loader, first_iter: bool = False) -> None:
         """A new pass: torch's ``_reset`` makes the index sampler's iterator, the pipeline
-        drops what is left of the pass before and gives the workers the first batches."""
+        drops what is left of the pass before and gives the workers the first batches. The
+        workers start here the first time, and again if an earlier failure stopped them."""
         super()._reset(loader, first_iter)
         self._epoch += 1
         self._position = 0  # the next batch in order, or the first not handed over yet
         self._handed: set[int] = set()  # positions handed over ahead of it (in_order=False)
-        if self._pipeline is not None:
-            self._first_seq = self._pipeline.open(self._epoch, 0, self._sampler_iter)
+        if self._pipeline is None:
+            self._pipeline = Pipeline(self._spec, self._plan, self._epoch, stats=self._stats)
+            self._closer = weakref.finalize(self, _close_in_owner, self._pipeline, os.getpid())
+        self._first_seq = self._pipeline.open(self._epoch, 0, self._sampler_iter)
 
     def _next_data(self):
         if self._pipeline is None:
@@ -254,8 +257,9 @@ class _RingIterator(_BaseDataLoaderIter):
 
     def _shutdown_workers(self) -> None:
         """Stop the workers and free the ring (Lightning calls this on persistent workers)."""
-        self._pipeline = None
-        self._closer()
+        if self._pipeline is not None:
+            self._pipeline = None
+            self._closer()
 
 
 _TORCH_ARGUMENTS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",

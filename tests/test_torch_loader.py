@@ -236,3 +236,16 @@ def test_accelerate_prepare_rebuilds_the_loader_as_torchs_and_on_ring_puts_it_ba
     skipped = on_ring(accelerator.skip_first_batches(prepared, 2), like=loader)
     assert len(labels(skipped)) == 3 and skipped.stats.batches == 3
     accelerator.free_memory()
+
+
+def test_persistent_workers_start_again_after_a_worker_died():
+    loader = DataLoader(data.KillsItself(12, at=5), batch_size=2, num_workers=2,
+                        persistent_workers=True)
+    try:
+        list(loader)
+    except RuntimeError as exc:
+        message = str(exc)
+    assert "exited unexpectedly" in message and not live_children()
+    loader.dataset.at = -1  # the next pass's workers are forked from this dataset
+    assert len(labels(loader)) == 6 and len(live_children()) == 2
+    loader.close()
