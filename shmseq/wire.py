@@ -14,7 +14,7 @@ import struct
 
 import numpy as np
 
-_TASK = struct.Struct("!qq")          # seq, slot (-1: none yet, the probe that sizes the ring)
+_TASK = struct.Struct("!qq")          # seq, slot (-1: none, a batch built before the ring)
 _DONE = struct.Struct("<qqqd")        # seq, slot, bytes written, seconds spent
 _TASK_TAG, _DONE_TAG, _PICKLE_TAG = b"T", b"D", b"P"
 _FRAME = struct.Struct("!i")          # Connection's message header,

@@ -57,7 +57,7 @@ def _epochs(seq: ShmSequence) -> Batches:
 @contextmanager
 def _shmseq(workload: Workload, worker_class: type, thread_type: str,
             worker_restarts: int = 0) -> Iterator[Batches]:
-    """Slots sized to the batch up front, which spares the sizing probe's extra copy."""
+    """Slots sized to the batch up front, which spares the first batches' trip through the pipe."""
     seq = ShmSequence(worker_class(workload), workload.epoch_samples,
                       batch_size=workload.batch_size, slot_bytes=workload.batch_bytes + SLOT_SLACK,
                       buffer=IN_FLIGHT, num_workers=NUM_WORKERS, shuffle=False, seed=0,
