@@ -11,7 +11,7 @@ from shmseq.wire import FrameReader, decode, done_frame, encode, framed, task_fr
 
 MESSAGES = [
     ("task", 3, 4, np.arange(5, dtype=np.int64)),
-    ("task", 0, None, np.arange(3, dtype=np.int64)),       # the probe: no slot yet
+    ("task", 0, None, np.arange(3, dtype=np.int64)),       # built before the ring: no slot
     ("task", 2, 0, np.arange(4, dtype=np.int32)),           # any integer dtype: sent as int64
     ("task", 7, 1, [np.arange(2), np.arange(2, 4)]),        # multi-shard: pickled
     ("done", 9, 2, 4096, 0.25),
