@@ -115,6 +115,14 @@ def _is_dense_tensor(obj) -> bool:
     return is_tensor(obj) and obj.layout is sys.modules["torch"].strided and not obj.is_nested
 
 
+def _plain_array(obj) -> bool:
+    """An ndarray (or a subclass that is only a view of memory, such as a memmap) of values,
+    placed in the slot as it is: not a masked array, whose mask would be lost, nor an array of
+    Python objects."""
+    return isinstance(obj, np.ndarray) and not isinstance(obj, np.ma.MaskedArray) and \
+        not obj.dtype.hasobject
+
+
 def tensor_bits(tensor) -> tuple[np.ndarray, str | None]:
     """A dense tensor's data as numpy, without a copy when on the CPU; a dtype numpy lacks
     (bfloat16, float8, complex32) as its bits, with the dtype's name to restore it."""
@@ -173,8 +181,7 @@ class _Packer:
             return (_DICT, tuple(zip(obj, self.children(obj.items(), repr))))
         if isinstance(obj, _EXTRA_TYPES):
             return (_EXTRA, obj)
-        if isinstance(obj, np.ndarray) and not isinstance(obj, np.ma.MaskedArray) and \
-                not obj.dtype.hasobject:
+        if _plain_array(obj):
             return self.array(obj, None)  # a subclass (a memmap, say): delivered as an array
         return self.pickled(obj)
 
@@ -226,7 +233,7 @@ class _SlotPickler(pickle.Pickler):
         self.arrays: list = []
 
     def persistent_id(self, obj):
-        if type(obj) is np.ndarray and not obj.dtype.hasobject:
+        if _plain_array(obj):
             node = self.packer.array(obj, None)
         elif _is_dense_tensor(obj):
             node = self.packer.array(*tensor_bits(obj))

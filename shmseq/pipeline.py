@@ -186,25 +186,24 @@ class Pipeline:
         """The delivery of batch ``seq`` (``position`` of ``epoch``): from the output if it is
         there, else once the pool brings it. Raises what keeps it from coming (a timeout, a
         worker's death, the pipeline closed)."""
-        with self._failures_reported():
-            delivery = self.output.pop(seq)  # raises once the pipeline is closed
-            if delivery is None:
-                delivery = self._wait_for(lambda: self.output.pop(seq), epoch, position)
-            else:
-                self._keep_busy()
-            self.plan.release(epoch, position + 1)
-            return delivery
+        delivery = self._first_ready(lambda: self.output.pop(seq), epoch, position)
+        self.plan.release(epoch, position + 1)
+        return delivery
 
     def receive_any(self, first_seq: int, epoch: int, position: int) -> tuple[int, object]:
         """The delivery of seq ``first_seq`` or after that arrived first, and its seq (an
         epoch's batches in the order they are ready); ``position`` is ``first_seq``'s."""
+        return self._first_ready(lambda: self.output.pop_first(first_seq), epoch, position)
+
+    def _first_ready(self, take: Callable, epoch: int, position: int):
+        """What ``take()`` finds in the output: at once (the workers given free slots
+        meanwhile), or once the pool brought it."""
         with self._failures_reported():
-            ready = self.output.pop_first(first_seq)
-            if ready is None:
-                ready = self._wait_for(lambda: self.output.pop_first(first_seq), epoch, position)
-            else:
-                self._keep_busy()
-            return ready
+            found = take()  # raises once the pipeline is closed
+            if found is None:
+                return self._wait_for(take, epoch, position)
+            self._keep_busy()
+            return found
 
     def hand_over(self, seq: int, delivery):
         """The batch as the consumer gets it; raises the batch's error (its worker's exception)

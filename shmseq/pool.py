@@ -277,14 +277,18 @@ class WorkerPool:
 
     def _receive(self, handle: WorkerHandle, arrivals: list[Arrival]) -> None:
         """Every reply the worker has sent so far."""
+        for message in self._replies(handle):
+            self._handle(handle, message, arrivals)
+
+    def _replies(self, handle: WorkerHandle) -> list:
+        """The replies the worker has sent so far; none once its pipe closed (a dying process:
+        its sentinel tells how)."""
         try:
-            messages = handle.replies.read()
+            return handle.replies.read()
         except (EOFError, OSError):
             self._events.unwatch(handle.replies.fd)
-            handle.close_replies()  # a dying process: its sentinel tells how
-            return
-        for message in messages:
-            self._handle(handle, message, arrivals)
+            handle.close_replies()
+            return []
 
     def _handle(self, handle: WorkerHandle, message: tuple, arrivals: list[Arrival]) -> None:
         kind = message[0]
@@ -410,18 +414,11 @@ class WorkerPool:
         while self._still_running() and time.monotonic() < deadline:
             for fd, (handler, handle) in self._events.wait(0.01):
                 if handler == self._receive:
-                    self._drop_replies(handle)
+                    self._replies(handle)  # read and dropped
                 elif handler == self._flush:
                     self._flush(handle, [])
                 else:
                     self._events.unwatch(fd)  # the waker, or an exit
-
-    def _drop_replies(self, handle: WorkerHandle) -> None:
-        try:
-            handle.replies.read()
-        except (EOFError, OSError):
-            self._events.unwatch(handle.replies.fd)
-            handle.close_replies()
 
     def _still_running(self) -> bool:
         """Processes until their sentinel fired (it stays watched until then); live threads."""

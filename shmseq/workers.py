@@ -135,7 +135,7 @@ def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn, worker) -> None:
     if in_process:
         _keep_large_buffers()
         random.seed(info.seed)
-        np.random.seed(numpy_seed(info))
+        np.random.seed(_numpy_seed(info))
         torch = sys.modules.get("torch")
         if torch is None:
             os.environ["OMP_NUM_THREADS"] = "1"  # read by torch when the worker's code imports it
@@ -147,7 +147,7 @@ def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn, worker) -> None:
         worker_init_fn(info.id)
 
 
-def numpy_seed(info: WorkerInfo) -> np.ndarray:
+def _numpy_seed(info: WorkerInfo) -> np.ndarray:
     """The global numpy generator's seed in a worker: the state numpy's ``SeedSequence`` makes
     of the worker id and the base seed, which is what torch's DataLoader seeds it with."""
     return np.random.SeedSequence([info.id, info.seed - info.id]).generate_state(4)
