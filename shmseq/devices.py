@@ -101,7 +101,7 @@ class PageLock:
         self.device_index = device_index
         self.cudart = torch.cuda.cudart()
         self.address = ring.address
-        ring.allocate_all()  # registering faults in every page: allocate them, checked, first
+        ring.wait_reserved()  # registering faults in every page: have them allocated, checked, first
         with torch.cuda.device(device_index):
             error = self.cudart.cudaHostRegister(self.address, ring.spec.total_bytes, 0)
         if int(error) != 0:

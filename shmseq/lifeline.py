@@ -1,15 +1,19 @@
 """How a worker process follows its consumer: it never outlives it by more than a second.
 
 A worker process may be anywhere when its consumer dies: between tasks, inside a 30-second
-``__getitem__``, hung. So the check is not left to the worker's loop:
+``__getitem__``, in its constructor, hung in a C call that holds the GIL. So the check is not
+left to the worker's loop:
 
-* a watchdog thread in each worker polls the consumer (its pid *and* its start time, so a
-  recycled pid is not taken for it; not the parent pid, which under forkserver is the fork
-  server) every ``WATCH_SECONDS`` and, once it is gone, unlinks the ring's name if the
-  consumer died before it could, then ends the process;
-* once the worker holds the ring, and when its parent is the consumer's main thread (or the
-  fork server), the kernel is asked to kill it with its parent (``PR_SET_PDEATHSIG``), which
-  also covers code that holds the GIL.
+* from its first instruction, when its parent is the consumer's main thread or the fork
+  server, the kernel is asked to kill it with its parent (``PR_SET_PDEATHSIG``), which covers
+  code that holds the GIL. A fork server outlives the consumer only while a process holds the
+  write end of its "alive" pipe, which every process it forks inherits: workers close theirs;
+* a watchdog thread polls the consumer (its pid *and* its start time, so a recycled pid is
+  not taken for it; not the parent pid, which under forkserver is the fork server) every
+  ``WATCH_SECONDS`` and ends the process once it is gone (for consumers that started their
+  workers from another thread).
+
+Nothing is left to clean: the ring's name is unlinked as soon as it is made (ring.py).
 
 Ctrl-C belongs to the consumer: SIGINT is held back while workers start (a spawned worker
 would otherwise print a ``KeyboardInterrupt`` from its bootstrap) and ignored in workers.
@@ -20,9 +24,10 @@ import contextlib
 import ctypes
 import os
 import signal
+import sys
 import threading
 import time
-from typing import Callable, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
 WATCH_SECONDS = 0.1
 _PR_SET_PDEATHSIG = 1
@@ -77,32 +82,38 @@ def sigint_held() -> Iterator[None]:
 class Lifeline:
     """A worker process's tie to its consumer (created first thing in the worker)."""
 
-    def __init__(self, consumer: ProcessId, die_with_parent: bool, on_orphaned: Callable[[], None]):
+    def __init__(self, consumer: ProcessId, die_with_parent: bool):
         self.consumer = consumer
-        self.die_with_parent = die_with_parent
-        self._on_orphaned = on_orphaned
-        self._parent = os.getppid()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        if die_with_parent:
+            _die_with_parent()
+        _let_the_fork_server_go()
+        if not consumer.alive():  # died before the request took effect
+            os._exit(0)
         threading.Thread(target=self._watch, name="shmseq-lifeline", daemon=True).start()
-
-    def consumer_alive(self) -> bool:
-        return self.consumer.alive()
 
     def _watch(self) -> None:
         while self.consumer.alive():
             time.sleep(WATCH_SECONDS)
-        try:
-            self._on_orphaned()
-        finally:
-            os._exit(0)
+        os._exit(0)
 
-    def bind(self) -> None:
-        """From now on, die with the parent process (when it is the consumer's main thread or
-        the fork server: ``PR_SET_PDEATHSIG`` follows the thread that forked)."""
-        if not self.die_with_parent:
-            return
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != self._parent:  # the parent died before the request took effect
-            os._exit(0)
+
+def _die_with_parent() -> None:
+    """Be killed when the parent (thread) that started this process ends."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _let_the_fork_server_go() -> None:
+    """Close the write end of the fork server's "alive" pipe, which a process the fork server
+    forked inherits: the fork server exits once the consumer's end closes, and this process
+    with it, instead of the fork server waiting on this process."""
+    server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        server._forkserver_alive_fd = None
+        try:
+            os.close(alive)
+        except OSError:
+            pass

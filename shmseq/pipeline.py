@@ -99,9 +99,9 @@ class Pipeline:
             raise
 
     def _start(self, timeout: float | None) -> None:
-        """Return once every worker built its worker object and mapped the ring (its name is
-        unlinked once they all did): a ring sized by the first batches, made once the first
-        of them came back (or the first failed: it is raised at its turn)."""
+        """Return once every worker built its worker object and mapped the ring, and the ring's
+        memory is reserved: a ring sized by the first batches, made once the first of them
+        came back (or the first failed: it is raised at its turn)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.pool.started() or (self.ring is None and not self.output.waiting
                                           and self.stream.peek() is not None):
@@ -110,6 +110,8 @@ class Pipeline:
                 raise ShmSeqError(f"the workers did not start within timeout={timeout} s: "
                                   f"{self.pool.which_not_started()}")
             self._pump(remaining)
+        if self.ring is not None:
+            self.ring.wait_reserved()
 
     def _make_ring(self, slot_bytes: int) -> None:
         self.ring = Ring.create(self.spec.buffer, slot_bytes, wake=self.waker.wake_if_waiting)

@@ -173,7 +173,7 @@ class WorkerPool:
         return handle
 
     def use_ring(self, ring: Ring) -> None:
-        """Send the ring to every worker; its name is unlinked once they all mapped it."""
+        """Send the ring to every worker, which maps it."""
         self.ring = ring
         for handle in self._workers:
             self._send(handle, framed(("ring", ring.spec)))
@@ -315,8 +315,6 @@ class WorkerPool:
             handle.ready = True
         elif kind == "attached":
             handle.attached = True
-            if all(h.attached for h in self._workers):
-                self.ring.unlink()  # every worker maps it: nothing can be left in /dev/shm
         elif kind == "init_error":
             raise raised_in_worker(message[2], what=f"{handle.describe()} failed to start")
 

@@ -17,13 +17,18 @@ Events from other threads (the last view of a lease dies wherever it is dropped;
 complete on the releaser thread) are queued and applied by the consumer's thread at its
 next ``collect()``, so no lock is ever taken inside a weakref callback.
 
-The consumer creates the ring once (each slot's pages allocated the first time it is written,
-so the first batch waits for one slot's allocation, not the ring's); workers attach it
-by name, and the name is unlinked as soon as every worker holds a mapping. Segments are
-made with posix_ipc so that Python's resource tracker never warns about, or unlinks, a
-segment in use. A closed ring unmaps at once, or, when the consumer still holds views,
-the moment the last of them dies. Forked workers give back every ring they inherited
-(``drop_inherited_rings``): a worker maps its own ring and nothing else.
+The consumer creates the ring once and unlinks its name at once: workers map it through the
+consumer's descriptor (``/proc/PID/fd/N``), so a trainer killed at any moment leaves nothing in
+/dev/shm. The ring's memory is reserved as soon as it exists, slot by slot in the order they
+are first used, on a thread of the consumer (``_Reservation``): the first batch need not wait
+for the whole ring, ``start()`` returns once all of it is the sequence's, and no write can
+later find /dev/shm full. Each process then maps a slot's pages in one call the first time it
+uses the slot (``MADV_POPULATE_*``), rather than a page fault at a time while the batch is
+written or read. Segments are made with posix_ipc so that Python's resource tracker never
+warns about, or unlinks, a segment in use. A closed ring unmaps at once, or, when the consumer
+still holds views, the moment the last of them dies (until then it is listed, with its size,
+in the ``SharedMemoryFull`` a new ring would raise). Forked workers give back every ring they
+inherited (``drop_inherited_rings``): a worker maps its own ring and nothing else.
 """
 from __future__ import annotations
 
@@ -43,17 +48,16 @@ import numpy as np
 import posix_ipc
 
 from .errors import SharedMemoryFull, ShmSeqError
-from .lifeline import ProcessId
 
 PAGE = mmap.PAGESIZE
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "shmseq-"
-_MAP_FLAGS = mmap.MAP_SHARED  # no MAP_POPULATE: that would allocate every slot at once
+_MAP_FLAGS = mmap.MAP_SHARED  # no MAP_POPULATE: each process maps a slot's pages as it first uses it
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14; older kernels fault page by page
 
 
 class RingSpec(NamedTuple):
-    """What a worker needs to attach the ring (picklable): its name while it has one, then
-    the consumer's descriptor of it (for workers that replace dead ones)."""
+    """What a worker needs to attach the ring (picklable): the consumer's descriptor of it."""
     name: str
     n_slots: int
     slot_bytes: int
@@ -74,10 +78,34 @@ def shm_free_bytes() -> int:
     return stats.f_bavail * stats.f_frsize
 
 
-def _refuse_space(needed: int, free: int) -> SharedMemoryFull:
+# -- what holds /dev/shm, for the user who finds it full ----------------------------------------
+_held_here: dict[str, tuple] = {}  # ring name -> (bytes, what it is, [its mapping's weakref])
+
+
+def _hold(name: str, size: int, what: str, *watch: weakref.ref) -> None:
+    _held_here[name] = (size, what, *watch)
+
+
+def _let_go(name: str, *_) -> None:
+    _held_here.pop(name, None)
+
+
+def _refuse_space(asked: int, what: str) -> SharedMemoryFull:
+    """The error for ``asked`` bytes /dev/shm could not give: how many were missing, and what
+    holds the space (this process's rings, a finished one's views among them; other programs)."""
+    stats = os.statvfs(SHM_DIR)
+    free, total = shm_free_bytes(), stats.f_blocks * stats.f_frsize
+    ours = sum(size for size, *_ in _held_here.values())
+    holders = "; ".join(f"{size:,} by {what}" for size, what, *_ in _held_here.values())
+    held = (f"this process's shmseq rings hold {ours:,} bytes ({holders}) and other programs "
+            f"{max(total - free - ours, 0):,}" if _held_here else
+            f"other programs hold {total - free:,}")
+    finished = any(len(entry) > 2 for entry in _held_here.values())  # watched till unmapped
     return SharedMemoryFull(
-        f"the slot ring needs {needed:,} bytes of shared memory but {SHM_DIR} has {free:,} free: "
-        "give the container more (docker run --shm-size=...), or lower buffer or slot_bytes")
+        f"{what} needs {asked:,} bytes of shared memory but {SHM_DIR} has {free:,} free of "
+        f"{total:,} ({max(asked - free, 0):,} missing): {held}. Give the container more "
+        "(docker run --shm-size=...), " + ("drop the batches of finished sequences, "
+                                           if finished else "") + "or lower buffer or slot_bytes")
 
 
 # -- what a forked worker must not keep -----------------------------------------------------------
@@ -118,93 +146,69 @@ def drop_inherited_rings() -> None:
         os.close(null)
 
 
-def _pid_namespace() -> int:
-    """Which pid namespace this process's pids belong to (containers sharing /dev/shm may not
-    share it: a pid of theirs means nothing here)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def remove_orphans() -> None:
-    """Unlink the rings whose consumer died before it could (a kill in its first
-    milliseconds): their names carry a pid, in this pid namespace, and a start time that no
-    running process has."""
-    namespace = str(_pid_namespace())
-    for entry in os.listdir(SHM_DIR):
-        parts = entry[len(NAME_PREFIX):].split("-") if entry.startswith(NAME_PREFIX) else ()
-        if len(parts) == 4 and parts[2] == namespace and parts[0].isdigit() and parts[1].isdigit():
-            if not ProcessId(int(parts[0]), int(parts[1])).alive():
-                unlink_segment("/" + entry)
-
-
 def _open_segment(name: str, flags: int = 0):
     return posix_ipc.SharedMemory(name, flags, mode=0o600)
 
 
-def unlink_segment(name: str) -> None:
-    """Remove a ring's name; mappings stay valid until closed."""
-    try:
-        posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        pass
+@functools.cache
+def _madvise():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc.madvise
+
+
+def _populate(address: int, size: int, write: bool) -> None:
+    """Map ``size`` bytes at ``address`` into this process's page tables in one call, not a
+    fault a page; nothing where the kernel cannot (they are then faulted in as they are
+    touched). Through ctypes, which lets go of the GIL (``mmap.madvise`` holds it)."""
+    _madvise()(address, size, _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ)
 
 
 class _SlotPages:
-    """A mapping of the ring whose slots' pages are allocated when first written here.
+    """A process's mapping of the ring, each slot's pages mapped the first time it is used."""
 
-    The ring is made at its full size but not allocated, so that the first batch need not
-    wait for the whole ring (0.1 s to allocate 385 MB, as much again to fault it in): each
-    writer allocates a slot the first time it writes it, in parallel with the others. A write
-    to a page /dev/shm can no longer supply would kill the writer with SIGBUS; an allocation
-    refused here is a ``SharedMemoryFull`` instead."""
-
-    def __init__(self, spec: RingSpec, memory: mmap.mmap, fd: int):
+    def __init__(self, spec: RingSpec, memory: mmap.mmap, fd: int, write: bool):
         self.spec = spec
         self._memory = memory
         self._array = np.frombuffer(memory, np.uint8)
         self._fd = fd
-        self._allocated: set[int] = set()
+        self._write = write
+        self._mapped = bytearray(spec.n_slots)  # 1: populated in this process
 
     def region(self, slot: int) -> np.ndarray:
-        """The slot's bytes, for a writer."""
-        if slot not in self._allocated:
-            self._allocate(range(slot, slot + 1))
+        """The slot's bytes, its pages allocated and mapped."""
         start = slot * self.spec.stride
+        if not self._mapped[slot]:
+            self._allocate(slot)
+            _populate(self._array.ctypes.data + start, self.spec.stride, self._write)
+            self._mapped[slot] = 1
         return self._array[start:start + self.spec.slot_bytes]
 
-    def allocate_all(self) -> None:
-        """Allocate every slot now (before page-locking, which faults every page in)."""
-        self._allocate(range(self.spec.n_slots))
-
-    def _allocate(self, slots: range) -> None:
+    def _allocate(self, slot: int) -> None:
+        """Allocate the slot's pages unless the whole ring is (a page /dev/shm could not supply
+        would kill its writer with SIGBUS): it may be used before the reservation reaches it."""
+        if os.fstat(self._fd).st_blocks * 512 >= self.spec.total_bytes:
+            return
         stride = self.spec.stride
         try:
-            os.posix_fallocate(self._fd, slots.start * stride, len(slots) * stride)
+            os.posix_fallocate(self._fd, slot * stride, stride)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                raise _refuse_space(self.spec.total_bytes, shm_free_bytes()) from exc
+                raise _refuse_space(stride, f"slot {slot} of the ring") from exc
             raise
-        self._allocated.update(slots)
 
 
 class WorkerRing(_SlotPages):
     """A worker's mapping of the ring: the slots it writes."""
 
     def __init__(self, spec: RingSpec):
-        try:
-            fd = _open_segment(spec.name).fd
-        except posix_ipc.ExistentialError:  # unlinked: every first worker mapped it
-            if spec.owner_pid < 0:
-                raise
-            fd = os.open(f"/proc/{spec.owner_pid}/fd/{spec.owner_fd}", os.O_RDWR)
+        fd = os.open(f"/proc/{spec.owner_pid}/fd/{spec.owner_fd}", os.O_RDWR)
         try:
             memory = mmap.mmap(fd, spec.total_bytes, flags=_MAP_FLAGS)
         except BaseException:
             os.close(fd)
             raise
-        super().__init__(spec, memory, fd)
+        super().__init__(spec, memory, fd, write=True)
 
     def close(self) -> None:
         self._array = None
@@ -214,6 +218,43 @@ class WorkerRing(_SlotPages):
         except BufferError:
             pass  # a batch of the worker's still views it: unmapped when that dies
         self._memory = None
+
+
+class _Reservation:
+    """Allocates the ring's pages on a thread of its own, slot by slot in the order they are
+    first used (0.09 s for a 385 MB ring here: the first batch waits for its slot, not all of
+    them), then maps them into the consumer (its reads then take no page faults)."""
+
+    def __init__(self, spec: RingSpec, address: int, fd: int):
+        self.error: SharedMemoryFull | None = None
+        self._thread = threading.Thread(target=self._run, args=(spec, address, fd),
+                                        name="shmseq-reservation", daemon=True)
+        self._thread.start()
+
+    def _run(self, spec: RingSpec, address: int, fd: int) -> None:
+        for slot in range(spec.n_slots):
+            try:
+                os.posix_fallocate(fd, slot * spec.stride, spec.stride)
+            except OSError as exc:
+                left = (spec.n_slots - slot) * spec.stride
+                self.error = _refuse_space(left, f"the slot ring ({spec.n_slots} slots of "
+                                                 f"{spec.stride:,} bytes; {slot} reserved)")
+                self.error.__cause__ = exc
+                return
+        _populate(address, spec.total_bytes, write=False)
+
+    def wait(self) -> None:
+        """Return once the whole ring is allocated; raise ``SharedMemoryFull`` if it could not be."""
+        self.join()
+        self.check()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def check(self) -> None:
+        """Raise the reservation's failure, if it failed already."""
+        if self.error is not None:
+            raise self.error
 
 
 # -- the consumer's ring -------------------------------------------------------------------------
@@ -228,7 +269,7 @@ class SlotState(enum.Enum):
 FREE, DISPATCHED, WRITTEN, LEASED, COPYING = SlotState
 
 
-class IllegalTransition(RuntimeError):
+class IllegalTransition(ShmSeqError):
     """A slot was asked to move in a way that could rewrite it while in use, or lose it."""
 
 
@@ -253,8 +294,10 @@ class Ring(_SlotPages):
     """The consumer's mapping of the ring, and the state of every slot."""
 
     def __init__(self, spec: RingSpec, memory: mmap.mmap, segment, *, wake: Callable[[], None]):
-        super().__init__(spec, memory, segment.fd)
-        self._segment = segment  # its descriptor stays open: replacement workers map it
+        super().__init__(spec, memory, segment.fd, write=False)
+        self._segment = segment  # its descriptor stays open: workers map the ring through it
+        self._reservation = _Reservation(spec, self._array.ctypes.data, segment.fd)
+        _hold(spec.name, spec.total_bytes, "a live sequence's ring")
         self._states = [FREE] * spec.n_slots
         self._free = list(range(spec.n_slots - 1, -1, -1))
         self.leased = 0  # slots LEASED, kept with the states
@@ -277,28 +320,23 @@ class Ring(_SlotPages):
 
     @classmethod
     def create(cls, n_slots: int, slot_bytes: int, **options) -> "Ring":
-        """A new ring, its slots allocated as they are first written (see ``_SlotPages``);
-        ``SharedMemoryFull`` when /dev/shm has not the room for all of it.
-
-        Its name carries this process's pid, start time and pid namespace, by which
-        ``remove_orphans`` knows a ring whose consumer was killed before it could unlink it."""
-        remove_orphans()
-        me = ProcessId.of(os.getpid())
-        name = f"/{NAME_PREFIX}{me.pid}-{me.started}-{_pid_namespace()}-{secrets.token_hex(6)}"
-        size = RingSpec(name, n_slots, slot_bytes).total_bytes
-        free = shm_free_bytes()
-        if size > free:
-            raise _refuse_space(size, free)
-        segment = _open_segment(name, posix_ipc.O_CREX)
+        """A new ring, its name already unlinked, its memory being reserved (``wait_reserved``);
+        ``SharedMemoryFull`` when /dev/shm has not the room for it now."""
+        name = f"/{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        spec = RingSpec(name, n_slots, slot_bytes)
+        if spec.total_bytes > shm_free_bytes():
+            raise _refuse_space(spec.total_bytes, f"the slot ring ({n_slots} slots of "
+                                                  f"{spec.stride:,} bytes)")
+        segment = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
         try:
-            os.ftruncate(segment.fd, size)
-            memory = mmap.mmap(segment.fd, size, flags=_MAP_FLAGS)
-        except BaseException:
             segment.unlink()
+            os.ftruncate(segment.fd, spec.total_bytes)
+            memory = mmap.mmap(segment.fd, spec.total_bytes, flags=_MAP_FLAGS)
+        except BaseException:
             segment.close_fd()
             raise
-        spec = RingSpec(name, n_slots, slot_bytes, me.pid, segment.fd)
-        return cls(spec, memory, segment, **options)
+        return cls(spec._replace(owner_pid=os.getpid(), owner_fd=segment.fd), memory, segment,
+                   **options)
 
     @property
     def address(self) -> int:
@@ -380,7 +418,9 @@ class Ring(_SlotPages):
     def collect(self) -> None:
         """Apply what happened in other threads: leases that died, copies that completed.
 
-        Raises ``ShmSeqError`` (with the cause) when a copy or a fence failed."""
+        Raises ``ShmSeqError`` (with the cause) when a copy or a fence failed, and
+        ``SharedMemoryFull`` when the ring's memory could not be reserved."""
+        self._reservation.check()
         while not self._events.empty():
             kind, slot, detail = self._events.get()
             if kind == _DIED:
@@ -421,25 +461,29 @@ class Ring(_SlotPages):
         if self._releaser is not None:
             self._releaser.stop()
 
-    def unlink(self) -> None:
-        unlink_segment(self.spec.name)
+    def wait_reserved(self) -> None:
+        """Return once the whole ring is this process's; ``SharedMemoryFull`` if it cannot be."""
+        self._reservation.wait()
 
     def close(self) -> None:
-        """Unlink and unmap: at once, or when the last view the consumer still holds dies.
+        """Unmap: at once, or when the last view the consumer still holds dies.
 
         Leases still alive stop reporting back: nothing is left to free their slots to."""
         self.finish_copies()
-        self.unlink()
+        self._reservation.join()
         self._segment.close_fd()
         self._leases = [None] * self.spec.n_slots
         self._on_death = None
         self._array = None
         memory, self._memory = self._memory, None
-        if memory is not None:
-            try:
-                memory.close()
-            except BufferError:
-                pass  # views alive: the mapping goes with the last of them
+        try:
+            memory.close()
+        except BufferError:  # views alive: the mapping goes with the last of them
+            _hold(self.spec.name, self.spec.total_bytes,
+                  "a finished sequence's ring, kept by batches of it still referenced",
+                  weakref.ref(memory, functools.partial(_let_go, self.spec.name)))
+        else:
+            _let_go(self.spec.name)
 
 
 class Releaser:

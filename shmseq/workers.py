@@ -27,8 +27,8 @@ import numpy as np
 from .errors import UnsupportedBatch
 from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
 from .lifeline import Lifeline, ProcessId
-from .ring import PAGE, WorkerRing, drop_inherited_rings, unlink_segment
-from .wire import FrameReader, decode, done_frame, encode, framed, write_all
+from .ring import PAGE, WorkerRing, drop_inherited_rings
+from .wire import FrameReader, done_frame, encode, framed, write_all
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _KEEP_BYTES = 256 << 20
@@ -189,26 +189,6 @@ class _Inbox:
         return None if None in self._queued else self._queued.popleft()
 
 
-class _Orphan:
-    """What a worker cleans up when its consumer died first: the ring's name, if the consumer
-    did not live to unlink it (it does once every worker mapped the ring)."""
-
-    def __init__(self, tasks):
-        self.tasks = tasks
-        self.ring_name: str | None = None
-
-    def clean(self) -> None:
-        try:
-            while self.ring_name is None and self.tasks.poll(0):  # a ring not read yet
-                message = decode(self.tasks.recv_bytes())
-                if message is not None and message[0] == "ring":
-                    self.ring_name = message[1].name
-        except (EOFError, OSError):
-            pass
-        if self.ring_name is not None:
-            unlink_segment(self.ring_name)
-
-
 def _tell_torch(torch, info: WorkerInfo, dataset) -> None:
     """What ``torch.utils.data.get_worker_info()`` reads in its own workers."""
     from torch.utils.data._utils import worker as torch_worker
@@ -219,10 +199,8 @@ def _tell_torch(torch, info: WorkerInfo, dataset) -> None:
 def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
                 ties: ProcessTies | None) -> None:
     """The body of a worker, process or thread (``ties`` is set in processes)."""
-    orphan = _Orphan(tasks)
-    lifeline = None
     if ties is not None:
-        lifeline = Lifeline(ties.consumer, ties.die_with_parent, orphan.clean)
+        Lifeline(ties.consumer, ties.die_with_parent)
         if ties.inherited_fds is not None:
             for fd in ties.inherited_fds:
                 os.close(fd)
@@ -240,18 +218,13 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
         while (message := inbox.next()) is not None:
             if message[0] == "ring":
                 ring = WorkerRing(message[1])
-                orphan.ring_name = ring.spec.name
                 write_all(replies, framed(("attached", info.id)))
-                if lifeline is not None:
-                    lifeline.bind()
             else:
                 _, seq, slot, indices = message
                 write_all(replies, _run_task(worker_obj, ring, seq, slot, indices))
     except (EOFError, OSError):
         return  # the consumer closed the pipes: it is shutting down, or gone
     finally:
-        if lifeline is not None and not lifeline.consumer_alive():
-            orphan.clean()
         if ring is not None:
             ring.close()
 

@@ -277,8 +277,8 @@ def test_killing_the_main_process_leaves_no_worker_and_no_segment(method, slot_b
 
 
 def test_killing_the_main_process_during_start_leaves_no_segment():
-    """Killed while waiting for its workers to map the ring (before it unlinks the name):
-    the workers unlink it when they find their consumer gone."""
+    """Killed while waiting for its workers to map the ring: its name was unlinked as the ring
+    was made, so nothing is left whatever the workers do."""
     script = textwrap.dedent(f"""
         import os, signal, sys, threading
         sys.path.insert(0, {str(TESTS)!r})
@@ -340,11 +340,16 @@ threading.Thread(target=print_workers, daemon=True).start()
 """
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
-def test_workers_inside_user_code_leave_within_a_second_of_a_killed_consumer(method):
+METHODS = ["fork", "spawn", "forkserver"]
+
+
+@pytest.mark.parametrize("worker", ["workers.Slow(30)", "workers.HoldsTheGil()"],
+                         ids=["python", "c-holding-the-gil"])
+@pytest.mark.parametrize("method", METHODS)
+def test_workers_inside_user_code_leave_within_a_second_of_a_killed_consumer(method, worker):
     script = _PRINT_WORKERS.format(tests=str(TESTS)) + textwrap.dedent(f"""
         if __name__ == "__main__":
-            seq = ShmSequence(workers.Slow(30), 400, batch_size=4, num_workers=2, slot_bytes=4096,
+            seq = ShmSequence({worker}, 400, batch_size=4, num_workers=2, slot_bytes=4096,
                               out_type="null", start_method={method!r}).start()
             next(iter(seq))
     """)
@@ -357,11 +362,13 @@ def test_workers_inside_user_code_leave_within_a_second_of_a_killed_consumer(met
     assert not shm_entries({consumer})
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
-def test_a_kill_during_start_with_workers_in_their_constructor_leaves_nothing(method):
+@pytest.mark.parametrize("worker", ["workers.SlowStart30", "workers.HoldsTheGilStarting"],
+                         ids=["python", "c-holding-the-gil"])
+@pytest.mark.parametrize("method", METHODS)
+def test_a_kill_during_start_with_workers_in_their_constructor_leaves_nothing(method, worker):
     script = _PRINT_WORKERS.format(tests=str(TESTS)) + textwrap.dedent(f"""
         if __name__ == "__main__":
-            ShmSequence(workers.SlowStart30, 400, batch_size=4, num_workers=2, slot_bytes=4096,
+            ShmSequence({worker}, 400, batch_size=4, num_workers=2, slot_bytes=4096,
                         out_type="null", start_method={method!r}).start()
     """)
     consumer, pids, died = _run_until_killed(script, kill_after=1.5)

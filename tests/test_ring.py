@@ -38,13 +38,12 @@ def test_slots_are_page_aligned_and_disjoint(ring):
     assert ring.region(0).max() == 1 and ring.region(1).min() == 2
 
 
-def test_a_worker_sees_the_same_bytes_and_unlink_removes_the_name(ring):
+def test_a_worker_sees_the_same_bytes_and_the_name_is_never_left_in_dev_shm(ring):
+    assert ring.spec.name[1:] not in shm_entries()
     other = WorkerRing(ring.spec)
     other.region(2)[:4] = [1, 2, 3, 4]
     assert ring.region(2)[:4].tolist() == [1, 2, 3, 4]
-    ring.unlink()
-    assert ring.spec.name[1:] not in shm_entries()
-    ring.region(2)[0] = 9  # mappings outlive the name
+    ring.region(2)[0] = 9
     assert other.region(2)[0] == 9
     other.close()
 
@@ -146,84 +145,129 @@ def test_close_with_live_views_unmaps_when_the_last_dies():
 def test_refuses_a_ring_larger_than_dev_shm(monkeypatch):
     before = shm_entries()
     monkeypatch.setattr(ring_module, "shm_free_bytes", lambda: 64 << 20)
-    with pytest.raises(SharedMemoryFull, match=r"--shm-size.*buffer or slot_bytes"):
+    with pytest.raises(SharedMemoryFull, match=r"--shm-size=...\), or lower buffer or slot_bytes"):
         Ring.create(10, 40 << 20, wake=lambda: None)
     assert shm_entries() <= before
 
 
-def test_attach_to_a_missing_ring_fails():
-    with pytest.raises(posix_ipc.ExistentialError):
-        WorkerRing(RingSpec("/shmseq-missing", 1, 10))
-
-
-def test_a_new_ring_removes_the_rings_of_consumers_killed_before_they_unlinked():
-    import subprocess
-    import sys
-
-    from shmseq.lifeline import ProcessId
-    from shmseq.ring import _pid_namespace, unlink_segment
-
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])
-    started = ProcessId.of(child.pid).started
-    child.wait()
-    me = ProcessId.of(os.getpid())
-    names = {"dead": f"/shmseq-{child.pid}-{started}-{_pid_namespace()}-left",
-             "alive": f"/shmseq-{me.pid}-{me.started}-{_pid_namespace()}-mine",
-             "elsewhere": f"/shmseq-{child.pid}-{started}-1-other-namespace"}
-    for name in names.values():
-        posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=4096).close_fd()
-    try:
-        Ring.create(1, 4096, wake=lambda: None).close()
-        left = {key for key, name in names.items() if name[1:] in os.listdir("/dev/shm")}
-        assert left == {"alive", "elsewhere"}
-    finally:
-        for name in names.values():
-            unlink_segment(name)
+def test_attach_to_a_closed_ring_fails():
+    ring = Ring.create(1, 10, wake=lambda: None)
+    ring.close()
+    with pytest.raises(OSError):
+        WorkerRing(ring.spec)
 
 
 def allocated_bytes(ring) -> int:
     return os.fstat(ring.spec.owner_fd).st_blocks * 512
 
 
-def test_slots_are_allocated_as_they_are_first_written_not_all_at_start():
+def test_the_ring_is_reserved_once_wait_reserved_returns():
     ring = Ring.create(4, 1 << 20, wake=lambda: None)
     try:
-        assert allocated_bytes(ring) == 0, "the first batch must not wait for the whole ring"
-        worker = WorkerRing(ring.spec)
-        worker.region(2)[:] = 7
-        assert allocated_bytes(ring) == ring.spec.stride
-        ring.region(0)[:1] = 1  # the consumer writes a slot too (the sizing probe's batch)
-        assert allocated_bytes(ring) == 2 * ring.spec.stride
-        ring.allocate_all()  # before page-locking
+        ring.wait_reserved()
         assert allocated_bytes(ring) == ring.spec.total_bytes
-        worker.close()
     finally:
         ring.close()
 
 
-def test_a_slot_dev_shm_cannot_allocate_is_refused_not_a_sigbus(monkeypatch):
-    def full(*args):
-        raise OSError(28, "No space left on device")
+def fallocate_refusing_from(offset: int):
+    """``os.posix_fallocate`` as /dev/shm does when it has no room from ``offset`` on."""
+    real = os.posix_fallocate
 
-    ring = Ring.create(2, 1 << 20, wake=lambda: None)
-    monkeypatch.setattr(os, "posix_fallocate", full)
+    def fallocate(fd, start, size):
+        if start + size > offset:
+            raise OSError(28, "No space left on device")
+        real(fd, start, size)
+    return fallocate
+
+
+def test_a_reservation_that_fails_says_what_was_missing_and_is_raised_at_the_next_step(monkeypatch):
+    stride = 1 << 20
+    monkeypatch.setattr(os, "posix_fallocate", fallocate_refusing_from(2 * stride))
+    ring = Ring.create(5, stride, wake=lambda: None)
     try:
-        with pytest.raises(SharedMemoryFull, match="--shm-size"):
+        with pytest.raises(SharedMemoryFull, match=rf"the slot ring \(5 slots of {stride:,} bytes; "
+                           rf"2 reserved\) needs {3 * stride:,} bytes.*missing"):
+            ring.wait_reserved()
+        with pytest.raises(SharedMemoryFull):
+            ring.collect()
+    finally:
+        ring.close()
+
+
+def test_the_space_held_by_a_finished_rings_views_is_named_until_they_die(monkeypatch):
+    finished = Ring.create(2, 1 << 20, wake=lambda: None)
+    finished.wait_reserved()
+    view = finished.lease(written(finished))
+    finished.close()
+    monkeypatch.setattr(ring_module, "shm_free_bytes", lambda: 1 << 20)
+    with pytest.raises(SharedMemoryFull, match=r"2,097,152 by a finished sequence's ring, kept by "
+                       r"batches of it still referenced.*drop the batches of finished sequences, or lower"):
+        Ring.create(4, 1 << 20, wake=lambda: None)
+    del view
+    with pytest.raises(SharedMemoryFull) as refused:
+        Ring.create(4, 1 << 20, wake=lambda: None)
+    assert "finished" not in str(refused.value)
+
+
+class SmallShm:
+    """A /dev/shm of ``size`` bytes, as ``os.posix_fallocate`` and the free-space check see it
+    (slots are allocated a slot at a time)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.allocated: dict[tuple[int, int], int] = {}  # (inode, offset) -> bytes
+        self._real = os.posix_fallocate
+
+    def free(self) -> int:
+        return self.size - sum(self.allocated.values())
+
+    def fallocate(self, fd: int, start: int, size: int) -> None:
+        key = (os.fstat(fd).st_ino, start)
+        if key not in self.allocated and size > self.free():
+            raise OSError(28, "No space left on device")
+        self._real(fd, start, size)
+        self.allocated[key] = size
+
+
+def test_a_second_sequence_that_does_not_fit_is_refused_by_its_own_start(monkeypatch):
+    """A validation loader opened mid-training in a 64 MiB /dev/shm: the training ring holds
+    its 40 MiB from start() on, so the validation one is refused at once, never mid-epoch."""
+    from shmseq import ShmSequence
+    from workers import IndexWorker
+
+    shm = SmallShm(64 << 20)
+    monkeypatch.setattr(os, "posix_fallocate", shm.fallocate)
+    monkeypatch.setattr(ring_module, "shm_free_bytes", shm.free)
+
+    def sequence():
+        return ShmSequence(IndexWorker, 80, batch_size=4, num_workers=2, thread_type="thread",
+                           out_type="null", slot_bytes=10 << 20, buffer=4, timeout=30)
+    train = sequence()
+    with train.start():
+        with pytest.raises(SharedMemoryFull, match=r"needs 41,[\d,]+ bytes .* \(16,[\d,]+ missing\): "
+                           r"this process's shmseq rings hold 41,[\d,]+ bytes \(41,[\d,]+ by a live "
+                           r"sequence's ring\)"):
+            sequence().start()
+        assert sum(1 for _ in train) == 20
+
+
+def test_a_slot_dev_shm_cannot_allocate_is_refused_not_a_sigbus(monkeypatch):
+    monkeypatch.setattr(os, "posix_fallocate", fallocate_refusing_from(0))
+    ring = Ring.create(2, 1 << 20, wake=lambda: None)
+    try:
+        with pytest.raises(SharedMemoryFull, match="slot 1 of the ring needs .*--shm-size"):
             WorkerRing(ring.spec).region(1)
     finally:
         ring.close()
 
 
-def test_a_worker_that_cannot_allocate_its_slot_says_so(monkeypatch):
-    from shmseq import SharedMemoryFull, ShmSequence
+def test_a_ring_that_cannot_be_reserved_is_refused_by_start(monkeypatch):
+    from shmseq import ShmSequence
     from workers import IndexWorker
 
-    def full(*args):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(os, "posix_fallocate", full)  # forked workers inherit it
+    monkeypatch.setattr(os, "posix_fallocate", fallocate_refusing_from(0))
     seq = ShmSequence(IndexWorker, 40, batch_size=4, num_workers=1, out_type="null",
                       slot_bytes=1 << 16, start_method="fork", timeout=30)
-    with seq.start():
-        with pytest.raises(SharedMemoryFull, match="the slot ring needs"):
-            next(iter(seq))
+    with pytest.raises(SharedMemoryFull, match="the slot ring .* needs"):
+        seq.start()

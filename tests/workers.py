@@ -246,3 +246,25 @@ class ThreadCount:
     def __getitem__(self, indices):
         import torch
         return np.full(len(indices), torch.get_num_threads())
+
+
+def sleep_holding_the_gil(seconds: int) -> None:
+    """A C call that keeps the GIL (``ctypes.PyDLL`` does not let go of it): no Python thread
+    of the process runs meanwhile, a watchdog thread included."""
+    import ctypes
+    ctypes.PyDLL(None).sleep(seconds)
+
+
+class HoldsTheGil:
+    """Spends 30 s a batch in a C call that holds the GIL."""
+
+    def __getitem__(self, indices):
+        sleep_holding_the_gil(30)
+        return indices
+
+
+class HoldsTheGilStarting(SlowStart):
+    """Spends 30 s in its constructor in a C call that holds the GIL."""
+
+    def __init__(self):
+        sleep_holding_the_gil(30)
