@@ -83,14 +83,16 @@ class Pipeline:
             self.device = make_device(spec.out_type, spec.pin_memory, spec.pin_device_id,
                                       spec.num_converters)
             self.route = Route(self.device, self.output, self.stats)
+            if spec.slot_bytes is not None:  # reserved while the workers start
+                self.ring = self._new_ring(spec.slot_bytes)
             self.pool = WorkerPool(spec.worker, num_workers=spec.num_workers,
                                    backend=spec.thread_type,
                                    context=multiprocessing.get_context(spec.start_method),
                                    stream=self.stream, waker=self.waker, stats=self.stats,
                                    base_seed=spec.base_seed, worker_init_fn=spec.worker_init_fn,
                                    restarts=spec.restarts, in_turn=spec.in_turn)
-            if spec.slot_bytes is not None:
-                self._make_ring(spec.slot_bytes)
+            if self.ring is not None:
+                self._use_ring(self.ring)
             if spec.wait_for_workers:
                 self._start(spec.timeout)
         except BaseException:
@@ -113,18 +115,20 @@ class Pipeline:
         if self.ring is not None:
             self.ring.wait_reserved()
 
-    def _make_ring(self, slot_bytes: int) -> None:
-        self.ring = Ring.create(self.spec.buffer, slot_bytes, wake=self.waker.wake_if_waiting)
-        self.route.ring = self.ring
-        self.device.attach(self.ring)
-        self.pool.use_ring(self.ring)
+    def _new_ring(self, slot_bytes: int) -> Ring:
+        return Ring.create(self.spec.buffer, slot_bytes, wake=self.waker.wake_if_waiting)
+
+    def _use_ring(self, ring: Ring) -> None:
+        self.ring = self.route.ring = ring
+        self.device.attach(ring)
+        self.pool.use_ring(ring)
 
     def _pump(self, timeout: float | None) -> None:
         arrivals, waited = self.pool.pump(timeout)
         if self.ring is None:
             sizes = [len(arrival.payload) for arrival in arrivals if arrival.payload is not None]
             if sizes:  # the first batches came back encoded: size the ring to them
-                self._make_ring(slot_bytes_for(max(sizes)))
+                self._use_ring(self._new_ring(slot_bytes_for(max(sizes))))
         for arrival in arrivals:
             if arrival.payload is not None and not arrival.overflowed:
                 arrival = self._into_ring(arrival)

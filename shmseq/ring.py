@@ -223,29 +223,38 @@ class WorkerRing(_SlotPages):
 class _Reservation:
     """Allocates the ring's pages on a thread of its own, slot by slot in the order they are
     first used (0.09 s for a 385 MB ring here: the first batch waits for its slot, not all of
-    them), then maps them into the consumer (its reads then take no page faults)."""
+    them). The consumer's own mapping is left to fault in as it reads: a read fault maps 16
+    pages at once, which costs no more than mapping them ahead."""
 
-    def __init__(self, spec: RingSpec, address: int, fd: int):
+    def __init__(self, spec: RingSpec, fd: int):
         self.error: SharedMemoryFull | None = None
-        self._thread = threading.Thread(target=self._run, args=(spec, address, fd),
+        self._allocated = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(spec, fd),
                                         name="shmseq-reservation", daemon=True)
         self._thread.start()
 
-    def _run(self, spec: RingSpec, address: int, fd: int) -> None:
+    def _run(self, spec: RingSpec, fd: int) -> None:
+        try:
+            self.error = self._allocate(spec, fd)
+        finally:
+            self._allocated.set()
+
+    @staticmethod
+    def _allocate(spec: RingSpec, fd: int) -> SharedMemoryFull | None:
         for slot in range(spec.n_slots):
             try:
                 os.posix_fallocate(fd, slot * spec.stride, spec.stride)
             except OSError as exc:
-                left = (spec.n_slots - slot) * spec.stride
-                self.error = _refuse_space(left, f"the slot ring ({spec.n_slots} slots of "
-                                                 f"{spec.stride:,} bytes; {slot} reserved)")
-                self.error.__cause__ = exc
-                return
-        _populate(address, spec.total_bytes, write=False)
+                error = _refuse_space((spec.n_slots - slot) * spec.stride,
+                                      f"the slot ring ({spec.n_slots} slots of {spec.stride:,} "
+                                      f"bytes; {slot} reserved)")
+                error.__cause__ = exc
+                return error
+        return None
 
     def wait(self) -> None:
         """Return once the whole ring is allocated; raise ``SharedMemoryFull`` if it could not be."""
-        self.join()
+        self._allocated.wait()
         self.check()
 
     def join(self) -> None:
@@ -296,7 +305,7 @@ class Ring(_SlotPages):
     def __init__(self, spec: RingSpec, memory: mmap.mmap, segment, *, wake: Callable[[], None]):
         super().__init__(spec, memory, segment.fd, write=False)
         self._segment = segment  # its descriptor stays open: workers map the ring through it
-        self._reservation = _Reservation(spec, self._array.ctypes.data, segment.fd)
+        self._reservation = _Reservation(spec, segment.fd)
         _hold(spec.name, spec.total_bytes, "a live sequence's ring")
         self._states = [FREE] * spec.n_slots
         self._free = list(range(spec.n_slots - 1, -1, -1))
