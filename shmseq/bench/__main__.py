@@ -17,6 +17,7 @@ from shmseq.devices import torch_available
 
 from .report import machine, markdown, summarize, write_chart, write_json
 from .runner import LIMIT, run_matrix
+from . import systems
 from .systems import OPT_IN, SYSTEMS, TORCH_SYSTEMS
 from .workloads import TRANSPORT_WORKLOADS, WORKLOADS, image_pool
 
@@ -51,6 +52,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, help="rounds over the matrix (default: 3, quick: 1)")
     parser.add_argument("--seconds", type=float,
                         help="timed seconds per system and workload (default: 2, quick: 0.5)")
+    parser.add_argument("--buffer", type=int, default=systems.IN_FLIGHT,
+                        help="batches in flight: shmseq's ring slots, the bare ring's, "
+                             "DataLoader's prefetch over its workers (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
                         help="directory for results.md, .json and .png (default: bench-results)")
     return parser.parse_args(argv)
@@ -66,6 +70,7 @@ def main(argv: list[str]) -> int:
     settings.update({k: v for k, v in (("repeats", args.repeats), ("seconds", args.seconds))
                      if v is not None})
     workloads = [WORKLOADS[name] for name in args.workloads]
+    systems.IN_FLIGHT = args.buffer
     if not torch_available():
         skipped = [name for name in args.systems if name in TORCH_SYSTEMS]
         if skipped:
@@ -83,12 +88,13 @@ def main(argv: list[str]) -> int:
     cells = summarize(runs)
     info = machine()
     command = shlex.join(["python", "-m", "shmseq.bench", *argv])
-    text = markdown(cells, info, settings, command)
+    text = markdown(cells, info, {**settings, "buffer": args.buffer}, command)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(text)
     write_json(args.out / "results.json", runs, cells, info,
-               {**settings, "workloads": args.workloads, "systems": args.systems})
+               {**settings, "buffer": args.buffer, "workloads": args.workloads,
+                "systems": args.systems})
     written = "md, json"
     if write_chart(args.out / "results.png", cells):
         written += ", png"

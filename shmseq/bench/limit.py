@@ -11,7 +11,8 @@ import time
 
 import numpy as np
 
-from .systems import IN_FLIGHT, JOIN_SECONDS, NUM_WORKERS, START_METHOD, stop_processes
+from . import systems
+from .systems import JOIN_SECONDS, NUM_WORKERS, START_METHOD, stop_processes
 from .workloads import Workload, fill, image_pool, one_operator_thread
 
 
@@ -25,7 +26,7 @@ def _build(workload: Workload, wid: int, seconds: float, barrier, rates) -> None
     one_operator_thread()
     pool = image_pool(workload.side)
     buffers = [(_faulted((workload.batch_size, *workload.image_shape), np.uint8),
-                _faulted(workload.batch_size, np.int64)) for _ in range(IN_FLIGHT // NUM_WORKERS)]
+                _faulted(workload.batch_size, np.int64)) for _ in range(systems.IN_FLIGHT // NUM_WORKERS)]
     barrier.wait()
     built, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:

@@ -27,6 +27,8 @@ What the columns mean:
   includes building the batches for shmseq-thread and serial): what a loader takes from your
   training step.
 - first batch s: from creating the loader (workers started) to the first batch in hand.
+- first 100 × steady: the rate over the 100 batches after the first, over the steady rate (the
+  GB/s column, measured after them): how soon the loader runs at full speed.
 - × limit: GB/s over the limit's: the same worker processes building batches into
   preallocated memory, with no transport at all. No loader can go faster."""
 
@@ -43,6 +45,7 @@ class Cell:
     cpu_us_per_batch: float | None
     first_batch_s: float | None
     of_limit: float | None
+    early_of_steady: float | None = None
 
 
 def _median(values: list) -> float | None:
@@ -62,12 +65,19 @@ def summarize(runs: list[Run]) -> list[Cell]:
         cells.append(Cell(workload, system, _median(rates) * gigabytes,
                           (min(rates) * gigabytes, max(rates) * gigabytes), _median(rates),
                           _median([r.cpu_us_per_batch for r in group]),
-                          _median([r.first_batch_seconds for r in group]), None))
+                          _median([r.first_batch_seconds for r in group]), None,
+                          _early_of_steady(group)))
     limits = {c.workload: c.gb_per_s for c in cells if c.system == LIMIT}
     for cell in cells:
         if cell.workload in limits:
             cell.of_limit = cell.gb_per_s / limits[cell.workload]
     return cells
+
+
+def _early_of_steady(group: list[Run]) -> float | None:
+    """The median over the repeats of each one's early rate over its steady rate."""
+    return _median([r.early_batches_per_second / r.batches_per_second for r in group
+                    if r.early_batches_per_second is not None])
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -77,12 +87,14 @@ def _fmt(value: float | None, spec: str) -> str:
 def table(cells: list[Cell]) -> str:
     """The results as a markdown table."""
     lines = ["| workload | system | GB/s (min-max) | batches/s | consumer CPU µs/batch | "
-             "first batch s | × limit |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+             "first batch s | first 100 × steady | × limit |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for c in cells:
         low, high = c.gb_per_s_spread
         lines.append(f"| {c.workload} | {c.system} | {c.gb_per_s:.2f} ({low:.2f}-{high:.2f}) | "
                      f"{c.batches_per_s:.1f} | {_fmt(c.cpu_us_per_batch, '.0f')} | "
-                     f"{_fmt(c.first_batch_s, '.3f')} | {_fmt(c.of_limit, '.2f')} |")
+                     f"{_fmt(c.first_batch_s, '.3f')} | {_fmt(c.early_of_steady, '.2f')} | "
+                     f"{_fmt(c.of_limit, '.2f')} |")
     return "\n".join(lines)
 
 
@@ -160,8 +172,8 @@ def machine() -> dict:
 def markdown(cells: list[Cell], info: dict, settings: dict, command: str) -> str:
     """The table with its machine, what each column means, what it shows, the command."""
     head = (f"Machine: {info['nproc']} CPUs ({info['cpu']}), {info['ram']} RAM; Python "
-            f"{info['python']}, numpy {info['numpy']}, torch {info['torch']}. 2 workers for "
-            f"every loader; {settings['repeats']} interleaved repeats of {settings['seconds']:g} s.")
+            f"{info['python']}, numpy {info['numpy']}, torch {info['torch']}. 2 workers and "
+            f"{settings['buffer']} batches in flight for every loader; {settings['repeats']} interleaved repeats of {settings['seconds']:g} s.")
     shows = "\n".join(f"- {line}" for line in highlights(cells))
     return (f"{head}\n\n{table(cells)}\n\n{COLUMNS}\n\nWhat it shows:\n{shows}\n\n"
             f"Reproduce: `{command}`\n")

@@ -15,7 +15,7 @@ from .systems import SYSTEMS, UNORDERED
 from .workloads import Workload, check_any_batch, check_batch
 
 LIMIT = "limit"
-WARMUP_BATCHES = 3
+EARLY_BATCHES = 100  # the first batches after the first, timed apart: how soon the rate is steady
 MIN_BATCHES = 5
 
 
@@ -29,6 +29,7 @@ class Run:
     batches_per_second: float
     cpu_us_per_batch: float | None = None
     first_batch_seconds: float | None = None
+    early_batches_per_second: float | None = None  # over the EARLY_BATCHES after the first
 
 
 def _consume(batches, workload: Workload, k: int, minimum: int, seconds: float,
@@ -47,7 +48,8 @@ def _consume(batches, workload: Workload, k: int, minimum: int, seconds: float,
 
 def measure(name: str, workload: Workload, repeat: int, seconds: float,
             warmup_seconds: float) -> Run:
-    """Start the system, take and check its first batch, warm up, then time ``seconds``.
+    """Start the system, take and check its first batch, time the ``EARLY_BATCHES`` after it
+    (the rate before the steady state), warm up, then time ``seconds`` (the steady state).
 
     The consumer's CPU time is ``process_time``: every thread of this process.
     """
@@ -58,11 +60,13 @@ def measure(name: str, workload: Workload, repeat: int, seconds: float,
     with SYSTEMS[name](workload) as batches:
         k = _consume(batches, workload, 0, 1, 0, ordered)
         first_batch = time.perf_counter() - start
-        k = _consume(batches, workload, k, WARMUP_BATCHES, warmup_seconds, ordered)
+        k = _consume(batches, workload, k, EARLY_BATCHES, 0, ordered)
+        early = EARLY_BATCHES / (time.perf_counter() - start - first_batch)
+        k = _consume(batches, workload, k, 0, warmup_seconds, ordered)
         cpu0, t0 = time.process_time(), time.perf_counter()
         timed = _consume(batches, workload, k, MIN_BATCHES, seconds, ordered) - k
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return Run(name, workload.name, repeat, timed / elapsed, cpu / timed * 1e6, first_batch)
+    return Run(name, workload.name, repeat, timed / elapsed, cpu / timed * 1e6, first_batch, early)
 
 
 def run_matrix(systems: list[str], workloads: list[Workload], *, repeats: int, seconds: float,

@@ -32,6 +32,7 @@ from .workloads import (POOL_ROWS, DyingWorker, InPlaceWorker, ReturningWorker, 
 
 NUM_WORKERS = 2
 IN_FLIGHT = 10             # shmseq's ring slots, DataLoader's prefetch, the queue's open tasks
+                           # (``--buffer`` sets it: every system reads it when it starts)
 SLOT_SLACK = 64 * 1024     # room for a slot's header and alignment
 START_METHOD = "fork"
 JOIN_SECONDS = 5.0
@@ -238,8 +239,8 @@ TORCH_SYSTEMS: dict[str, System] = {
     "torch-batch-fs": functools.partial(torch_batches, strategy="file_system"),
 }
 SYSTEMS: dict[str, System] = {
-    "bare-ring": functools.partial(bare_ring, slots=IN_FLIGHT, workers=NUM_WORKERS,
-                                   start_method=START_METHOD),
+    "bare-ring": lambda workload: bare_ring(workload, slots=IN_FLIGHT, workers=NUM_WORKERS,
+                                            start_method=START_METHOD),
     "shmseq-proc": functools.partial(_shmseq, worker_class=ReturningWorker, thread_type="proc"),
     "shmseq-inplace": functools.partial(_shmseq, worker_class=InPlaceWorker, thread_type="proc"),
     "shmseq-thread": functools.partial(_shmseq, worker_class=InPlaceWorker, thread_type="thread"),
