@@ -371,6 +371,13 @@ class BatchStream:
         self._segments = [s for s in self._segments if s[0] + s[3] > seq]
         return seq
 
+    def name(self, seq: int) -> str:
+        """Batch ``seq`` as messages call it, as the user counts: "batch 3 of epoch 1"."""
+        for first, epoch, first_position, count in self._segments:
+            if first <= seq < first + count:
+                return f"batch {first_position + seq - first} of epoch {epoch}"
+        return f"batch {seq}"
+
     def seq_of(self, epoch: int, position: int) -> int | None:
         """The seq batch ``position`` of ``epoch`` was dispatched as; None if it was not."""
         for first, taken_epoch, first_position, count in self._segments:

@@ -33,6 +33,7 @@ from .lifeline import ProcessId
 from .plan import BatchStream, Task
 from .ring import Ring
 from .stats import LoaderStats
+from .board import Board
 from .worker_handle import JOIN_SECONDS, WorkerHandle, consumer_ends, end_workers, start_worker
 from .wire import framed, task_frame
 from .workers import WorkerInfo, check_picklable
@@ -147,11 +148,13 @@ class WorkerPool:
         self._stopped = False
         self._restarts = restarts
         self._killers: set[int] = set()  # batches that killed a worker once
+        self._replacements: set[WorkerHandle] = set()  # workers started in a dead one's place
         if backend == "proc":
             check_picklable("worker", worker, context.get_start_method(),
                             "or use start_method='fork' or thread_type='thread'")
         self._start_args = (worker, backend, context, worker_init_fn)
         self._consumer = ProcessId.of(os.getpid())
+        self._board = Board(num_workers) if backend == "proc" else None
         self._events = _Events()
         self._events.watch(self._waker.fileno(), (self._woken, None))
         self._workers: list[WorkerHandle] = []
@@ -166,7 +169,8 @@ class WorkerPool:
     def _start(self, info: WorkerInfo) -> WorkerHandle:
         worker, backend, context, worker_init_fn = self._start_args
         others = [*self._waker.fds(), *consumer_ends(self._workers)]
-        handle = start_worker(worker, info, backend, context, worker_init_fn, self._consumer, others)
+        handle = start_worker(worker, info, backend, context, worker_init_fn, self._consumer, others,
+                              board=None if self._board is None else self._board.spec)
         self._events.watch(handle.replies.fd, (self._receive, handle))
         if handle.sentinel is not None:
             self._events.watch(handle.sentinel, (self._died, handle))
@@ -308,7 +312,8 @@ class WorkerPool:
             _, seq, slot, info = message
             indices = handle.closed(seq)
             self._give_back(slot)
-            what = f"{handle.describe()} failed on batch {seq} (sample indices {brief(indices)})"
+            what = (f"{handle.describe()} failed on {self.stream.name(seq)} "
+                    f"(sample indices {brief(indices)})")
             arrivals.append(Arrival(seq, None, error=functools.partial(
                 raised_in_worker, info, what=what, batch_indices=indices, seq=seq)))
         elif kind == "ready":
@@ -334,44 +339,64 @@ class WorkerPool:
         how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
                else f"exited with code {code}")
         died = f"{handle.describe()} {how}"
-        if not handle.ready:
+        if not handle.ready and handle not in self._replacements:
             raise WorkerDied(f"{died} while starting (building its worker object or running "
                              "worker_init_fn)", pid=handle.pid, exitcode=code)
-        current = min(handle.open, default=None)  # a worker takes its tasks in order
-        if current is not None:
-            died += f" while building batch {current} (sample indices {brief(handle.open[current][0])})"
-        refusal = self._why_not_restart(current)
+        building = self._building(handle)
+        died += self._what_it_held(handle, building)
+        refusal = self._why_not_restart(building)
         if refusal is None:
-            self._restart(handle, died, current)
+            self._restart(handle, died, building)
             return
-        queued = sorted(handle.open)[1:]
+        queued = [self.stream.name(seq) for seq in sorted(handle.open) if seq != building]
         if queued:
-            died += f"; batches {', '.join(map(str, queued))} were queued for it"
+            died += f"; {', '.join(queued)} were queued for it"
         raise WorkerDied(died + refusal, pid=handle.pid, exitcode=code)
 
-    def _why_not_restart(self, current: int | None) -> str | None:
+    def _building(self, handle: WorkerHandle) -> int | None:
+        """The batch the dead worker had begun and not finished, by its cell on the board (a
+        worker takes its tasks in order: only the first open one can be it); None if it had
+        begun none of them."""
+        current = min(handle.open, default=None)
+        if current is None or self._board is None or self._board.building(handle.wid) != current:
+            return None
+        return current
+
+    def _what_it_held(self, handle: WorkerHandle, building: int | None) -> str:
+        if not handle.ready:
+            return " while starting, in place of a dead worker"
+        if building is not None:
+            return (f" while building {self.stream.name(building)} "
+                    f"(sample indices {brief(handle.open[building][0])})")
+        return " between batches"
+
+    def _why_not_restart(self, building: int | None) -> str | None:
         """None when the dead worker may be replaced, else what to tell the user."""
         if self._restarts <= 0:
             used = self.stats.restarts
             return f" (and worker_restarts={used} were used)" if used else ""
-        if current in self._killers:
+        if building in self._killers:
             return ("; that batch had already killed a worker: a batch that kills its worker "
                     "twice is not sent again")
         return None
 
-    def _restart(self, dead: WorkerHandle, died: str, current: int | None) -> None:
+    def _restart(self, dead: WorkerHandle, died: str, building: int | None) -> None:
         """A new worker with the same id and seed; it gets the ring and the dead one's tasks,
-        in order, so that every batch still arrives once."""
+        in order, so that every batch still arrives once. A batch is blamed for the death only
+        if the dead worker was building it."""
         self._restarts -= 1
         self.stats.restarts += 1
-        if current is not None:
-            self._killers.add(current)
+        if building is not None:
+            self._killers.add(building)
         warn_user(f"{died}: a new worker takes its place and builds its batches again "
                   f"({self._restarts} more restarts allowed)")
         self._unwatch(dead)
         dead.close_pipes()
         end_workers([dead])
+        self._board.clear(dead.wid)
         handle = self._start(dead.info)
+        self._replacements.discard(dead)
+        self._replacements.add(handle)
         self._workers[self._workers.index(dead)] = handle
         if self.ring is not None:
             self._send(handle, framed(("ring", self.ring.spec)))
@@ -406,6 +431,8 @@ class WorkerPool:
             for handle in self._workers:
                 handle.close_pipes()
             end_workers(self._workers)
+            if self._board is not None:
+                self._board.close()
 
     def _drain_until_exited(self, deadline: float) -> None:
         """Read and drop late replies, so that no worker blocks on a full pipe while leaving."""

@@ -8,6 +8,7 @@ from typing import Iterable
 
 import numpy as np
 
+from .board import BoardSpec
 from .errors import warn_user
 from .lifeline import ProcessId, sigint_held
 from .wire import FrameReader
@@ -110,10 +111,11 @@ class WorkerHandle:
 
 
 def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn,
-                 consumer: ProcessId, other_ends: list[int]) -> WorkerHandle:
-    """A new worker thread or process. A process follows ``consumer`` (lifeline.py); forked,
-    it closes the consumer's descriptors it inherits: its own pipes' consumer ends and
-    ``other_ends``."""
+                 consumer: ProcessId, other_ends: list[int],
+                 board: BoardSpec | None = None) -> WorkerHandle:
+    """A new worker thread or process. A process follows ``consumer`` (lifeline.py), and
+    marks on ``board`` the batch it is building; forked, it closes the consumer's descriptors
+    it inherits: its own pipes' consumer ends and ``other_ends``."""
     task_reader, task_writer = connection.Pipe(duplex=False)
     result_reader, result_writer = connection.Pipe(duplex=False)
     name = f"shmseq-worker-{info.id}"
@@ -127,7 +129,7 @@ def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn
             consumer, die_with_parent=(method == "forkserver"
                                        or threading.current_thread() is threading.main_thread()),
             inherited_fds=((task_writer.fileno(), result_reader.fileno(), *other_ends)
-                           if method == "fork" else None))
+                           if method == "fork" else None), board=board)
         args = (worker, task_reader, result_writer, info, worker_init_fn, ties)
         runner = context.Process(target=worker_loop, name=name, daemon=True, args=args)
         with sigint_held():  # a Ctrl-C now is the consumer's, not the starting worker's

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .board import BoardSpec, WorkerCell
 from .errors import UnsupportedBatch
 from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
 from .lifeline import Lifeline, ProcessId
@@ -154,10 +155,12 @@ def _numpy_seed(info: WorkerInfo) -> np.ndarray:
 
 
 class ProcessTies(NamedTuple):
-    """What a worker process needs to follow its consumer (see lifeline.py)."""
+    """What a worker process needs to follow its consumer (see lifeline.py), and to say which
+    batch it is building (board.py; when it may be replaced)."""
     consumer: ProcessId
     die_with_parent: bool               # the parent is the consumer's main thread or the fork server
     inherited_fds: tuple[int, ...] | None  # forked: the consumer's pipe ends, to close
+    board: BoardSpec | None = None
 
 
 class _Inbox:
@@ -212,6 +215,7 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
         results.send_bytes(encode(("init_error", info.id, describe_exception(exc))))
         return
     ring = None
+    cell = WorkerCell(ties.board, info.id) if ties is not None and ties.board is not None else None
     inbox, replies = _Inbox(tasks), results.fileno()
     try:
         write_all(replies, framed(("ready", info.id)))
@@ -221,12 +225,15 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
                 write_all(replies, framed(("attached", info.id)))
             else:
                 _, seq, slot, indices = message
+                if cell is not None:
+                    cell.begin(seq)
                 write_all(replies, _run_task(worker_obj, ring, seq, slot, indices))
     except (EOFError, OSError):
         return  # the consumer closed the pipes: it is shutting down, or gone
     finally:
-        if ring is not None:
-            ring.close()
+        for mapping in (ring, cell):
+            if mapping is not None:
+                mapping.close()
 
 
 def check_picklable(what: str, value, start_method: str, fix: str) -> None:

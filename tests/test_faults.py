@@ -416,7 +416,7 @@ def test_a_timeout_is_raised_when_it_expires_not_after_the_shutdown():
 def test_a_death_is_raised_at_once_while_a_sibling_is_busy():
     seq = make(DieOrDawdle(die_at=0, seconds=5), dset_size=40, num_workers=2, slot_bytes=4096)
     began = time.monotonic()
-    with pytest.raises(WorkerDied, match="killed by signal SIGKILL while building batch 0"):
+    with pytest.raises(WorkerDied, match="killed by signal SIGKILL while building batch 0 of epoch 0"):
         with seq.start():  # from start() or from the first batch
             next(iter(seq))
     assert time.monotonic() - began < 1.5

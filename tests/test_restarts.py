@@ -1,10 +1,18 @@
 """worker_restarts: a run that survives its workers' deaths, every batch once and in order,
 the same as a run without them."""
+import concurrent.futures
+import multiprocessing
+import os
+import random
 import re
+import signal
+import threading
+import warnings
 
 import pytest
 
 from shmseq import ShmSequence, WorkerDied
+import workers
 from workers import Crash, ExitInInit, KillOnce, SizedWorker
 
 
@@ -34,7 +42,7 @@ def test_workers_killed_once_are_replaced_and_the_stream_is_unchanged(tmp_path, 
             got = [[seen(b) for b in seq] for _ in range(2)]
     assert got == reference(tmp_path, 2)
     deaths = [re.search(r"worker \d \(pid \d+\) was killed by signal SIGKILL while building "
-                        r"batch \d+ \(sample indices \[([^)]*)\]\): a new worker takes its place",
+                        r"batch \d+ of epoch \d \(sample indices \[([^)]*)\]\): a new worker takes its place",
                         str(w.message)) for w in caught]
     assert seq.stats.restarts == len(deaths) == 2 and all(deaths), [str(w.message) for w in caught]
     killed = [{int(i) for i in death[1].replace(",", " ").split()} for death in deaths]
@@ -44,7 +52,7 @@ def test_workers_killed_once_are_replaced_and_the_stream_is_unchanged(tmp_path, 
 def test_a_batch_that_kills_its_worker_twice_is_not_sent_a_third_time():
     seq = make(Crash("SIGKILL", at=13), worker_restarts=3)
     with pytest.warns(RuntimeWarning, match="a new worker takes its place"):
-        with pytest.raises(WorkerDied, match=r"killed by signal SIGKILL while building batch \d+ "
+        with pytest.raises(WorkerDied, match=r"killed by signal SIGKILL while building batch \d+ of epoch \d "
                                              r"\(sample indices .*13.*\).*had already killed a worker"):
             with seq.start():
                 for batch in seq:
@@ -97,6 +105,57 @@ def test_restarts_keep_a_resumed_rollover_run_the_same(tmp_path):
             delivered += [seen(b) for b in resumed]
     assert delivered[:len(expected)] == expected
     assert first.stats.restarts >= 1 and resumed.stats.restarts >= 1
+
+
+def test_a_replacement_dying_in_its_constructor_uses_a_restart_and_blames_no_batch(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(workers.DiesStartingAfterAKill, "marks", str(tmp_path))
+    seq = make(workers.DiesStartingAfterAKill, start_method="fork", worker_restarts=2)
+    with pytest.warns(RuntimeWarning) as caught:
+        with seq.start():
+            got = [seen(b) for b in seq]
+    assert got == reference(tmp_path / "none", 1)[0]
+    warned = [str(w.message) for w in caught]
+    assert seq.stats.restarts == 2 and "while starting, in place of a dead worker" in warned[1]
+
+
+def _workers() -> list[int]:
+    return [p.pid for p in multiprocessing.active_children() if p.name.startswith("shmseq-worker")]
+
+
+def _kill_pairs(pairs: int, rng: random.Random, done: threading.Event) -> int:
+    """Kill a worker, then 20-200 ms later its replacement (or, once that is gone, another),
+    ``pairs`` times: how many were killed."""
+    killed = 0
+    for _ in range(pairs):
+        if done.wait(rng.uniform(0.05, 0.2)):
+            break
+        before = _workers()
+        os.kill(rng.choice(before), signal.SIGKILL)
+        if done.wait(rng.uniform(0.02, 0.2)):
+            return killed + 1
+        os.kill(rng.choice([pid for pid in _workers() if pid not in before] or _workers()),
+                signal.SIGKILL)
+        killed += 2
+    return killed
+
+
+@pytest.mark.parametrize("method, seed", [("fork", 0), ("spawn", 1), ("forkserver", 2)])
+def test_kills_in_quick_pairs_cost_restarts_never_the_run(tmp_path, method, seed):
+    """Two kills 20-200 ms apart (an out-of-memory killer taking a worker and then its
+    replacement): every batch once and in order, no WorkerDied while restarts remain."""
+    seq = make(KillOnce(tmp_path, at=[], seconds=0.004), dset_size=2000, start_method=method,
+               worker_restarts=100)
+    done = threading.Event()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "worker .* a new worker takes its place")
+        with seq.start():
+            killer = concurrent.futures.ThreadPoolExecutor(1).submit(
+                _kill_pairs, 5, random.Random(seed), done)
+            got = [seen(b) for b in seq]
+            done.set()
+    assert got == reference(tmp_path, 1, dset_size=2000)[0]
+    assert seq.stats.restarts == killer.result() > 0
 
 
 def test_restarts_need_processes():

@@ -187,7 +187,7 @@ def test_a_worker_exception_is_raised_as_its_own_type_with_its_batch(backend, sl
     assert kind is ZeroDivisionError and isinstance(record, WorkerError)
     assert record.batch_indices.tolist() == [0, 1, 2, 3] and record.exc_type.endswith("ZeroDivisionError")
     assert "Worker traceback" in str(record) and "in __getitem__" in record.worker_traceback
-    assert "failed on batch 0 (sample indices [0, 1, 2, 3])" in notes[0]
+    assert "failed on batch 0 of epoch 0 (sample indices [0, 1, 2, 3])" in notes[0]
 
 
 def test_iterating_before_start_says_what_to_do():

@@ -156,12 +156,14 @@ class KillOnce:
     """SIGKILLs its own process when it meets any sample of ``at``, once per sample: a marker
     file under ``marks`` remembers it across the replacement workers."""
 
-    def __init__(self, marks, at, size=8):
-        self.marks, self.at, self.size = str(marks), set(at), size
+    def __init__(self, marks, at, size=8, seconds=0.0):
+        self.marks, self.at, self.size, self.seconds = str(marks), set(at), size, seconds
 
     def __getitem__(self, indices):
         import os
         import signal
+        import time
+        time.sleep(self.seconds)
         for sample in self.at.intersection(indices.tolist()):
             mark = os.path.join(self.marks, str(sample))
             if not os.path.exists(mark):
@@ -268,3 +270,18 @@ class HoldsTheGilStarting(SlowStart):
 
     def __init__(self):
         sleep_holding_the_gil(30)
+
+
+class DiesStartingAfterAKill(KillOnce):
+    """Kills its process at sample 13, once; the worker that replaces it then dies in its
+    constructor, once. The marks go into the class's ``marks`` folder (set by the test)."""
+    marks = None
+
+    def __init__(self):
+        import os
+        import signal
+        super().__init__(self.marks, at=[13])
+        mark = os.path.join(self.marks, "starting")
+        if os.path.exists(os.path.join(self.marks, "13")) and not os.path.exists(mark):
+            open(mark, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,79 @@
+"""What each worker is building, on a page of shared memory: the evidence a death is charged on.
+
+A worker writes the seq of a task into its cell as it begins building it (a store to shared
+memory: nothing crosses a pipe). When a worker dies, the pool reads the cell: the batch was
+being built only if the cell holds that batch's seq. A worker killed between tasks, in its
+constructor, or before it read its first task (an out-of-memory kill that takes two workers in
+a row, say) leaves a cell that does not name the batch, and the batch is not blamed for it.
+
+The page is made like the ring (ring.py): its name unlinked at once, workers map it through the
+consumer's descriptor, so nothing is ever left in /dev/shm.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from typing import NamedTuple
+
+import numpy as np
+import posix_ipc
+
+IDLE = -1
+
+
+class BoardSpec(NamedTuple):
+    """What a worker needs to map the board (picklable)."""
+    owner_pid: int
+    owner_fd: int
+    n_workers: int
+
+
+def _cells(fd: int, n_workers: int) -> tuple[mmap.mmap, np.ndarray]:
+    memory = mmap.mmap(fd, max(n_workers, 1) * 8, flags=mmap.MAP_SHARED)
+    return memory, np.frombuffer(memory, np.int64, count=n_workers)
+
+
+class Board:
+    """The consumer's side: reads which batch a worker was building; clears a dead worker's cell."""
+
+    def __init__(self, n_workers: int):
+        segment = posix_ipc.SharedMemory(f"/shmseq-{os.getpid()}-board-{secrets.token_hex(4)}",
+                                         posix_ipc.O_CREX, mode=0o600, size=max(n_workers, 1) * 8)
+        segment.unlink()
+        self._segment = segment
+        self.spec = BoardSpec(os.getpid(), segment.fd, n_workers)
+        self._memory, self._cells = _cells(segment.fd, n_workers)
+        self._cells[:] = IDLE
+
+    def building(self, wid: int) -> int:
+        """The seq worker ``wid`` began and did not finish; ``IDLE`` if none."""
+        return int(self._cells[wid])
+
+    def clear(self, wid: int) -> None:
+        """Before a replacement starts: nothing is being built in the cell's name."""
+        self._cells[wid] = IDLE
+
+    def close(self) -> None:
+        self._cells = None
+        self._memory.close()
+        self._segment.close_fd()
+
+
+class WorkerCell:
+    """A worker's side: one cell, written as each task begins."""
+
+    def __init__(self, spec: BoardSpec, wid: int):
+        fd = os.open(f"/proc/{spec.owner_pid}/fd/{spec.owner_fd}", os.O_RDWR)
+        try:
+            self._memory, cells = _cells(fd, spec.n_workers)
+        finally:
+            os.close(fd)
+        self._cell = cells[wid:wid + 1]
+
+    def begin(self, seq: int) -> None:
+        self._cell[0] = seq
+
+    def close(self) -> None:
+        self._cell = None
+        self._memory.close()
