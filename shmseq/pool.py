@@ -354,13 +354,10 @@ class WorkerPool:
         raise WorkerDied(died + refusal, pid=handle.pid, exitcode=code)
 
     def _building(self, handle: WorkerHandle) -> int | None:
-        """The batch the dead worker had begun and not finished, by its cell on the board (a
-        worker takes its tasks in order: only the first open one can be it); None if it had
-        begun none of them."""
-        current = min(handle.open, default=None)
-        if current is None or self._board is None or self._board.building(handle.wid) != current:
-            return None
-        return current
+        """The batch the dead worker had begun and not finished, by its cell on the board; None
+        if it had begun none of its tasks."""
+        seq = None if self._board is None else self._board.building(handle.wid)
+        return seq if seq in handle.open else None
 
     def _what_it_held(self, handle: WorkerHandle, building: int | None) -> str:
         if not handle.ready:
@@ -381,9 +378,11 @@ class WorkerPool:
         return None
 
     def _restart(self, dead: WorkerHandle, died: str, building: int | None) -> None:
-        """A new worker with the same id and seed; it gets the ring and the dead one's tasks,
-        in order, so that every batch still arrives once. A batch is blamed for the death only
-        if the dead worker was building it."""
+        """A new worker with the same id and seed, given the ring. The dead one's tasks go, in
+        order, to a live worker that has started (the consumer waits for the first of them, and
+        a started worker builds it sooner than one still starting: a spawned one takes 0.2 s),
+        or, in turn (``in_turn``) or with none started, to the new one: every batch still
+        arrives once. A batch is blamed for the death only if the dead worker was building it."""
         self._restarts -= 1
         self.stats.restarts += 1
         if building is not None:
@@ -400,9 +399,12 @@ class WorkerPool:
         self._workers[self._workers.index(dead)] = handle
         if self.ring is not None:
             self._send(handle, framed(("ring", self.ring.spec)))
+        heir = handle if self._in_turn else min(
+            (h for h in self._workers if h.accepting and h.ready and h is not handle),
+            key=lambda h: len(h.open), default=handle)
         for seq, (indices, slot) in sorted(dead.open.items()):
-            handle.open[seq] = (indices, slot)
-            self._send(handle, task_frame(seq, slot, indices))
+            heir.open[seq] = (indices, slot)
+            self._send(heir, task_frame(seq, slot, indices))
 
     def _unwatch(self, handle: WorkerHandle) -> None:
         for fd in (handle.replies.fd, handle.sentinel, handle.tasks.fd):
