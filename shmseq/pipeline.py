@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import itertools
 import multiprocessing
+import os
 import threading
 import time
 from typing import Callable, Iterable
@@ -66,6 +67,7 @@ class Pipeline:
 
     def __init__(self, spec: PipelineSpec, plan: Plan, epoch: int = 0, position: int = 0,
                  stats: LoaderStats | None = None):
+        self._owner = os.getpid()  # a forked child inherits the pipeline, not its ownership
         self.plan = plan
         self.spec = spec
         self.stats = LoaderStats() if stats is None else stats
@@ -162,11 +164,30 @@ class Pipeline:
             self._packing = True
 
     # -- the consumer's side ---------------------------------------------------------------------
+    @property
+    def inherited(self) -> bool:
+        """Whether this process is a forked child of the one that made the pipeline."""
+        return os.getpid() != self._owner
+
+    def _consumers_turn(self) -> threading.RLock:
+        """The consumer's lock, in the process that made the pipeline only. A forked child has
+        copies of the slots' states and of the parent's ends of the workers' pipes: taking a
+        batch there would read the parent's replies and hand its slots to the workers behind
+        its back (the parent then fails with ``IllegalTransition``). So the child is refused
+        before anything is touched, the lock included: held by a thread of the parent at the
+        fork, it would never be released in the child."""
+        if self.inherited:
+            raise ShmSeqError(
+                f"this sequence's pipeline belongs to process {self._owner}, which started its "
+                f"workers and ring; a forked child (pid {os.getpid()}) cannot iterate it: start "
+                "a new one in the child (call start() on a ShmSequence, make a new DataLoader)")
+        return self._turn
+
     def open(self, epoch: int, position: int = 0, batches: Iterable | None = None) -> int:
         """The consumer starts ``epoch`` at ``position`` (with the plan's ``batches`` for it,
         when given): the seq of that batch. Deliveries of earlier epochs are dropped, and the
         workers are given the epoch's first batches at once."""
-        with self._turn:
+        with self._consumers_turn():
             self.output.check()
             seq = self.stream.open(epoch, position, batches)
             self.output.drop_below(seq)
@@ -221,7 +242,7 @@ class Pipeline:
     def _failures_reported(self):
         """The consumer's turn; a failure raised in it leaves the workers no time to finish
         politely when the pipeline closes."""
-        with self._turn:
+        with self._consumers_turn():
             try:
                 yield
             except PipelineClosed:
@@ -269,13 +290,19 @@ class Pipeline:
 
     def replan(self) -> None:
         """The plan changed (a new seed): batches planned so far are stale."""
-        with self._turn:
+        with self._consumers_turn():
             self.stream.reset(self.stream.state())
 
     # -- the end ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Wake a waiting consumer, then stop the workers, wait for copies in flight, close the
-        device and unmap the ring: every step runs even if one before it fails."""
+        device and unmap the ring: every step runs even if one before it fails.
+
+        In a forked child, nothing: the workers, the ring and the pipes are the parent's (a
+        stop frame would stop its workers); the child's copies of the descriptors and mappings
+        go with its objects, or with its exit."""
+        if self.inherited:
+            return
         self.output.close("the sequence was finished or restarted while iterating")
         self.waker.wake()
         with self._turn:

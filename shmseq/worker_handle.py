@@ -1,8 +1,10 @@
 """One worker as the consumer sees it: how it starts, its pipes, its open tasks, how it ends."""
 from __future__ import annotations
 
+import multiprocessing.process
 import os
 import threading
+import weakref
 from multiprocessing import connection
 from typing import Iterable
 
@@ -15,6 +17,21 @@ from .wire import FrameReader
 from .workers import ProcessTies, WorkerInfo, worker_loop
 
 JOIN_SECONDS = 3.0
+
+_started_here: weakref.WeakSet = weakref.WeakSet()  # the worker processes this process started
+
+
+def _disown_inherited_workers() -> None:
+    """In a forked child, leave the parent's worker processes out of ``multiprocessing``'s
+    children, which the child inherited. Its exit hook (``multiprocessing.util._exit_function``)
+    would take them for the child's own (``poll()`` gets ECHILD and calls them alive) and send
+    them SIGTERM: a trainer's forked helper that merely exits would kill the parent's workers."""
+    for process in _started_here:
+        multiprocessing.process._children.discard(process)
+    _started_here.clear()
+
+
+os.register_at_fork(after_in_child=_disown_inherited_workers)
 
 
 class TaskPipe:
@@ -132,6 +149,7 @@ def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn
                            if method == "fork" else None), board=board)
         args = (worker, task_reader, result_writer, info, worker_init_fn, ties)
         runner = context.Process(target=worker_loop, name=name, daemon=True, args=args)
+        _started_here.add(runner)  # before it is one of multiprocessing's children: no fork between
         with sigint_held():  # a Ctrl-C now is the consumer's, not the starting worker's
             runner.start()
         task_reader.close()

@@ -14,6 +14,7 @@ import time
 
 SHM_DIR = "/dev/shm"
 PREFIX = "shmseq-"
+BOARD = "-board-"
 
 
 def children(pid: int | None = None) -> set[int]:
@@ -50,6 +51,12 @@ def shm_entries(pids: set[int] | None = None) -> set[str]:
 def mapped_rings(pid: int | str = "self", made_in: set[int] | None = None) -> dict[str, int]:
     """Rings mapped in process ``pid``: segment name -> bytes mapped (by default only rings
     made by this test process)."""
+    return {name: size for name, size in mapped_segments(pid, made_in).items()
+            if BOARD not in name}
+
+
+def mapped_segments(pid: int | str = "self", made_in: set[int] | None = None) -> dict[str, int]:
+    """shmseq segments mapped in process ``pid``, rings and the pools' boards (board.py)."""
     made_in = {os.getpid()} if made_in is None else made_in
     sizes: dict[str, int] = {}
     try:
@@ -80,7 +87,7 @@ def leftovers(before: set[str] = frozenset(), grace: float = 5.0) -> dict:
     """What is still there after ``grace`` seconds; empty when everything was released."""
     deadline = time.monotonic() + grace
     while True:
-        found = {"shm": sorted(shm_entries() - set(before)), "mapped": mapped_rings(),
+        found = {"shm": sorted(shm_entries() - set(before)), "mapped": mapped_segments(),
                  "threads": shmseq_threads(), "children": [p.pid for p in live_children()]}
         if not any(found.values()) or time.monotonic() > deadline:
             return {key: value for key, value in found.items() if value}
