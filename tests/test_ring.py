@@ -3,13 +3,12 @@ import threading
 import time
 
 import numpy as np
-import posix_ipc
 import pytest
 
 import shmseq.ring as ring_module
 from shmseq.errors import SharedMemoryFull, ShmSeqError
 from shmseq.ring import (COPYING, DISPATCHED, FREE, LEASED, WRITTEN, IllegalTransition, Ring,
-                         RingSpec, WorkerRing)
+                         WorkerRing)
 from leaks import mapped_rings, shm_entries
 
 
