@@ -91,12 +91,15 @@ class OrderedOutput:
 
 
 class Route:
-    """Arrivals -> deliveries through the device; deliveries -> the consumer."""
+    """Arrivals -> deliveries through the device; deliveries -> the consumer. ``name`` says
+    how messages call a batch ("batch 3 of epoch 1")."""
 
-    def __init__(self, device, output: OrderedOutput, stats: LoaderStats):
+    def __init__(self, device, output: OrderedOutput, stats: LoaderStats,
+                 name: Callable[[int], str]):
         self.device = device
         self.output = output
         self.stats = stats
+        self.name = name
         self.ring = None
         self._warned: set[str] = set()
 
@@ -112,7 +115,7 @@ class Route:
             try:
                 delivery = self._convert(arrival)
             except Exception as exc:  # noqa: BLE001 - surfaces in the consumer, in order
-                delivery = Delivery(None, error=_conversion_failed(arrival.seq, exc))
+                delivery = Delivery(None, error=_conversion_failed(self.name(arrival.seq), exc))
         self.output.put(arrival.seq, delivery)
 
     def _convert(self, arrival: Arrival) -> Delivery:
@@ -132,7 +135,7 @@ class Route:
         self.stats.batches += 1
         self.stats.bytes += delivery.nbytes
         if delivery.payload_bytes:
-            self._overflowed(seq, delivery.payload_bytes)
+            self._overflowed(self.name(seq), delivery.payload_bytes)
         if delivery.in_slot:
             held = self.ring.leased - self.output.waiting_in_slots  # this one included
             if held >= self.ring.spec.n_slots:
@@ -151,7 +154,7 @@ class Route:
         copied = map_arrays(batch, _copy_array, _array_types())
         return self.device.hand_over(copied, None)
 
-    def _overflowed(self, seq: int, payload_bytes: int) -> None:
+    def _overflowed(self, batch: str, payload_bytes: int) -> None:
         """Count it; warn again whenever a batch outgrows the last slot_bytes suggested."""
         stats = self.stats
         stats.overflow_count += 1
@@ -161,7 +164,7 @@ class Route:
         if stats.suggested_slot_bytes is None or payload_bytes > stats.suggested_slot_bytes:
             stats.suggested_slot_bytes = slot_bytes_for(payload_bytes)
             warn_user(
-                f"batch {seq} needed {payload_bytes:,} bytes, the most of any batch so far, but "
+                f"{batch} needed {payload_bytes:,} bytes, the most of any batch so far, but "
                 f"slot_bytes is {self.ring.spec.slot_bytes:,}: it came through the overflow "
                 f"path, with a copy. Pass slot_bytes={stats.suggested_slot_bytes} (or more) to "
                 "keep every batch seen so far in the ring (seq.stats.suggested_slot_bytes)")
@@ -172,16 +175,16 @@ class Route:
             warn_user(message)
 
 
-def _conversion_failed(seq: int, exc: Exception) -> Callable[[], ShmSeqError]:
+def _conversion_failed(batch: str, exc: Exception) -> Callable[[], ShmSeqError]:
     """What makes the consumer's error. The failure's traceback travels as text: its frames
     (and the frames that called them) hold the slot's views, and the delivery itself."""
     text = "".join(traceback.format_exception(exc))
     exc.__traceback__ = None
-    return functools.partial(_raised_in_conversion, seq, exc, text)
+    return functools.partial(_raised_in_conversion, batch, exc, text)
 
 
-def _raised_in_conversion(seq: int, exc: Exception, text: str) -> ShmSeqError:
-    error = ShmSeqError(f"converting batch {seq} failed: {type(exc).__name__}: {exc}\n\n"
+def _raised_in_conversion(batch: str, exc: Exception, text: str) -> ShmSeqError:
+    error = ShmSeqError(f"converting {batch} failed: {type(exc).__name__}: {exc}\n\n"
                         f"Conversion traceback:\n{text}")
     error.__cause__ = exc
     return error

@@ -84,7 +84,7 @@ class Pipeline:
         try:
             self.device = make_device(spec.out_type, spec.pin_memory, spec.pin_device_id,
                                       spec.num_converters)
-            self.route = Route(self.device, self.output, self.stats)
+            self.route = Route(self.device, self.output, self.stats, self.stream.name)
             if spec.slot_bytes is not None:  # reserved while the workers start
                 self.ring = self._new_ring(spec.slot_bytes)
             self.pool = WorkerPool(spec.worker, num_workers=spec.num_workers,

@@ -245,10 +245,11 @@ class WorkerPool:
         """The worker for a task; None if none takes tasks (gone: their sentinels say why).
 
         In turn (``in_turn``): worker ``position % num_workers``, or the next one that takes
-        tasks. Else the least-busy worker: the work is spread. But while the consumer is the
-        slower side (``pack``), tasks all go to the first worker that takes tasks, awake most
-        often, where the least-busy one would be a sleeping one woken for each batch; on small
-        batches the wake-ups cost more than the batches themselves."""
+        tasks. Else the least-busy worker that has started (a replacement still starting, 0.2 s
+        when spawned, would hold up the batches given to it): the work is spread. But while the
+        consumer is the slower side (``pack``), tasks all go to the first worker that takes
+        tasks, awake most often, where the least-busy one would be a sleeping one woken for each
+        batch; on small batches the wake-ups cost more than the batches themselves."""
         workers = self._workers
         if self._in_turn:
             first = task.position % len(workers)
@@ -257,7 +258,7 @@ class WorkerPool:
         taking = [handle for handle in workers if handle.accepting]
         if not taking:
             return None
-        return taking[0] if pack else min(taking, key=lambda handle: len(handle.open))
+        return taking[0] if pack else min(taking, key=lambda h: (not h.ready, len(h.open)))
 
     def _send_task(self, chosen: WorkerHandle, task: Task, slot: int | None) -> None:
         self._unslotted += slot is None

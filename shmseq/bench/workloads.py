@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shmseq import get_worker_info
+
 POOL_ROWS = 512          # samples held in memory per image size (77 MB at 224x224)
 EPOCH_BATCHES = 1000     # sample indices wrap after this many batches (one shmseq epoch)
 _HEAD_MOD, _TAIL_MOD = 251, 241   # coprime markers: together they tell every pool row apart
@@ -151,17 +153,21 @@ class InPlaceWorker(_PoolWorker):
 
 
 class DyingWorker(InPlaceWorker):
-    """An in-place worker whose process kills itself after building ``die_after`` batches:
-    with 2 workers, one dies every ``die_after / 2`` batches (for ``worker_restarts``)."""
+    """An in-place worker whose process kills itself once it has built ``die_after * (k + 1)``
+    batches (worker k): the workers die at different moments, never all at once, as one OOM
+    kill or crash at a time would have them (for ``worker_restarts``). With 2 workers and the
+    default, a worker dies about every 270 batches delivered."""
 
-    def __init__(self, workload: Workload, die_after: int = 400):
+    def __init__(self, workload: Workload, die_after: int = 200):
         super().__init__(workload)
         self.die_after = die_after
-        self.built = 0
+        self.left: int | None = None
 
     def fill_batch(self, indices: np.ndarray, out) -> tuple[np.ndarray, np.ndarray]:
-        self.built += 1
-        if self.built > self.die_after:
+        if self.left is None:
+            self.left = self.die_after * (get_worker_info().id + 1)
+        self.left -= 1
+        if self.left < 0:
             os.kill(os.getpid(), signal.SIGKILL)
         return super().fill_batch(indices, out)
 
