@@ -11,13 +11,13 @@ stale or misordered batch stops the run instead of producing a number.
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import signal
 from dataclasses import dataclass
 
 import numpy as np
 
-from shmseq import get_worker_info
 
 POOL_ROWS = 512          # samples held in memory per image size (77 MB at 224x224)
 EPOCH_BATCHES = 1000     # sample indices wrap after this many batches (one shmseq epoch)
@@ -153,21 +153,18 @@ class InPlaceWorker(_PoolWorker):
 
 
 class DyingWorker(InPlaceWorker):
-    """An in-place worker whose process kills itself once it has built ``die_after * (k + 1)``
-    batches (worker k): the workers die at different moments, never all at once, as one OOM
-    kill or crash at a time would have them (for ``worker_restarts``). With 2 workers and the
-    default, a worker dies about every 270 batches delivered."""
+    """An in-place worker whose process kills itself at every ``die_every``-th batch the pool
+    builds: one worker at a time, never twice on the same batch (for ``worker_restarts``).
+    The count lives in memory shared by every worker forked from the consumer."""
 
-    def __init__(self, workload: Workload, die_after: int = 200):
+    def __init__(self, workload: Workload, die_every: int = 200):
         super().__init__(workload)
-        self.die_after = die_after
-        self.left: int | None = None
+        self.die_every = die_every
+        self.built = np.frombuffer(mmap.mmap(-1, 8), np.int64)  # anonymous and shared
 
     def fill_batch(self, indices: np.ndarray, out) -> tuple[np.ndarray, np.ndarray]:
-        if self.left is None:
-            self.left = self.die_after * (get_worker_info().id + 1)
-        self.left -= 1
-        if self.left < 0:
+        self.built[0] += 1
+        if self.built[0] % self.die_every == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         return super().fill_batch(indices, out)
 
