@@ -457,7 +457,9 @@ class WorkerPool:
             return
         self._stopped = True
         try:
-            concurrent.futures.wait([handle.launched for handle in self._launching])
+            # (a start can hang: multiprocessing's spawn writes the worker to a child that died
+            # before reading it, into a pipe whose read end the parent holds until the write ends)
+            concurrent.futures.wait([handle.launched for handle in self._launching], timeout=grace)
             for handle in self._workers:
                 self._send(handle, framed(None))
             self._drain_until_exited(time.monotonic() + grace)
@@ -467,7 +469,7 @@ class WorkerPool:
                 handle.close_pipes()
             end_workers(self._workers)
             if self._launcher_pool is not None:
-                self._launcher_pool.shutdown()
+                self._launcher_pool.shutdown(wait=not self._launching)
             if self._board is not None:
                 self._board.close()
 
