@@ -322,7 +322,8 @@ def write_batch(batch, region: np.ndarray, allocator: SlotAllocator | None = Non
 
 
 def encode_batch(batch) -> np.ndarray:
-    """The batch in slot format in a buffer of its own (overflow path, and the first batches, built before there is a ring)."""
+    """The batch in slot format in a buffer of its own (the overflow path, and the first
+    batches, built before there is a ring)."""
     packed = _pack(batch, None, PAYLOAD_START, {})
     buffer = np.empty(packed.size, np.uint8)
     _emit(packed, buffer)

@@ -132,7 +132,8 @@ def test_a_failing_converter_surfaces(monkeypatch):
 
     monkeypatch.setattr(HostDevice, "convert", convert)
     with make().start() as seq:
-        with pytest.raises(ShmSeqError, match="converting batch 2 of epoch 0 failed: ValueError: device is gone"):
+        with pytest.raises(ShmSeqError,
+                           match="converting batch 2 of epoch 0 failed: ValueError: device is gone"):
             for _ in seq:
                 pass
 

@@ -544,7 +544,8 @@ def test_a_killed_worker_is_a_runtime_error_naming_it():
     theirs, ours = run(TorchLoader), run(DataLoader)
     assert issubclass(theirs.type, (RuntimeError, ConnectionError, EOFError))
     assert issubclass(ours.type, RuntimeError) and "DataLoader worker (pid" in ours.message
-    assert "killed by signal SIGKILL while building batch 4 of epoch 0 (sample indices [8, 9])" in ours.message
+    assert ("killed by signal SIGKILL while building batch 4 of epoch 0 (sample indices [8, 9])"
+            in ours.message)
 
 
 @pytest.mark.timeout(60)

@@ -173,7 +173,8 @@ def markdown(cells: list[Cell], info: dict, settings: dict, command: str) -> str
     """The table with its machine, what each column means, what it shows, the command."""
     head = (f"Machine: {info['nproc']} CPUs ({info['cpu']}), {info['ram']} RAM; Python "
             f"{info['python']}, numpy {info['numpy']}, torch {info['torch']}. 2 workers and "
-            f"{settings['buffer']} batches in flight for every loader; {settings['repeats']} interleaved repeats of {settings['seconds']:g} s.")
+            f"{settings['buffer']} batches in flight for every loader; {settings['repeats']} "
+            f"interleaved repeats of {settings['seconds']:g} s.")
     shows = "\n".join(f"- {line}" for line in highlights(cells))
     return (f"{head}\n\n{table(cells)}\n\n{COLUMNS}\n\nWhat it shows:\n{shows}\n\n"
             f"Reproduce: `{command}`\n")
