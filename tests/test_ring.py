@@ -270,3 +270,8 @@ def test_a_ring_that_cannot_be_reserved_is_refused_by_start(monkeypatch):
                       slot_bytes=1 << 16, start_method="fork", timeout=30)
     with pytest.raises(SharedMemoryFull, match="the slot ring .* needs"):
         seq.start()
+
+
+def test_a_ring_error_is_a_shmseq_error():
+    """What a user catches as shmseq's failures covers the ring's refusals too."""
+    assert issubclass(IllegalTransition, ShmSeqError) and issubclass(SharedMemoryFull, ShmSeqError)
