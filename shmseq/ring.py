@@ -22,9 +22,9 @@ consumer's descriptor (``/proc/PID/fd/N``), so a trainer killed at any moment le
 /dev/shm. The ring's memory is reserved as soon as it exists, slot by slot in the order they
 are first used, on a thread of the consumer (``_Reservation``): the first batch need not wait
 for the whole ring, ``start()`` returns once all of it is the sequence's, and no write can
-later find /dev/shm full. Each process then maps a slot's pages in one call the first time it
-uses the slot (``MADV_POPULATE_*``), rather than a page fault at a time while the batch is
-written or read. Segments are made with posix_ipc so that Python's resource tracker never
+later find /dev/shm full. Each writer maps a slot's pages in one call the first time it writes
+the slot (``MADV_POPULATE_WRITE``), rather than a page fault at a time while the batch is
+written; the consumer's reads fault in 16 pages at a time. Segments are made with posix_ipc so that Python's resource tracker never
 warns about, or unlinks, a segment in use. A closed ring unmaps at once, or, when the consumer
 still holds views, the moment the last of them dies (until then it is listed, with its size,
 in the ``SharedMemoryFull`` a new ring would raise). Forked workers give back every ring they
@@ -53,7 +53,7 @@ PAGE = mmap.PAGESIZE
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "shmseq-"
 _MAP_FLAGS = mmap.MAP_SHARED  # no MAP_POPULATE: each process maps a slot's pages as it first uses it
-_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14; older kernels fault page by page
+_MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels fault the pages in as they are written
 
 
 class RingSpec(NamedTuple):
@@ -157,22 +157,21 @@ def _madvise():
     return libc.madvise
 
 
-def _populate(address: int, size: int, write: bool) -> None:
+def _populate(address: int, size: int) -> None:
     """Map ``size`` bytes at ``address`` into this process's page tables in one call, not a
     fault a page; nothing where the kernel cannot (they are then faulted in as they are
     touched). Through ctypes, which lets go of the GIL (``mmap.madvise`` holds it)."""
-    _madvise()(address, size, _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ)
+    _madvise()(address, size, _MADV_POPULATE_WRITE)
 
 
 class _SlotPages:
     """A process's mapping of the ring, each slot's pages mapped the first time it is used."""
 
-    def __init__(self, spec: RingSpec, memory: mmap.mmap, fd: int, write: bool):
+    def __init__(self, spec: RingSpec, memory: mmap.mmap, fd: int):
         self.spec = spec
         self._memory = memory
         self._array = np.frombuffer(memory, np.uint8)
         self._fd = fd
-        self._write = write
         self._mapped = bytearray(spec.n_slots)  # 1: populated in this process
 
     def region(self, slot: int) -> np.ndarray:
@@ -180,7 +179,7 @@ class _SlotPages:
         start = slot * self.spec.stride
         if not self._mapped[slot]:
             self._allocate(slot)
-            _populate(self._array.ctypes.data + start, self.spec.stride, self._write)
+            _populate(self._array.ctypes.data + start, self.spec.stride)
             self._mapped[slot] = 1
         return self._array[start:start + self.spec.slot_bytes]
 
@@ -208,7 +207,7 @@ class WorkerRing(_SlotPages):
         except BaseException:
             os.close(fd)
             raise
-        super().__init__(spec, memory, fd, write=True)
+        super().__init__(spec, memory, fd)
 
     def close(self) -> None:
         self._array = None
@@ -303,7 +302,7 @@ class Ring(_SlotPages):
     """The consumer's mapping of the ring, and the state of every slot."""
 
     def __init__(self, spec: RingSpec, memory: mmap.mmap, segment, *, wake: Callable[[], None]):
-        super().__init__(spec, memory, segment.fd, write=False)
+        super().__init__(spec, memory, segment.fd)
         self._segment = segment  # its descriptor stays open: workers map the ring through it
         self._reservation = _Reservation(spec, segment.fd)
         _hold(spec.name, spec.total_bytes, "a live sequence's ring")
