@@ -16,7 +16,7 @@ from .layout import SlotAllocator, as_ndarray, is_tensor
 from .plan import SamplerPlan
 from .samplers import BatchSampler, RandomSampler, SequentialSampler
 from .sequence import ShmSequence
-from .workers import check_picklable
+from .workers import pickled_for
 
 
 def default_batchify(samples: list, out: SlotAllocator | None = None):
@@ -96,7 +96,7 @@ class SampleLoader(ShmSequence):
             method = self.start_method or multiprocessing.get_start_method()
             for name, value in ((self._collate_name, self.worker.batchify_fn),
                                 ("dataset", self.dataset)):
-                check_picklable(name, value, method, self._ways_around_pickling)
+                pickled_for(name, value, method, self._ways_around_pickling)
         return super().start(compat)
 
     def __iter__(self):

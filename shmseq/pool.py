@@ -38,7 +38,7 @@ from .stats import LoaderStats
 from .board import Board
 from .worker_handle import JOIN_SECONDS, WorkerHandle, consumer_ends, end_workers, start_worker
 from .wire import framed, task_frame
-from .workers import WorkerInfo, check_picklable
+from .workers import WorkerInfo, pickled_for
 
 
 class Arrival(NamedTuple):
@@ -153,10 +153,11 @@ class WorkerPool:
         self._replacements: set[WorkerHandle] = set()  # workers started in a dead one's place
         self._launching: list[WorkerHandle] = []  # replacements whose process is starting
         self._launcher_pool: ThreadPoolExecutor | None = None
-        if backend == "proc":
-            check_picklable("worker", worker, context.get_start_method(),
-                            "or use start_method='fork' or thread_type='thread'")
-        self._start_args = (worker, backend, context, worker_init_fn)
+        self._pickled_worker = None if backend != "proc" else pickled_for(
+            "worker", worker, context.get_start_method(),
+            "or use start_method='fork' or thread_type='thread'")
+        self._start_args = (None if self._pickled_worker else worker, backend, context,
+                            worker_init_fn)
         self._consumer = ProcessId.of(os.getpid())
         self._board = Board(num_workers) if backend == "proc" else None
         self._events = _Events()
@@ -177,6 +178,8 @@ class WorkerPool:
                               board=None if self._board is None else self._board.spec,
                               launcher=launcher)
         self._events.watch(handle.replies.fd, (self._receive, handle))
+        if self._pickled_worker is not None:  # see workers._received_worker
+            self._send(handle, framed(("worker", self._pickled_worker)))
         if handle.launched is not None:
             self._launching.append(handle)
             handle.launched.add_done_callback(lambda _: self._waker.wake())

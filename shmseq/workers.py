@@ -29,7 +29,7 @@ from .errors import UnsupportedBatch
 from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
 from .lifeline import Lifeline, ProcessId
 from .ring import PAGE, WorkerRing, drop_inherited_rings
-from .wire import FrameReader, done_frame, encode, framed, write_all
+from .wire import FrameReader, decode, done_frame, encode, framed, write_all
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _KEEP_BYTES = 256 << 20
@@ -199,6 +199,16 @@ def _tell_torch(torch, info: WorkerInfo, dataset) -> None:
         id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=dataset)
 
 
+def _received_worker(tasks):
+    """The worker, sent pickled as the first message of the task pipe by a consumer that spawned
+    this process. Not among the process's arguments: multiprocessing writes those into a pipe
+    whose read end the consumer holds until the write ends, so a child that dies before it has
+    read a large worker (a main module that fails to import, say) would hold the consumer in
+    ``Process.start()`` forever."""
+    _, pickled = decode(tasks.recv_bytes())
+    return pickle.loads(pickled)
+
+
 def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
                 ties: ProcessTies | None) -> None:
     """The body of a worker, process or thread (``ties`` is set in processes)."""
@@ -209,6 +219,8 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
                 os.close(fd)
             drop_inherited_rings()  # other sequences' rings: this worker maps its own only
     try:
+        if worker is None:
+            worker = _received_worker(tasks)
         _set_up(info, ties is not None, worker_init_fn, worker)
         worker_obj = make_worker(worker)
     except BaseException as exc:  # noqa: BLE001
@@ -236,12 +248,13 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
                 mapping.close()
 
 
-def check_picklable(what: str, value, start_method: str, fix: str) -> None:
-    """Fail at start, naming ``what``, when spawn or forkserver could not send ``value``."""
+def pickled_for(what: str, value, start_method: str, fix: str) -> bytes | None:
+    """``value`` pickled, as spawn or forkserver must send it (None under fork, which pickles
+    nothing); fails at start, naming ``what``, when it cannot be."""
     if start_method == "fork" or value is None:
-        return
+        return None
     try:
-        pickle.dumps(value)
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001 - any pickling failure means the same fix
         raise TypeError(
             f"{what} {value!r} cannot be pickled, which start_method={start_method!r} needs "

@@ -17,8 +17,8 @@ from shmseq import (BatchTimeout, SharedMemoryFull, ShmSeqError, ShmSequence, Un
                     WorkerDied, WorkerError)
 from shmseq.devices import HostDevice
 from leaks import leftovers, shm_entries
-from workers import (BadReturn, Crash, DieOrDawdle, ExitInInit, FailingInit, Hang, IndexWorker,
-                     ImageWorker, Slow, SlowStart5)
+from workers import (BadReturn, Crash, DieOrDawdle, DiesUnpickled, ExitInInit, FailingInit, Hang,
+                     IndexWorker, ImageWorker, Slow, SlowStart5)
 
 TESTS = Path(__file__).parent
 
@@ -427,6 +427,17 @@ def test_a_start_timeout_names_the_workers_that_did_not_start():
     seq = make(SlowStart5, timeout=1.0, slot_bytes=4096)
     with pytest.raises(ShmSeqError, match=r"did not start within timeout=1.0 s: worker 0 \(pid "
                                           r"\d+\), worker 1 \(pid \d+\)"):
+        seq.start()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_worker_dying_before_it_read_itself_fails_start_without_hanging(method):
+    """multiprocessing writes a process's arguments into a pipe whose read end the parent
+    holds until the write ends: a large worker there, and a child that dies before reading it,
+    held start() forever."""
+    seq = make(DiesUnpickled(), start_method=method, timeout=30)
+    with pytest.raises(WorkerDied, match="exited with code 7 while starting"):
         seq.start()
 
 

@@ -285,3 +285,22 @@ class DiesStartingAfterAKill(KillOnce):
         if os.path.exists(os.path.join(self.marks, "13")) and not os.path.exists(mark):
             open(mark, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_now():
+    import os
+    os._exit(7)
+
+
+class DiesUnpickled:
+    """A worker whose unpickling ends its process before the 1 MB that follows is read (as a
+    child whose main module fails to import dies before reading what its parent sends)."""
+
+    def __init__(self):
+        self.payload = np.zeros(1 << 20, np.uint8)
+
+    def __reduce__(self):
+        return (_die_now, (), {"payload": self.payload})  # the call comes before the state
+
+    def __getitem__(self, indices):
+        return indices
