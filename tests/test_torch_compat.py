@@ -533,11 +533,13 @@ def test_an_error_in_an_iterable_datasets_iter(num_workers):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # torch's __del__
 def test_a_killed_worker_is_a_runtime_error_naming_it():
     """torch's loader raises a RuntimeError naming the worker, or now and then the error of
     the pipe the dying worker left half-written (ConnectionResetError or EOFError: torch's own
     test accepts the first, and the second was seen in CI); shmseq's always says which worker
-    died, how, and on which batch."""
+    died, how, and on which batch. (torch's iterator, collected after the error, now and then
+    reports the dead worker once more from its ``__del__``.)"""
     def run(Loader):
         return outcome(lambda: list(Loader(data.KillsItself(40, at=9), batch_size=2,
                                            num_workers=2)))
