@@ -96,6 +96,21 @@ def assert_unharmed(parent: dict) -> None:
     assert parent["batches"] == EPOCH
 
 
+def live_sequence(method: str) -> str:
+    """The scenario's start: a started ShmSequence whose first batch the parent took."""
+    return f"""
+        from shmseq import ShmSequence
+        from workers import IndexWorker
+        seq = ShmSequence(IndexWorker, 400, batch_size=4, num_workers=2, shuffle=False,
+                          out_type="null", start_method={method!r}, timeout=10,
+                          worker_restarts=2)
+        seq.start()
+        pipeline, stats = seq._runtime, seq.stats
+        batches = iter(seq)
+        got = [next(batches).tolist()]
+    """
+
+
 _PARENT_FINISHES = """
     workers = worker_pids(pipeline)
     code = exit_code(child)
@@ -111,15 +126,7 @@ _PARENT_FINISHES = """
 
 @pytest.mark.timeout(30)
 def test_a_child_cannot_take_a_batch_and_the_parent_finishes_its_epoch():
-    reports = run("""
-        from shmseq import ShmSequence
-        from workers import IndexWorker
-        seq = ShmSequence(IndexWorker, 400, batch_size=4, num_workers=2, shuffle=False,
-                          out_type="null", start_method="fork", timeout=10, worker_restarts=2)
-        seq.start()
-        pipeline, stats = seq._runtime, seq.stats
-        batches = iter(seq)
-        got = [next(batches).tolist()]
+    reports = run(live_sequence("fork"), """
 
         def take_a_batch():
             next(batches)
@@ -137,15 +144,7 @@ def test_a_child_cannot_take_a_batch_and_the_parent_finishes_its_epoch():
 def test_the_child_can_start_its_own_pipeline():
     """What the refusal tells the child to do works: ``start()`` again gives it workers of its
     own, and the parent is unharmed."""
-    reports = run("""
-        from shmseq import ShmSequence
-        from workers import IndexWorker
-        seq = ShmSequence(IndexWorker, 400, batch_size=4, num_workers=2, shuffle=False,
-                          out_type="null", start_method="fork", timeout=10, worker_restarts=2)
-        seq.start()
-        pipeline, stats = seq._runtime, seq.stats
-        batches = iter(seq)
-        got = [next(batches).tolist()]
+    reports = run(live_sequence("fork"), """
 
         def start_again():
             with seq.start():
@@ -165,16 +164,7 @@ def test_the_child_can_start_its_own_pipeline():
 @pytest.mark.parametrize("action", ["exits", "closes the pipeline"])
 def test_a_child_that_exits_or_closes_leaves_the_parents_workers_alone(method, action):
     body = {"exits": "{}", "closes the pipeline": "pipeline.close() or {}"}[action]
-    reports = run(f"""
-        from shmseq import ShmSequence
-        from workers import IndexWorker
-        seq = ShmSequence(IndexWorker, 400, batch_size=4, num_workers=2, shuffle=False,
-                          out_type="null", start_method={method!r}, timeout=10,
-                          worker_restarts=2)
-        seq.start()
-        pipeline, stats = seq._runtime, seq.stats
-        batches = iter(seq)
-        got = [next(batches).tolist()]
+    reports = run(live_sequence(method), f"""
         child = fork_child(lambda: {body})
     """, _PARENT_FINISHES, """
         seq.finish()
