@@ -17,7 +17,8 @@ import secrets
 from typing import NamedTuple
 
 import numpy as np
-import posix_ipc
+
+from .ring import owners_segment, unlinked_segment
 
 IDLE = -1
 
@@ -38,9 +39,8 @@ class Board:
     """The consumer's side: reads which batch a worker was building; clears a dead worker's cell."""
 
     def __init__(self, n_workers: int):
-        segment = posix_ipc.SharedMemory(f"/shmseq-{os.getpid()}-board-{secrets.token_hex(4)}",
-                                         posix_ipc.O_CREX, mode=0o600, size=max(n_workers, 1) * 8)
-        segment.unlink()
+        segment = unlinked_segment(f"/shmseq-{os.getpid()}-board-{secrets.token_hex(4)}",
+                                   size=max(n_workers, 1) * 8)
         self._segment = segment
         self.spec = BoardSpec(os.getpid(), segment.fd, n_workers)
         self._memory, self._cells = _cells(segment.fd, n_workers)
@@ -64,7 +64,7 @@ class WorkerCell:
     """A worker's side: one cell, written as each task begins."""
 
     def __init__(self, spec: BoardSpec, wid: int):
-        fd = os.open(f"/proc/{spec.owner_pid}/fd/{spec.owner_fd}", os.O_RDWR)
+        fd = owners_segment(spec.owner_pid, spec.owner_fd)
         try:
             self._memory, cells = _cells(fd, spec.n_workers)
         finally:

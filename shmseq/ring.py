@@ -24,11 +24,12 @@ are first used, on a thread of the consumer (``_Reservation``): the first batch 
 for the whole ring, ``start()`` returns once all of it is the sequence's, and no write can
 later find /dev/shm full. Each writer maps a slot's pages in one call the first time it writes
 the slot (``MADV_POPULATE_WRITE``), rather than a page fault at a time while the batch is
-written; the consumer's reads fault in 16 pages at a time. Segments are made with posix_ipc so that Python's resource tracker never
-warns about, or unlinks, a segment in use. A closed ring unmaps at once, or, when the consumer
-still holds views, the moment the last of them dies (until then it is listed, with its size,
-in the ``SharedMemoryFull`` a new ring would raise). Forked workers give back every ring they
-inherited (``drop_inherited_rings``): a worker maps its own ring and nothing else.
+written; the consumer's reads fault in 16 pages at a time. Segments are made with posix_ipc so
+that Python's resource tracker never warns about, or unlinks, a segment in use. A closed ring
+unmaps at once, or, when the consumer still holds views, the moment the last of them dies
+(until then it is listed, with its size, in the ``SharedMemoryFull`` a new ring would raise).
+Forked workers give back every ring they inherited (``drop_inherited_rings``): a worker maps
+its own ring and nothing else.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ from .errors import SharedMemoryFull, ShmSeqError
 PAGE = mmap.PAGESIZE
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "shmseq-"
-_MAP_FLAGS = mmap.MAP_SHARED  # no MAP_POPULATE: each process maps a slot's pages as it first uses it
+_MAP_FLAGS = mmap.MAP_SHARED  # no MAP_POPULATE: a writer maps a slot's pages as it first writes it
 _MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels fault the pages in as they are written
 
 
@@ -146,8 +147,17 @@ def drop_inherited_rings() -> None:
         os.close(null)
 
 
-def _open_segment(name: str, flags: int = 0):
-    return posix_ipc.SharedMemory(name, flags, mode=0o600)
+def unlinked_segment(name: str, size: int = 0) -> posix_ipc.SharedMemory:
+    """A new segment whose name is gone already: nothing of it can be left in /dev/shm, and it
+    lives as long as a descriptor or a mapping of it (workers reach it by ``owners_segment``)."""
+    segment = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+    segment.unlink()
+    return segment
+
+
+def owners_segment(owner_pid: int, owner_fd: int) -> int:
+    """A descriptor of the unlinked segment the consumer ``owner_pid`` holds as ``owner_fd``."""
+    return os.open(f"/proc/{owner_pid}/fd/{owner_fd}", os.O_RDWR)
 
 
 @functools.cache
@@ -201,7 +211,7 @@ class WorkerRing(_SlotPages):
     """A worker's mapping of the ring: the slots it writes."""
 
     def __init__(self, spec: RingSpec):
-        fd = os.open(f"/proc/{spec.owner_pid}/fd/{spec.owner_fd}", os.O_RDWR)
+        fd = owners_segment(spec.owner_pid, spec.owner_fd)
         try:
             memory = mmap.mmap(fd, spec.total_bytes, flags=_MAP_FLAGS)
         except BaseException:
@@ -335,9 +345,8 @@ class Ring(_SlotPages):
         if spec.total_bytes > shm_free_bytes():
             raise _refuse_space(spec.total_bytes, f"the slot ring ({n_slots} slots of "
                                                   f"{spec.stride:,} bytes)")
-        segment = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+        segment = unlinked_segment(name)
         try:
-            segment.unlink()
             os.ftruncate(segment.fd, spec.total_bytes)
             memory = mmap.mmap(segment.fd, spec.total_bytes, flags=_MAP_FLAGS)
         except BaseException:
