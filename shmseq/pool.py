@@ -18,14 +18,12 @@ bounds how far workers run ahead anyway, so nothing is lost while the consumer c
 """
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import os
 import select
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -151,8 +149,6 @@ class WorkerPool:
         self._restarts = restarts
         self._killers: set[int] = set()  # batches that killed a worker once
         self._replacements: set[WorkerHandle] = set()  # workers started in a dead one's place
-        self._launching: list[WorkerHandle] = []  # replacements whose process is starting
-        self._launcher_pool: ThreadPoolExecutor | None = None
         self._pickled_worker = None if backend != "proc" else pickled_for(
             "worker", worker, context.get_start_method(),
             "or use start_method='fork' or thread_type='thread'")
@@ -171,43 +167,17 @@ class WorkerPool:
             raise
 
     # -- start -------------------------------------------------------------------------------
-    def _start(self, info: WorkerInfo, launcher: ThreadPoolExecutor | None = None) -> WorkerHandle:
+    def _start(self, info: WorkerInfo) -> WorkerHandle:
         worker, backend, context, worker_init_fn = self._start_args
         others = [*self._waker.fds(), *consumer_ends(self._workers)]
         handle = start_worker(worker, info, backend, context, worker_init_fn, self._consumer, others,
-                              board=None if self._board is None else self._board.spec,
-                              launcher=launcher)
+                              board=None if self._board is None else self._board.spec)
         self._events.watch(handle.replies.fd, (self._receive, handle))
         if self._pickled_worker is not None:  # see workers._received_worker
             self._send(handle, framed(("worker", self._pickled_worker)))
-        if handle.launched is not None:
-            self._launching.append(handle)
-            handle.launched.add_done_callback(lambda _: self._waker.wake())
-        elif handle.sentinel is not None:
+        if handle.sentinel is not None:
             self._events.watch(handle.sentinel, (self._died, handle))
         return handle
-
-    def _launcher(self) -> ThreadPoolExecutor | None:
-        """Where replacements start: on a thread of the pool's own, except when forked (a fork
-        takes milliseconds, and a thread alive at every later fork draws Python's warning)."""
-        if self._start_args[2].get_start_method() == "fork":
-            return None
-        if self._launcher_pool is None:
-            self._launcher_pool = ThreadPoolExecutor(1, thread_name_prefix="shmseq-launcher")
-        return self._launcher_pool
-
-    def _settle_launches(self) -> None:
-        """Watch the sentinels of replacements that started since; raise ``WorkerDied`` for one
-        that could not be started."""
-        for handle in list(self._launching):
-            if not handle.launched.done():
-                continue
-            self._launching.remove(handle)
-            failed = handle.launched.exception()
-            if failed is not None:
-                raise WorkerDied(f"{handle.describe()} could not be started in place of a dead "
-                                 f"worker: {type(failed).__name__}: {failed}")
-            self._events.watch(handle.sentinel, (self._died, handle))
 
     def use_ring(self, ring: Ring) -> None:
         """Send the ring to every worker, which maps it."""
@@ -253,7 +223,6 @@ class WorkerPool:
 
     def _woken(self, _, arrivals: list[Arrival]) -> None:
         self._waker.drain()
-        self._settle_launches()
 
     def dispatch(self, pack: bool = False) -> None:
         """Send the next batches of the stream with free slots (before there is a ring, one
@@ -428,7 +397,7 @@ class WorkerPool:
         dead.close_pipes()
         end_workers([dead])
         self._board.clear(dead.wid)
-        handle = self._start(dead.info, self._launcher())
+        handle = self._start(dead.info)
         self._replacements.discard(dead)
         self._replacements.add(handle)
         self._workers[self._workers.index(dead)] = handle
@@ -460,9 +429,6 @@ class WorkerPool:
             return
         self._stopped = True
         try:
-            # (a start can hang: multiprocessing's spawn writes the worker to a child that died
-            # before reading it, into a pipe whose read end the parent holds until the write ends)
-            concurrent.futures.wait([handle.launched for handle in self._launching], timeout=grace)
             for handle in self._workers:
                 self._send(handle, framed(None))
             self._drain_until_exited(time.monotonic() + grace)
@@ -471,8 +437,6 @@ class WorkerPool:
             for handle in self._workers:
                 handle.close_pipes()
             end_workers(self._workers)
-            if self._launcher_pool is not None:
-                self._launcher_pool.shutdown(wait=not self._launching)
             if self._board is not None:
                 self._board.close()
 

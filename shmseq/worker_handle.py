@@ -5,7 +5,6 @@ import multiprocessing.process
 import os
 import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing import connection
 from typing import Iterable
 
@@ -87,7 +86,6 @@ class WorkerHandle:
         self.replies = FrameReader(replies.fileno())
         self.runner = runner
         self.open: dict[int, tuple[np.ndarray, int | None]] = {}  # seq -> (indices, slot), as sent
-        self.launched: Future | None = None  # its start, when made on the launcher's thread
         self.ready = False        # its worker object is built
         self.attached = False     # it maps the ring
         self.accepting = True     # its task pipe is open
@@ -102,9 +100,6 @@ class WorkerHandle:
 
     @property
     def sentinel(self) -> int | None:
-        """The process's sentinel once it started; None for a thread."""
-        if self.pid is None:
-            return None
         return getattr(self.runner, "sentinel", None)
 
     def describe(self) -> str:
@@ -133,18 +128,11 @@ class WorkerHandle:
 
 
 def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn,
-                 consumer: ProcessId, other_ends: list[int], board: BoardSpec | None = None,
-                 launcher: ThreadPoolExecutor | None = None) -> WorkerHandle:
+                 consumer: ProcessId, other_ends: list[int],
+                 board: BoardSpec | None = None) -> WorkerHandle:
     """A new worker thread or process. A process follows ``consumer`` (lifeline.py), and
     marks on ``board`` the batch it is building; forked, it closes the consumer's descriptors
-    it inherits: its own pipes' consumer ends and ``other_ends``.
-
-    With a ``launcher`` (a one-thread executor that lives as long as the pool), the process is
-    started on the launcher's thread and the handle's ``launched`` completes once it runs: a
-    spawned process holds its parent in ``Process.start()`` until it has imported the main
-    module and read the worker (0.3 s), which the consumer spends delivering instead. The
-    process then dies with the launcher's thread (``PR_SET_PDEATHSIG`` follows the thread that
-    started it)."""
+    it inherits: its own pipes' consumer ends and ``other_ends``."""
     task_reader, task_writer = connection.Pipe(duplex=False)
     result_reader, result_writer = connection.Pipe(duplex=False)
     name = f"shmseq-worker-{info.id}"
@@ -155,27 +143,17 @@ def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn
     else:
         method = context.get_start_method()
         ties = ProcessTies(
-            consumer, die_with_parent=(method == "forkserver" or launcher is not None
+            consumer, die_with_parent=(method == "forkserver"
                                        or threading.current_thread() is threading.main_thread()),
             inherited_fds=((task_writer.fileno(), result_reader.fileno(), *other_ends)
                            if method == "fork" else None), board=board)
         args = (worker, task_reader, result_writer, info, worker_init_fn, ties)
         runner = context.Process(target=worker_loop, name=name, daemon=True, args=args)
         _started_here.add(runner)  # before it is one of multiprocessing's children: no fork between
-
-        def launch() -> None:
-            try:
-                with sigint_held():  # a Ctrl-C now is the consumer's, not the starting worker's
-                    runner.start()
-            finally:
-                task_reader.close()
-                result_writer.close()
-
-        if launcher is not None:
-            handle = WorkerHandle(info, TaskPipe(task_writer), result_reader, runner)
-            handle.launched = launcher.submit(launch)
-            return handle
-        launch()
+        with sigint_held():  # a Ctrl-C now is the consumer's, not the starting worker's
+            runner.start()
+        task_reader.close()
+        result_writer.close()
     return WorkerHandle(info, TaskPipe(task_writer), result_reader, runner)
 
 
@@ -187,8 +165,8 @@ def consumer_ends(handles: Iterable[WorkerHandle]) -> list[int]:
 def end_workers(handles: Iterable[WorkerHandle]) -> None:
     """Kill every process that did not leave in time, then reap them; a thread cannot be
     killed, so say so."""
-    handles = [handle for handle in handles if handle.launched is None or handle.pid is not None]
-    for handle in handles:  # (one whose start failed is left out)
+    handles = list(handles)
+    for handle in handles:
         if not isinstance(handle.runner, threading.Thread) and handle.runner.is_alive():
             handle.runner.kill()
     for handle in handles:
