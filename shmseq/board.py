@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .ring import owners_segment, unlinked_segment
+from .segments import owners_segment, unlinked_segment
 
 IDLE = -1
 

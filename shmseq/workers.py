@@ -28,7 +28,7 @@ from .board import BoardSpec, WorkerCell
 from .errors import UnsupportedBatch
 from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
 from .lifeline import Lifeline, ProcessId
-from .ring import PAGE, WorkerRing, drop_inherited_rings
+from .segments import PAGE, WorkerRing, drop_inherited_rings
 from .wire import FrameReader, decode, done_frame, encode, framed, write_all
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters

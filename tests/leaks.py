@@ -75,6 +75,29 @@ def mapped_segments(pid: int | str = "self", made_in: set[int] | None = None) ->
     return sizes
 
 
+def holders(name: str) -> set[int]:
+    """The processes (this one and its children) that map segment ``name`` or hold a descriptor
+    of it: the kernel frees its pages once there is none."""
+    found = set()
+    for pid in {os.getpid()} | children():
+        if name in mapped_segments(pid):
+            found.add(pid)
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(f"{SHM_DIR}/{name}"):
+                found.add(pid)
+                break
+    return found
+
+
 def shmseq_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("shmseq-")]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import shmseq.ring
+import shmseq.segments
 from shmseq import (BatchTimeout, SharedMemoryFull, ShmSeqError, ShmSequence, UnsupportedBatch,
                     WorkerDied, WorkerError)
 from shmseq.devices import HostDevice
@@ -140,7 +140,7 @@ def test_a_failing_converter_surfaces(monkeypatch):
 
 @pytest.mark.parametrize("slot_bytes", [None, 40 << 20])
 def test_not_enough_shared_memory_is_refused_at_start(monkeypatch, slot_bytes):
-    monkeypatch.setattr(shmseq.ring, "shm_free_bytes", lambda: 64 << 20)
+    monkeypatch.setattr(shmseq.segments, "shm_free_bytes", lambda: 64 << 20)
     seq = make(ImageWorker(1024), dset_size=64, batch_size=8, buffer=10, slot_bytes=slot_bytes)
     with pytest.raises(SharedMemoryFull, match=r"needs [\d,]+ bytes.*has 67,108,864 free.*--shm-size"):
         seq.start()

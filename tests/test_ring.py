@@ -5,10 +5,10 @@ import time
 import numpy as np
 import pytest
 
-import shmseq.ring as ring_module
+import shmseq.segments as segments_module
 from shmseq.errors import SharedMemoryFull, ShmSeqError
-from shmseq.ring import (COPYING, DISPATCHED, FREE, LEASED, WRITTEN, IllegalTransition, Ring,
-                         WorkerRing)
+from shmseq.ring import COPYING, DISPATCHED, FREE, LEASED, WRITTEN, IllegalTransition, Ring
+from shmseq.segments import WorkerRing
 from leaks import mapped_rings, shm_entries
 
 
@@ -27,7 +27,7 @@ def written(ring) -> int:
 
 def states(ring) -> list:
     ring.collect()
-    return list(ring._states)
+    return [ring.state(slot) for slot in range(ring.spec.n_slots)]
 
 
 def test_slots_are_page_aligned_and_disjoint(ring):
@@ -109,13 +109,15 @@ def test_a_failed_copy_is_raised_with_its_cause(ring):
     ("written", FREE), ("lease", FREE), ("lease", DISPATCHED), ("discard", DISPATCHED),
     ("unused", WRITTEN), ("lease", LEASED), ("discard", LEASED), ("unused", LEASED)])
 def test_a_move_from_the_wrong_state_raises(ring, move, state):
-    slot = 0
-    ring._free.remove(slot)
-    ring._states[slot] = state
+    steps = {FREE: [], DISPATCHED: ["acquire"], WRITTEN: ["acquire", "written"],
+             LEASED: ["acquire", "written", "lease"]}[state]
+    slot, lease = 0, None
+    for step in steps:
+        result = getattr(ring, step)() if step == "acquire" else getattr(ring, step)(slot)
+        lease = result if step == "lease" else lease
+    assert ring.state(slot) is state
     with pytest.raises(IllegalTransition, match=f"slot 0 is {state.value}"):
         getattr(ring, move)(slot)
-    ring._states[slot] = FREE
-    ring._free.append(slot)
 
 
 def test_a_copy_is_tracked_only_on_a_leased_slot(ring):
@@ -143,7 +145,7 @@ def test_close_with_live_views_unmaps_when_the_last_dies():
 
 def test_refuses_a_ring_larger_than_dev_shm(monkeypatch):
     before = shm_entries()
-    monkeypatch.setattr(ring_module, "shm_free_bytes", lambda: 64 << 20)
+    monkeypatch.setattr(segments_module, "shm_free_bytes", lambda: 64 << 20)
     with pytest.raises(SharedMemoryFull, match=r"--shm-size=...\), or lower buffer or slot_bytes"):
         Ring.create(10, 40 << 20, wake=lambda: None)
     assert shm_entries() <= before
@@ -199,7 +201,7 @@ def test_the_space_held_by_a_finished_rings_views_is_named_until_they_die(monkey
     finished.wait_reserved()
     view = finished.lease(written(finished))
     finished.close()
-    monkeypatch.setattr(ring_module, "shm_free_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(segments_module, "shm_free_bytes", lambda: 1 << 20)
     with pytest.raises(SharedMemoryFull, match=r"2,097,152 by a finished sequence's ring, kept by "
                        r"batches of it still referenced.*drop the batches of finished sequences, or lower"):
         Ring.create(4, 1 << 20, wake=lambda: None)
@@ -237,7 +239,7 @@ def test_a_second_sequence_that_does_not_fit_is_refused_by_its_own_start(monkeyp
 
     shm = SmallShm(64 << 20)
     monkeypatch.setattr(os, "posix_fallocate", shm.fallocate)
-    monkeypatch.setattr(ring_module, "shm_free_bytes", shm.free)
+    monkeypatch.setattr(segments_module, "shm_free_bytes", shm.free)
 
     def sequence():
         return ShmSequence(IndexWorker, 80, batch_size=4, num_workers=2, thread_type="thread",
