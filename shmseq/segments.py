@@ -287,6 +287,11 @@ class RingSegment(SlotPages):
         """Where the ring is mapped in this process (for page-locking it)."""
         return self._array.ctypes.data
 
+    @property
+    def mapped(self) -> bool:
+        """Whether this process still maps the ring through this object (until ``close``)."""
+        return self._memory is not None
+
     def contains(self, array: np.ndarray) -> bool:
         """Whether ``array``'s data lies inside this ring (the zero-copy check)."""
         start = self.address

@@ -23,10 +23,10 @@ class RecordingFake(FakeDevice):
     def attach(self, ring):
         super().attach(ring)
         self.ring = ring
-        self.log.append(("attach", ring._memory is not None))
+        self.log.append(("attach", ring.segment.mapped))
 
     def close(self):
-        self.log.append(("close", self.ring._memory is not None))
+        self.log.append(("close", self.ring.segment.mapped))
         self.ring = None
         super().close()
 
