@@ -1,12 +1,12 @@
 """Where a batch is read: every arrival takes one route, slot -> device -> consumer, in order.
 
-As each reply arrives (in the consumer's thread, while it waits), ``Route.arrive`` leases
+As each reply arrives (in the consumer's thread, while it waits), ``Converter.arrive`` leases
 the batch's slot from the ring, decodes the batch into views of it
 (``layout.read_batch``) and gives them to the device. A host device's "copy" completes at
 once: the batch *is* the views, and the lease lives as long as they do. A copying device
 (CUDA) starts its copy on a stream of its own; the views die at once and the ring keeps
 the slot until the copy is done. Either way the ``Delivery`` waits in ``OrderedOutput``
-until the consumer asks for its seq, and ``Route.hand_over`` gives it out.
+until the consumer asks for its seq, and ``Converter.hand_over`` gives it out.
 
 A consumer holding every batch it received (``list(seq)``) would leave the workers no
 slot: the batch that would take the last one is handed over as a copy instead.
@@ -22,6 +22,7 @@ import numpy as np
 from .errors import PipelineClosed, ShmSeqError, warn_user
 from .layout import batch_reader, map_arrays
 from .pool import Arrival
+from .ring import Ring
 from .stats import LoaderStats
 from .workers import slot_bytes_for
 
@@ -90,17 +91,17 @@ class OrderedOutput:
         self.drop_below(float("inf"))
 
 
-class Route:
+class Converter:
     """Arrivals -> deliveries through the device; deliveries -> the consumer. ``name`` says
     how messages call a batch ("batch 3 of epoch 1")."""
 
-    def __init__(self, device, output: OrderedOutput, stats: LoaderStats,
+    def __init__(self, device, ring: Ring, output: OrderedOutput, stats: LoaderStats,
                  name: Callable[[int], str]):
         self.device = device
+        self.ring = ring
         self.output = output
         self.stats = stats
         self.name = name
-        self.ring = None
         self._warned: set[str] = set()
 
     def arrive(self, arrival: Arrival) -> None:

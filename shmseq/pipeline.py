@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from .convert import OrderedOutput, Route
+from .convert import Converter, Delivery, OrderedOutput
 from .devices import make_device
 from .errors import BatchTimeout, PipelineClosed, ShmSeqError
 from .layout import encode_batch, read_batch
@@ -77,17 +77,16 @@ class Pipeline:
         self._turn = threading.RLock()  # held by the consumer while it takes a batch
         self._closed = False
         self._broken = False  # a failure was raised: workers get no time to finish politely
-        self._packing = False  # the consumer is the slower side (see _follow_the_pace)
+        self.converter: Converter | None = None  # made with the ring
         self.waker = Waker()
         self.output = OrderedOutput()
         self.stream = BatchStream(plan, epoch, position)
         try:
             self.device = make_device(spec.out_type, spec.pin_memory, spec.pin_device_id,
                                       spec.num_converters)
-            self.route = Route(self.device, self.output, self.stats, self.stream.name)
             if spec.slot_bytes is not None:  # reserved while the workers start
                 self.ring = self._new_ring(spec.slot_bytes)
-            self.pool = WorkerPool(spec.worker, num_workers=spec.num_workers,
+            self.pool = WorkerPool(spec.worker, num_workers=spec.num_workers, n_slots=spec.buffer,
                                    backend=spec.thread_type,
                                    context=multiprocessing.get_context(spec.start_method),
                                    stream=self.stream, waker=self.waker, stats=self.stats,
@@ -102,6 +101,7 @@ class Pipeline:
             self.close()
             raise
 
+    # -- the ring ---------------------------------------------------------------------------------
     def _start(self, timeout: float | None) -> None:
         """Return once every worker built its worker object and mapped the ring, and the ring's
         memory is reserved: a ring sized by the first batches, made once the first of them
@@ -113,7 +113,7 @@ class Pipeline:
             if remaining is not None and remaining <= 0:
                 raise ShmSeqError(f"the workers did not start within timeout={timeout} s: "
                                   f"{self.pool.which_not_started()}")
-            self._pump(remaining)
+            self._step(remaining)
         if self.ring is not None:
             self.ring.wait_reserved()
 
@@ -121,47 +121,43 @@ class Pipeline:
         return Ring.create(self.spec.buffer, slot_bytes, wake=self.waker.wake_if_waiting)
 
     def _use_ring(self, ring: Ring) -> None:
-        self.ring = self.route.ring = ring
+        self.ring = ring
+        self.converter = Converter(self.device, ring, self.output, self.stats, self.stream.name)
         self.device.attach(ring)
         self.pool.use_ring(ring)
 
-    def _pump(self, timeout: float | None) -> None:
-        arrivals, waited = self.pool.pump(timeout)
-        if self.ring is None:
-            sizes = [len(arrival.payload) for arrival in arrivals if arrival.payload is not None]
-            if sizes:  # the first batches came back encoded: size the ring to them
-                self._use_ring(self._new_ring(slot_bytes_for(max(sizes))))
-        for arrival in arrivals:
-            if arrival.payload is not None and not arrival.overflowed:
-                arrival = self._into_ring(arrival)
-            self.route.arrive(arrival)
-        self._follow_the_pace(waited)
-        if self.ring is not None or self.output.waiting < self.spec.buffer:
-            self.pool.dispatch(pack=self._packing)  # without a ring, failures do not pile up
+    def _sized_by(self, arrivals: list[Arrival]) -> None:
+        """The first batches came back encoded (no ring yet): the ring is made to hold them."""
+        sizes = [len(arrival.payload) for arrival in arrivals if arrival.payload is not None]
+        if sizes:
+            self._use_ring(self._new_ring(slot_bytes_for(max(sizes))))
 
     def _into_ring(self, arrival: Arrival) -> Arrival:
         """A batch built before there was a ring: copied into a slot, to be delivered as views
         of the ring as every batch is. One larger than a slot is delivered as it came, as an
         overflow; with no slot free (a ring smaller than the workers), as it came."""
-        if arrival.seq < self.output.floor:
-            return arrival  # stale: dropped on arrival
+        if arrival.payload is None or arrival.overflowed or arrival.seq < self.output.floor:
+            return arrival  # a batch in its slot, an error; a stale one is dropped on arrival
         if len(arrival.payload) > self.ring.spec.slot_bytes:
             return arrival._replace(overflowed=True)
-        slot = self.ring.acquire()
-        if slot is None:
-            return arrival
-        self.ring.region(slot)[:len(arrival.payload)] = arrival.payload
-        self.ring.written(slot)
-        return Arrival(arrival.seq, slot)
+        slot = self.ring.store(arrival.payload)
+        return arrival if slot is None else Arrival(arrival.seq, slot)
 
-    def _follow_the_pace(self, waited: bool) -> None:
-        """Which side is slower: the consumer, once it found half the ring or more waiting for
-        it, until it has to wait for a batch again. Its tasks are then packed on one worker
-        (see ``WorkerPool._send_task``)."""
-        if waited:
-            self._packing = False
-        elif 2 * self.output.waiting >= self.spec.buffer:
-            self._packing = True
+    # -- the consumer's step ----------------------------------------------------------------------
+    def _step(self, timeout: float | None) -> None:
+        """One turn of the consumer: collect the slots freed since the last one, give the
+        workers what they can build (free slots with the next batches), read their replies
+        (those there, or the first within ``timeout`` s), and convert them into deliveries."""
+        if self.ring is not None:
+            self.ring.collect()  # slots freed, and copies failed, in other threads
+        arrivals = self.pool.exchange(timeout, waiting=self.output.waiting)
+        if self.ring is None:
+            self._sized_by(arrivals)
+        for arrival in arrivals:
+            if self.ring is None:  # a failure: no batch has come back yet
+                self.output.put(arrival.seq, Delivery(None, error=arrival.error))
+            else:
+                self.converter.arrive(self._into_ring(arrival))
 
     # -- the consumer's side ---------------------------------------------------------------------
     @property
@@ -191,9 +187,7 @@ class Pipeline:
             self.output.check()
             seq = self.stream.open(epoch, position, batches)
             self.output.drop_below(seq)
-            if self.ring is not None:
-                self.ring.collect()
-            self.pool.dispatch(pack=self._packing)
+            self._step(0)  # the workers start on the epoch's first batches at once
             return seq
 
     def batches(self, epoch: int, position: int = 0):
@@ -223,20 +217,34 @@ class Pipeline:
         return self._first_ready(lambda: self.output.pop_first(first_seq), epoch, position)
 
     def _first_ready(self, take: Callable, epoch: int, position: int):
-        """What ``take()`` finds in the output: at once (the workers given free slots
-        meanwhile), or once the pool brought it."""
+        """What ``take()`` finds in the output after a step of the consumer, or once later
+        steps brought it."""
         with self._failures_reported():
-            found = take()  # raises once the pipeline is closed
-            if found is None:
-                return self._wait_for(take, epoch, position)
-            self._keep_busy()
+            self.output.check()
+            self._step(0)
+            if (found := take()) is not None:  # raises once the pipeline is closed
+                return found
+            began = time.perf_counter()
+            deadline = None if self.spec.timeout is None else time.monotonic() + self.spec.timeout
+            while (found := take()) is None:
+                remaining = _remaining(deadline)
+                if remaining is not None and remaining <= 0:
+                    self._timed_out(epoch, position)
+                try:
+                    self._step(remaining)
+                except Exception:
+                    self.output.check()  # closed meanwhile, by a signal handler: say so
+                    raise
+            self.stats.consumer_wait_s += time.perf_counter() - began
             return found
 
     def hand_over(self, seq: int, delivery):
         """The batch as the consumer gets it; raises the batch's error (its worker's exception)
         in its place."""
         with self._failures_reported():
-            return self.route.hand_over(seq, delivery)
+            if self.converter is None:  # no batch came back yet: only failures did
+                raise delivery.error()
+            return self.converter.hand_over(seq, delivery)
 
     @contextlib.contextmanager
     def _failures_reported(self):
@@ -254,31 +262,6 @@ class Pipeline:
     def release(self, epoch: int, position: int) -> None:
         """The consumer has every batch of ``epoch`` before ``position`` (``receive_any``'s)."""
         self.plan.release(epoch, position)
-
-    def _keep_busy(self) -> None:
-        """A batch was there already: free slots go to the workers meanwhile."""
-        if self.ring is not None:
-            self.ring.collect()  # slots freed, and copies failed, in other threads
-            if self.ring.has_free():
-                self.pool.dispatch(pack=self._packing)
-
-    def _wait_for(self, delivered: Callable, epoch: int, position: int):
-        began = time.perf_counter()
-        deadline = None if self.spec.timeout is None else time.monotonic() + self.spec.timeout
-        if self.ring is not None:
-            self.ring.collect()
-        while True:
-            remaining = _remaining(deadline)
-            if remaining is not None and remaining <= 0:
-                self._timed_out(epoch, position)
-            try:
-                self._pump(remaining)
-            except Exception:
-                self.output.check()  # closed meanwhile, by a signal handler: say so
-                raise
-            if (delivery := delivered()) is not None:
-                self.stats.consumer_wait_s += time.perf_counter() - began
-                return delivery
 
     def _timed_out(self, epoch: int, position: int):
         seq = self.stream.seq_of(epoch, position)

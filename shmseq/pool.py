@@ -1,9 +1,10 @@
 """The consumer's side of the workers: dispatch, replies, deaths. No thread of its own.
 
-The consumer's thread drives the pool (``pump``) whenever it waits for a batch:
+The consumer's thread drives the pool (``exchange``) at each of its steps (pipeline.py):
 
 1. each free slot of the ring goes, with the next ``(seq, indices)`` of the stream, down
-   a worker's task pipe (``_send_task`` says which);
+   a worker's task pipe (``_dispatch``, the one place batches are handed out; ``_choose``
+   says to which worker, following the consumer's pace);
 2. it waits on every worker's reply pipe and process sentinel at once (and on the waker,
    which other threads use to cut the wait short), so that a worker that dies is reported
    at once, as ``concurrent.futures`` and ``loky`` do;
@@ -136,14 +137,16 @@ class WorkerPool:
     worker ``k % num_workers``, as torch's DataLoader deals them (a worker's random stream
     then meets the same batches as under torch's loader)."""
 
-    def __init__(self, worker, *, num_workers: int, backend: str, context, stream: BatchStream,
-                 waker: Waker, stats: LoaderStats, base_seed: int = 0, worker_init_fn=None,
-                 restarts: int = 0, in_turn: bool = False):
+    def __init__(self, worker, *, num_workers: int, n_slots: int, backend: str, context,
+                 stream: BatchStream, waker: Waker, stats: LoaderStats, base_seed: int = 0,
+                 worker_init_fn=None, restarts: int = 0, in_turn: bool = False):
         self.stream = stream
         self.stats = stats
         self.ring: Ring | None = None
+        self._n_slots = n_slots
         self._waker = waker
         self._in_turn = in_turn
+        self._packing = False  # the consumer is the slower side (see _follow_the_pace)
         self._unslotted = 0  # batches sent before there was a ring, not back yet: each takes a slot
         self._stopped = False
         self._restarts = restarts
@@ -194,25 +197,31 @@ class WorkerPool:
                          if not (h.ready and (self.ring is None or h.attached)))
 
     # -- the consumer's thread -----------------------------------------------------------------
-    def pump(self, timeout: float | None) -> tuple[list[Arrival], bool]:
-        """What arrived, and whether the consumer had to wait for it: what is there already
-        (replies, deaths, wake-ups), or else (free slots handed to the workers first) what
-        comes within ``timeout`` s (None: until something happens). The caller dispatches
-        once it has placed the arrivals.
+    def exchange(self, timeout: float | None, waiting: int) -> list[Arrival]:
+        """Give the workers what they can build, then return their replies: those there, or
+        else the first within ``timeout`` s (None: until something happens). ``waiting``: the
+        deliveries the consumer has not taken yet (see ``_follow_the_pace``).
 
         Raises what went wrong with a worker (it died, or failed to start)."""
-        ready = self._events.wait(0)
-        if ready:  # replies, a death, a wake-up: the caller looks again before anyone waits
-            return self._handle_ready(ready), False
-        self.dispatch()
-        self._waker.waiting = True
+        self._follow_the_pace(waiting, waited=bool(timeout is None or timeout > 0))
+        self._dispatch(waiting)
+        if timeout != 0 and self.ring is not None and self.ring.has_news():
+            timeout = 0  # freed before we said we wait: the consumer collects it first
+        self._waker.waiting = timeout != 0
         try:
-            if self.ring is not None and self.ring.has_news():  # freed before we said we wait
-                timeout = 0
             ready = self._events.wait(timeout)
         finally:
             self._waker.waiting = False
-        return self._handle_ready(ready), True
+        return self._handle_ready(ready)
+
+    def _follow_the_pace(self, waiting: int, waited: bool) -> None:
+        """Which side is slower: the consumer, once it found half the ring or more waiting for
+        it, until it has to wait for a batch again. Its tasks are then packed on one worker
+        (see ``_choose``)."""
+        if waited:
+            self._packing = False
+        elif 2 * waiting >= self._n_slots:
+            self._packing = True
 
     def _handle_ready(self, ready: list[tuple[int, tuple]]) -> list[Arrival]:
         arrivals: list[Arrival] = []
@@ -224,19 +233,20 @@ class WorkerPool:
     def _woken(self, _, arrivals: list[Arrival]) -> None:
         self._waker.drain()
 
-    def dispatch(self, pack: bool = False) -> None:
+    def _dispatch(self, waiting: int) -> None:
         """Send the next batches of the stream with free slots (before there is a ring, one
-        batch without a slot to each worker that has none); ``pack``: see ``_choose``."""
+        batch without a slot to each worker that has none, while fewer than a ring's worth of
+        failures wait for the consumer)."""
         stream = self.stream
         if self.ring is None:
-            while (task := stream.peek()) is not None:
+            while waiting < self._n_slots and (task := stream.peek()) is not None:
                 chosen = self._choose(task, pack=False)
                 if chosen is None or chosen.open:
                     return
                 self._send_task(chosen, task, None)
                 stream.advance()
             return
-        ring = self.ring
+        ring, pack = self.ring, self._packing
         while ring.free_count() > self._unslotted and (task := stream.peek()) is not None:
             chosen = self._choose(task, pack)
             if chosen is None or (slot := ring.acquire()) is None:

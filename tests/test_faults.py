@@ -264,7 +264,7 @@ def test_killing_the_main_process_leaves_no_worker_and_no_segment(method, slot_b
             batches = iter(seq)
             next(batches)
             print(*[h.pid for h in seq._runtime.pool._workers], flush=True)
-            seq._runtime.pool.pump(0.5)  # overflowing workers now block on full pipes
+            seq._runtime.pool.exchange(0.5, waiting=0)  # overflowing workers now block on full pipes
             os.kill(os.getpid(), signal.SIGKILL)
     """)
     consumer, output = _run_killed(script)
