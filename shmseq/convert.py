@@ -20,11 +20,10 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from .errors import PipelineClosed, ShmSeqError, warn_user
-from .layout import batch_reader, map_arrays
+from .layout import batch_reader, map_arrays, slot_bytes_for
 from .pool import Arrival
 from .ring import Ring
 from .stats import LoaderStats
-from .workers import slot_bytes_for
 
 
 class Delivery(NamedTuple):
@@ -122,7 +121,7 @@ class Converter:
     def _convert(self, arrival: Arrival) -> Delivery:
         slot, payload = arrival.slot, arrival.payload
         region = payload if slot is None else self.ring.lease(slot)
-        reader = batch_reader(region, self.device.leaf)
+        reader = batch_reader(region, self.device.wrap)
         batch, copy = self.device.convert(reader.build(region))
         if copy is not None and slot is not None:
             self.ring.track_copy(slot, functools.partial(self.device.wait, copy))

@@ -7,7 +7,6 @@ so there is no intermediate batch array and no pickling of the batch.
 """
 from __future__ import annotations
 
-import multiprocessing
 import sys
 
 import numpy as np
@@ -16,7 +15,6 @@ from .layout import SlotAllocator, as_ndarray, is_tensor
 from .plan import SamplerPlan
 from .samplers import BatchSampler, RandomSampler, SequentialSampler
 from .sequence import ShmSequence
-from .workers import pickled_for
 
 
 def default_batchify(samples: list, out: SlotAllocator | None = None):
@@ -57,9 +55,14 @@ def stack_into(arrays: list[np.ndarray], out: SlotAllocator) -> np.ndarray:
 class SampleWorker:
     """Runs in each worker: fetches the samples of a batch and batchifies them into the slot."""
 
-    def __init__(self, dataset, batchify_fn=None):
+    def __init__(self, dataset, batchify_fn=None, collate_name: str = "batchify_fn"):
         self.dataset = dataset
         self.batchify_fn = batchify_fn
+        self.collate_name = collate_name
+
+    def pickled_parts(self) -> dict:
+        """What the user gave, by argument name: named when the worker cannot be pickled."""
+        return {"dataset": self.dataset, self.collate_name: self.batchify_fn}
 
     def fill_batch(self, indices, out: SlotAllocator):
         if isinstance(indices, list):  # a multi-shard batch: one batch per shard
@@ -80,7 +83,6 @@ class SampleLoader(ShmSequence):
 
     batch_sampler = None
     _collate_name = "collate_fn"  # the argument naming the collate function
-    _ways_around_pickling = "or use start_method='fork'"
 
     @property
     def dset_size(self) -> int:
@@ -90,14 +92,6 @@ class SampleLoader(ShmSequence):
         if self.batch_sampler is None:
             return super()._make_plan(dset_size, batch_size, shuffle, last_batch, rank, world_size)
         return SamplerPlan(self.batch_sampler)
-
-    def start(self, compat=None) -> "SampleLoader":
-        if self.num_workers and self.thread_type == "proc":
-            method = self.start_method or multiprocessing.get_start_method()
-            for name, value in ((self._collate_name, self.worker.batchify_fn),
-                                ("dataset", self.dataset)):
-                pickled_for(name, value, method, self._ways_around_pickling)
-        return super().start(compat)
 
     def __iter__(self):
         if self._runtime is None:
@@ -124,7 +118,6 @@ class DataLoader(SampleLoader):
     """
 
     _collate_name = "batchify_fn"
-    _ways_around_pickling = "or use thread_pool=True or start_method='fork'"
 
     def __init__(self, dataset, batch_size: int | None = None, shuffle: bool = False, sampler=None,
                  last_batch: str | None = None, batch_sampler=None, batchify_fn=None,
@@ -143,7 +136,7 @@ class DataLoader(SampleLoader):
             raise ValueError("rank and world_size shard the default samplers: with your own sampler "
                              "or batch_sampler, deal the indices to the ranks in it")
         prefetch = 2 * num_workers if prefetch is None else prefetch
-        super().__init__(SampleWorker(dataset, batchify_fn), len(dataset),
+        super().__init__(SampleWorker(dataset, batchify_fn, self._collate_name), len(dataset),
                          batch_size=batch_size or 1, slot_bytes=slot_bytes,
                          buffer=max(prefetch, num_workers, 1) + 2, num_workers=num_workers,
                          shuffle=shuffle, seed=seed, last_batch=last_batch or "keep",

@@ -1,19 +1,7 @@
-"""Where batches are delivered: the device interface and its implementations.
+"""Where batches are delivered: the ``Device`` contract and its implementations.
 
-A device turns a batch of numpy views of a slot into what the consumer gets:
-
-``attach(ring)``        once the ring exists (page-lock it)
-``leaf``                ``leaf(dtype)``: what makes each view of that dtype what the consumer
-                        gets as a batch is read from its slot (a torch tensor of it), or None
-                        (the leaf itself None: numpy views)
-``convert(views)``      -> (batch, copy): ``copy`` is None when the batch *is* the views
-                        (host output: a copy that completes at once), else the device copy
-                        still reading the slot, which stays busy until ``wait(copy)`` returns
-``hand_over(batch, c)`` in the consumer's thread, just before the batch is yielded
-``wait(copy)``          block until ``copy`` no longer reads the slot (the releaser's thread)
-``close()``             after the last copy completed, before the ring is unmapped
-
-A device that page-locks the ring also sets ``ring.fence`` at ``attach``: called when the
+A device turns a batch of numpy views of a slot into what the consumer gets (``Device``
+says how, step by step). A device that page-locks the ring also sets ``ring.fence`` at ``attach``: called when the
 last view of a batch dies, it returns a completion (a callable that blocks until done) for
 the copies the consumer may have enqueued from the slot: a ``non_blocking`` copy from
 page-locked memory still reads the slot after the view is gone.
@@ -23,18 +11,13 @@ page-locked memory still reads the slot after the view is gone.
   on that device's current stream as each batch's fence.
 * ``CudaDevice``: the whole ring page-locked in place (``cudaHostRegister``), each batch
   copied on one of ``num_converters`` streams, an event per batch.
-* ``FakeDevice``, ``FakePinnedDevice``, ``FakeStream``: for tests without a GPU. Copies
-  run late, on another thread, after random delays, reading raw addresses as a DMA engine
-  does, so a slot reused too early shows up as a torn batch.
+
+Fakes of both, for tests without a GPU, are in ``shmseq.testing``.
 """
 from __future__ import annotations
 
-import ctypes
 import itertools
-import queue
-import random
-import threading
-import time
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -42,6 +25,34 @@ from .errors import ShmSeqError, warn_user
 from .layout import iter_arrays, map_arrays
 
 OUT_TYPES = ("null", "cpu", "cuda")
+
+
+class Device(Protocol):
+    """What the pipeline asks of a device, in the order it asks.
+
+    ``wrap``: ``wrap(dtype)`` is what turns each view of that dtype into what the consumer
+    gets, as a batch is read from its slot (``torch.from_numpy``), or None to keep the numpy
+    view; ``wrap`` itself None: numpy views throughout.
+    """
+
+    wrap: Callable[[np.dtype], Callable | None] | None
+
+    def attach(self, ring) -> None:
+        """Once the ring exists: page-lock it, and set ``ring.fence`` if the consumer's copies
+        from a slot may still read it after the batch's views died."""
+
+    def convert(self, views) -> tuple[object, object]:
+        """``(batch, copy)``: ``copy`` is None when the batch *is* the views (host output), else
+        the device copy still reading the slot, which stays busy until ``wait(copy)``."""
+
+    def hand_over(self, batch, copy) -> object:
+        """The batch as the consumer gets it, in its thread, just before it is yielded."""
+
+    def wait(self, copy) -> None:
+        """Block until ``copy`` no longer reads the slot (on the releaser's thread)."""
+
+    def close(self) -> None:
+        """After the last copy completed, before the ring is unmapped."""
 
 
 def torch_available() -> bool:
@@ -77,7 +88,7 @@ def resolve_out_type(out_type: str) -> str:
     return out_type
 
 
-def torch_leaf(dtype: np.dtype):
+def torch_wrap(dtype: np.dtype):
     """What makes a view of ``dtype`` a tensor sharing its memory; None where torch lacks the
     dtype (strings, structured): those stay numpy arrays. Torch holds native byte order only:
     other orders become a copy, in native order."""
@@ -126,7 +137,7 @@ class HostDevice:
 
     def __init__(self, to_torch: bool, pin_device: int | None = None):
         self.to_torch = to_torch
-        self.leaf = torch_leaf if to_torch else None  # views made tensors as they are read
+        self.wrap = torch_wrap if to_torch else None  # views made tensors as they are read
         self.pin_device = pin_device
         self._lock: PageLock | None = None
 
@@ -136,7 +147,7 @@ class HostDevice:
             ring.fence = self._lock.fence
 
     def convert(self, views):
-        return views, None  # already as delivered: read through ``leaf``
+        return views, None  # already as delivered: read through ``wrap``
 
     def hand_over(self, batch, copy):
         return batch
@@ -153,7 +164,7 @@ class HostDevice:
 class CudaDevice:
     """Copies each batch to the GPU on one of its own streams; an event marks the end."""
 
-    leaf = staticmethod(torch_leaf)  # read as tensors of the slot, then copied
+    wrap = staticmethod(torch_wrap)  # read as tensors of the slot, then copied
 
     def __init__(self, device: str, num_streams: int = 1):
         import torch
@@ -176,10 +187,10 @@ class CudaDevice:
             event.record(stream)
         return batch, event
 
-    def _copy(self, leaf):
-        if isinstance(leaf, np.ndarray):
-            return leaf.copy()  # strings and the like stay on the host, off the slot
-        return leaf.to(self.device, non_blocking=True)
+    def _copy(self, array):
+        if isinstance(array, np.ndarray):
+            return array.copy()  # strings and the like stay on the host, off the slot
+        return array.to(self.device, non_blocking=True)
 
     def hand_over(self, batch, event):
         current = self.torch.cuda.current_stream(self.device)
@@ -198,7 +209,7 @@ class CudaDevice:
 
 
 def make_device(out_type: str, pin_memory: bool | None = None, pin_device_id: int = 0,
-                num_streams: int = 1):
+                num_streams: int = 1) -> Device:
     if out_type.startswith("cuda"):
         return CudaDevice(out_type, num_streams)
     if pin_memory is None:
@@ -207,132 +218,3 @@ def make_device(out_type: str, pin_memory: bool | None = None, pin_device_id: in
         warn_user("pin_memory=True but CUDA is not available: delivering pageable memory")
         pin_memory = False
     return HostDevice(to_torch=out_type == "cpu", pin_device=pin_device_id if pin_memory else None)
-
-
-# -- fakes, for tests without a GPU -------------------------------------------------------------
-class FakeEvent:
-    """Completion of fake copies; carries the error that ``wait`` raises, if any."""
-
-    def __init__(self, error: BaseException | None = None):
-        self.done = threading.Event()
-        self.error = error
-        self.copy_failed = False
-
-    def wait(self) -> None:
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-
-
-class FakeStream:
-    """A stream of a fake GPU: copies by raw address and events, run in order on a thread of
-    its own, each copy after a random delay.
-
-    As with CUDA, only a copy from page-locked memory (``register``) is asynchronous; one
-    from pageable memory is done before ``copy`` returns."""
-
-    def __init__(self, max_delay: float = 0.01, seed: int = 0):
-        self.max_delay = max_delay
-        self._random = random.Random(seed)
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._locked: list[tuple[int, int]] = []
-
-    def register(self, address: int, nbytes: int) -> None:
-        self._locked.append((address, address + nbytes))
-
-    def _put(self, job) -> None:
-        if self._thread is None:  # started at first use: after the workers were forked
-            self._thread = threading.Thread(target=self._run, name="shmseq-fake-stream",
-                                            daemon=True)
-            self._thread.start()
-        self._jobs.put(job)
-
-    def copy(self, source: np.ndarray) -> np.ndarray:
-        """``source.cuda(non_blocking=True)``: a copy from page-locked memory reads it later."""
-        target = np.empty_like(source)
-        start = source.ctypes.data
-        if any(low <= start and start + source.nbytes <= high for low, high in self._locked):
-            self._put((target, start, source.nbytes))  # the device's memory, the source's address
-        else:
-            target[...] = source
-        return target
-
-    def record(self, error: BaseException | None = None) -> FakeEvent:
-        event = FakeEvent(error)
-        self._put(event)
-        return event
-
-    def synchronize(self) -> None:
-        self.record().wait()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            if isinstance(job, FakeEvent):
-                job.done.set()
-                continue
-            time.sleep(self._random.uniform(0, self.max_delay))
-            target, source, nbytes = job
-            ctypes.memmove(target.ctypes.data, source, nbytes)
-            del job, target
-
-    def close(self) -> None:
-        """Stop once every job enqueued has run."""
-        if self._thread is not None and self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join()
-
-
-class FakeDevice:
-    """A copying device (as CUDA) on a ``FakeStream``: copies complete late, on its thread.
-
-    ``fail_on(views)``: that batch's copy fails (raised at hand-over); ``fail_wait_on(views)``:
-    waiting for that copy fails (a sticky error, seen by the releaser)."""
-
-    leaf = None
-
-    def __init__(self, max_delay: float = 0.01, seed: int = 0, fail_on=None, fail_wait_on=None):
-        self.stream = FakeStream(max_delay, seed)
-        self.fail_on = fail_on
-        self.fail_wait_on = fail_wait_on
-        self.attached_ring = None
-
-    def attach(self, ring) -> None:
-        self.attached_ring = ring.spec
-        self.stream.register(ring.address, ring.spec.total_bytes)
-
-    def convert(self, views):
-        failed = self.fail_on is not None and self.fail_on(views)
-        targets = map_arrays(views, np.empty_like if failed else self.stream.copy)
-        stuck = self.fail_wait_on is not None and self.fail_wait_on(views)
-        event = self.stream.record(RuntimeError("fake wait failed") if stuck else None)
-        event.copy_failed = failed
-        return targets, event
-
-    def hand_over(self, batch, event):
-        event.done.wait()  # the consumer's stream waits on the copy's event
-        if event.copy_failed:
-            raise ShmSeqError("copying a batch to the device failed: fake copy failed")
-        return batch
-
-    def wait(self, event) -> None:
-        event.wait()
-
-    def close(self) -> None:
-        self.stream.close()
-
-
-class FakePinnedDevice(HostDevice):
-    """Host views of page-locked slots, with the consumer's copies on a fake current stream:
-    ``stream.copy(view)`` is the user's ``view.cuda(non_blocking=True)``."""
-
-    def __init__(self, stream: FakeStream):
-        super().__init__(to_torch=False)
-        self.stream = stream
-
-    def attach(self, ring) -> None:
-        self.stream.register(ring.address, ring.spec.total_bytes)
-        ring.fence = self.fence
-
-    def fence(self):
-        return self.stream.record().wait

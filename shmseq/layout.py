@@ -30,6 +30,7 @@ from .errors import UnsupportedBatch
 
 ALIGN = 64
 PAGE = 4096
+SLOT_HEADROOM = 1.25  # a slot sized by a batch holds one a quarter larger
 PAYLOAD_START = 64
 _PREFIX = struct.Struct("<QQ")
 _EXTRA_TYPES = (bool, int, float, complex, str, bytes, type(None), np.generic)
@@ -257,14 +258,14 @@ class _SlotPickler(pickle.Pickler):
 
 
 class _SlotUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, region: np.ndarray, leaf):
+    def __init__(self, data: bytes, region: np.ndarray, wrap):
         super().__init__(io.BytesIO(data))
         self.region = region
-        self.leaf = leaf
+        self.wrap = wrap
 
     def persistent_load(self, node):
         _, dtype, shape, offset, torch_dtype = node
-        return _array_builder(np.dtype(dtype), shape, offset, torch_dtype, self.leaf)(self.region)
+        return _array_builder(np.dtype(dtype), shape, offset, torch_dtype, self.wrap)(self.region)
 
     def load(self):
         try:
@@ -337,32 +338,32 @@ class BatchReader(NamedTuple):
     nbytes: int       # their bytes
 
 
-Leaf = Callable[[np.dtype], "Callable | None"]  # dtype -> what makes its views leaves, or None
-_READERS: dict[tuple[bytes, Leaf | None], BatchReader] = {}
+Wrap = Callable[[np.dtype], "Callable | None"]  # dtype -> what wraps its views, or None
+_READERS: dict[tuple[bytes, Wrap | None], BatchReader] = {}
 _MOST_READERS = 256
 
 
-def batch_reader(region: np.ndarray, leaf: Leaf | None = None) -> BatchReader:
+def batch_reader(region: np.ndarray, wrap: Wrap | None = None) -> BatchReader:
     """The reader of the batch in ``region``: batches of one shape share a header, so the
-    header is unpickled and compiled once, not for every batch. ``leaf(dtype)`` says, once
+    header is unpickled and compiled once, not for every batch. ``wrap(dtype)`` says, once
     per array of the layout, what its views become (a torch tensor, say); None: views."""
     header_offset, header_length = _PREFIX.unpack_from(region, 0)
-    key = (region[header_offset:header_offset + header_length].tobytes(), leaf)
+    key = (region[header_offset:header_offset + header_length].tobytes(), wrap)
     reader = _READERS.get(key)
     if reader is None:
         if len(_READERS) >= _MOST_READERS:
             _READERS.clear()
         skeleton = pickle.loads(key[0])
         arrays = _arrays_of(skeleton)
-        reader = _READERS[key] = BatchReader(_compile(skeleton, leaf), len(arrays),
+        reader = _READERS[key] = BatchReader(_compile(skeleton, wrap), len(arrays),
                                              sum(_nbytes(node) for node in arrays))
     return reader
 
 
-def read_batch(region: np.ndarray, leaf: Leaf | None = None):
+def read_batch(region: np.ndarray, wrap: Wrap | None = None):
     """The batch stored in ``region``, its arrays views of ``region`` (no copy), made leaves
-    by ``leaf`` when given (see ``batch_reader``)."""
-    return batch_reader(region, leaf).build(region)
+    by ``wrap`` when given (see ``batch_reader``)."""
+    return batch_reader(region, wrap).build(region)
 
 
 def _arrays_of(node) -> list:
@@ -382,31 +383,31 @@ def _nbytes(node) -> int:
     return int(np.prod(node[2], dtype=np.int64)) * np.dtype(node[1]).itemsize
 
 
-def _compile(node, leaf: Leaf | None) -> Callable:
+def _compile(node, wrap: Wrap | None) -> Callable:
     """A function ``region -> part of the batch`` for a skeleton node."""
     tag = node[0]
     if tag == _ARRAY:
-        return _array_builder(np.dtype(node[1]), node[2], node[3], node[4], leaf)
+        return _array_builder(np.dtype(node[1]), node[2], node[3], node[4], wrap)
     if tag in (_TUPLE, _LIST, _NAMED):
-        parts = [_compile(child, leaf) for child in node[2 if tag == _NAMED else 1]]
+        parts = [_compile(child, wrap) for child in node[2 if tag == _NAMED else 1]]
         make = {_TUPLE: tuple, _LIST: list}.get(tag) or (lambda items: node[1](*items))
         return lambda region: make([part(region) for part in parts])
     if tag == _DICT:
-        items = [(key, _compile(child, leaf)) for key, child in node[1]]
+        items = [(key, _compile(child, wrap)) for key, child in node[1]]
         return lambda region: {key: part(region) for key, part in items}
     if tag == _PICKLED:
         data = node[1]
-        return lambda region: _SlotUnpickler(data, region, leaf).load()
+        return lambda region: _SlotUnpickler(data, region, wrap).load()
     value = node[1]
     return lambda region: value
 
 
 def _array_builder(dtype: np.dtype, shape: tuple, offset: int, torch_dtype: str | None,
-                   leaf: Leaf | None):
+                   wrap: Wrap | None):
     ndarray = np.ndarray
     if torch_dtype is not None:
         return lambda region: _restored_tensor(ndarray(shape, dtype, region, offset), torch_dtype)
-    make = None if leaf is None else leaf(dtype)
+    make = None if wrap is None else wrap(dtype)
     if make is None:
         return lambda region: ndarray(shape, dtype, region, offset)
     return lambda region: make(ndarray(shape, dtype, region, offset))
@@ -441,3 +442,8 @@ def iter_arrays(batch, leaf_type=np.ndarray):
     found = []
     map_arrays(batch, found.append, leaf_type)
     return found
+
+
+def slot_bytes_for(needed: int) -> int:
+    """A slot size for batches of about ``needed`` bytes: headroom, rounded to pages."""
+    return -(-int(needed * SLOT_HEADROOM) // PAGE) * PAGE

@@ -23,15 +23,15 @@ import time
 from typing import Callable, Iterable
 
 from .convert import Converter, Delivery, OrderedOutput
-from .devices import make_device
+from .devices import Device, make_device
 from .errors import BatchTimeout, PipelineClosed, ShmSeqError
-from .layout import encode_batch, read_batch
+from .layout import encode_batch, read_batch, slot_bytes_for
 from .plan import BatchStream, Plan
 from .pool import Arrival, Waker, WorkerPool, brief
 from .ring import Ring
 from .stats import LoaderStats
 from .worker_handle import JOIN_SECONDS
-from .workers import build_batch, make_worker, slot_bytes_for
+from .workers import build_batch, make_worker
 
 ERROR_GRACE = 0.2  # seconds workers get to leave once a failure was raised, before they are killed
 
@@ -55,6 +55,12 @@ class PipelineSpec:
     restarts: int = 0
     in_turn: bool = False             # batch k of an epoch goes to worker k % num_workers
     wait_for_workers: bool = True     # the pipeline is made once every worker started
+    device: Callable[[], Device] | None = None  # makes the device instead of out_type's
+
+    def make_device(self) -> Device:
+        if self.device is not None:
+            return self.device()
+        return make_device(self.out_type, self.pin_memory, self.pin_device_id, self.num_converters)
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -82,8 +88,7 @@ class Pipeline:
         self.output = OrderedOutput()
         self.stream = BatchStream(plan, epoch, position)
         try:
-            self.device = make_device(spec.out_type, spec.pin_memory, spec.pin_device_id,
-                                      spec.num_converters)
+            self.device = spec.make_device()
             if spec.slot_bytes is not None:  # reserved while the workers start
                 self.ring = self._new_ring(spec.slot_bytes)
             self.pool = WorkerPool(spec.worker, num_workers=spec.num_workers, n_slots=spec.buffer,
@@ -317,7 +322,7 @@ class Inline:
         self.worker_obj = make_worker(spec.worker)
         self.test_mode = test_mode
         cpu_instead = test_mode == "cpu" and spec.out_type.startswith("cuda")
-        self.device = make_device("cpu" if cpu_instead else spec.out_type, pin_memory=False)
+        self.device = make_device("cpu", pin_memory=False) if cpu_instead else spec.make_device()
         self.stats = LoaderStats()
 
     def batches(self, epoch: int, position: int = 0):
@@ -328,7 +333,7 @@ class Inline:
                 return
             batch, _ = build_batch(self.worker_obj, indices, None)
             if self.test_mode != "numpy":
-                views = read_batch(encode_batch(batch), self.device.leaf)
+                views = read_batch(encode_batch(batch), self.device.wrap)
                 batch = self.device.hand_over(*self.device.convert(views))
             self.plan.release(epoch, position + 1)
             yield batch

@@ -35,9 +35,10 @@ from .plan import BatchStream, Task
 from .ring import Ring
 from .stats import LoaderStats
 from .board import Board
-from .worker_handle import JOIN_SECONDS, WorkerHandle, consumer_ends, end_workers, start_worker
+from .worker_handle import (JOIN_SECONDS, WorkerHandle, consumer_ends, end_workers, pickled_for,
+                            start_worker)
 from .wire import framed, task_frame
-from .workers import WorkerInfo, pickled_for
+from .workers import WorkerInfo
 
 
 class Arrival(NamedTuple):
@@ -423,6 +424,11 @@ class WorkerPool:
     def _unwatch(self, handle: WorkerHandle) -> None:
         for fd in (handle.replies.fd, handle.sentinel, handle.tasks.fd):
             self._events.unwatch(fd)
+
+    @property
+    def handles(self) -> list[WorkerHandle]:
+        """The workers, by worker id (a replacement in its dead predecessor's place)."""
+        return list(self._workers)
 
     def holder_of(self, seq: int) -> str:
         """Which worker is building ``seq``, for timeout messages."""

@@ -12,11 +12,12 @@ import multiprocessing
 import os
 import threading
 import weakref
+from typing import Callable
 
 import numpy as np
 
 from .checks import check_choice, check_int, check_out_type, check_timeout, check_worker
-from .devices import resolve_out_type
+from .devices import Device, resolve_out_type
 from .pipeline import Inline, Pipeline, PipelineSpec
 from .plan import EpochPlan, as_index_array
 from .stats import LoaderStats
@@ -28,12 +29,39 @@ TEST_MODES = ("default", "cpu", "numpy")
 class ShmSequence:
     """Batches of ``worker[indices]`` built by a pool, delivered in order through shared memory.
 
-    ``worker`` is a class (instantiated once in each worker) or an instance (copied
-    into each process, shared by threads) whose ``__getitem__`` takes a 1-D int64
-    array of sample indices and returns the batch: an ndarray, or a tuple / list /
-    dict nesting of ndarrays plus small extras. Workers may instead define
-    ``fill_batch(indices, out)`` and allocate their arrays with ``out.empty(shape,
-    dtype)``, straight in the slot. The full contract: docs/reference.md.
+    Args:
+        worker: a class (instantiated once in each worker) or an instance (copied into each
+            process, shared by threads) whose ``__getitem__`` takes a 1-D int64 array of
+            sample indices and returns the batch: an ndarray, or a tuple / list / dict nesting
+            of ndarrays plus small extras. Or it defines ``fill_batch(indices, out)`` and
+            allocates its arrays with ``out.empty(shape, dtype)``, straight in the slot.
+        dset_size: the number of samples, or a 1-D array of the sample indices to draw from.
+        batch_size: samples per batch.
+        slot_bytes: bytes of one slot; None: sized by the first batches (a quarter more).
+        buffer: slots in the ring: how many batches may be built ahead of the consumer.
+        num_workers: worker processes (or threads); 0 builds batches in the calling thread.
+        num_converters: CUDA streams batches are copied on (MDNC's name); None: MDNC's default.
+        shuffle, seed: a new order each epoch, a function of ``seed`` and the epoch.
+        thread_type: ``'proc'`` (processes) or ``'thread'``.
+        out_type: ``'null'`` numpy arrays, ``'cpu'`` torch tensors, ``'cuda'``/``'cuda:N'``
+            tensors copied to that GPU (CPU tensors, with a warning, where there is none).
+        start_method: multiprocessing's ``'fork'``, ``'spawn'`` or ``'forkserver'``.
+        timeout: seconds to wait for a batch (and for the workers to start); None: no limit.
+        last_batch: ``'keep'``, ``'discard'`` or ``'rollover'`` a last, smaller batch.
+        pin_memory, pin_device_id: page-lock the ring for fast copies to that GPU.
+        rank, world_size: this process's share of every epoch; None: read from
+            ``torch.distributed`` when an epoch starts.
+        worker_init_fn: called with the worker id in each worker before its first batch.
+        worker_restarts: how many worker processes that die may be replaced in a run.
+        device: makes the ``Device`` each start uses instead of the one ``out_type`` makes
+            (``shmseq.testing``'s fakes, to test a pipeline's copies without a GPU).
+
+    Raises:
+        ValueError, TypeError: an argument out of its range or of the wrong type (the message
+            names it and what to pass instead).
+        ImportError: ``out_type='cpu'`` without torch installed.
+
+    The full contract: docs/reference.md.
     """
 
     def __init__(self, worker, dset_size, *, batch_size: int = 32, slot_bytes: int | None = None,
@@ -43,7 +71,7 @@ class ShmSequence:
                  timeout: float | None = 120.0,
                  last_batch: str = "keep", pin_memory: bool | None = None, pin_device_id: int = 0,
                  rank: int | None = None, world_size: int | None = None, worker_init_fn=None,
-                 worker_restarts: int = 0):
+                 worker_restarts: int = 0, device: Callable[[], Device] | None = None):
         check_worker(worker)
         check_int("batch_size", batch_size, 1)
         check_int("buffer", buffer, 1)
@@ -74,6 +102,7 @@ class ShmSequence:
         self.pin_memory = pin_memory
         self.pin_device_id = pin_device_id
         self.worker_restarts = worker_restarts
+        self._device = device
         # MDNC's default: for CUDA output, the number of streams batches are copied on.
         self.num_converters = num_converters or max(num_workers // 4, min(num_workers, 4), 1)
         self.epoch = 0                   # the epoch the next iteration starts
@@ -173,7 +202,8 @@ class ShmSequence:
             thread_type=self.thread_type, start_method=self.start_method,
             out_type=self.out_type, pin_memory=self.pin_memory, pin_device_id=self.pin_device_id,
             num_converters=self.num_converters, timeout=self._timeout, base_seed=int(base >> 1),
-            worker_init_fn=self.worker_init_fn, restarts=self.worker_restarts)
+            worker_init_fn=self.worker_init_fn, restarts=self.worker_restarts,
+            device=self._device)
 
     def _own(self, runtime) -> "ShmSequence":
         self._runtime = runtime

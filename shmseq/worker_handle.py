@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing.process
 import os
+import pickle
 import threading
 import weakref
 from multiprocessing import connection
@@ -178,3 +179,28 @@ def end_workers(handles: Iterable[WorkerHandle]) -> None:
             continue
         handle.runner.join(JOIN_SECONDS)
         handle.runner.close()
+
+
+def pickled_for(what: str, value, start_method: str, fix: str) -> bytes | None:
+    """``value`` pickled once, as spawn or forkserver must send it (None under fork, which
+    pickles nothing); fails at start when it cannot be, naming ``what`` or, when ``value``
+    lists its ``pickled_parts()``, the part that cannot be."""
+    if start_method == "fork" or value is None:
+        return None
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure means the same fix
+        what, value = _culprit(what, value)
+        raise TypeError(
+            f"{what} {value!r} cannot be pickled, which start_method={start_method!r} needs "
+            f"({type(exc).__name__}: {exc}): define it at module level, {fix}") from exc
+
+
+def _culprit(what: str, value) -> tuple[str, object]:
+    """The part of ``value`` that cannot be pickled (tried only once pickling it failed)."""
+    for name, part in getattr(value, "pickled_parts", dict)().items():
+        try:
+            pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001
+            return name, part
+    return what, value

@@ -28,18 +28,12 @@ from .board import BoardSpec, WorkerCell
 from .errors import UnsupportedBatch
 from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
 from .lifeline import Lifeline, ProcessId
-from .segments import PAGE, WorkerRing, drop_inherited_rings
+from .segments import WorkerRing, drop_inherited_rings
 from .wire import FrameReader, decode, done_frame, encode, framed, write_all
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _KEEP_BYTES = 256 << 20
-SLOT_HEADROOM = 1.25
 STOP_CHECK_SECONDS = 0.005  # how stale a worker's last look for a stop request may be
-
-
-def slot_bytes_for(needed: int) -> int:
-    """A slot size for batches of about ``needed`` bytes: headroom, rounded to pages."""
-    return -(-int(needed * SLOT_HEADROOM) // PAGE) * PAGE
 
 
 def make_worker(worker):
@@ -246,16 +240,3 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
         for mapping in (ring, cell):
             if mapping is not None:
                 mapping.close()
-
-
-def pickled_for(what: str, value, start_method: str, fix: str) -> bytes | None:
-    """``value`` pickled, as spawn or forkserver must send it (None under fork, which pickles
-    nothing); fails at start, naming ``what``, when it cannot be."""
-    if start_method == "fork" or value is None:
-        return None
-    try:
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:  # noqa: BLE001 - any pickling failure means the same fix
-        raise TypeError(
-            f"{what} {value!r} cannot be pickled, which start_method={start_method!r} needs "
-            f"({type(exc).__name__}: {exc}): define it at module level, {fix}") from exc

@@ -5,6 +5,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 from shmseq import ShmSequence  # noqa: E402
+from shmseq.testing import planned_batches, ring_of
 from workers import ImageWorker  # noqa: E402
 
 
@@ -45,7 +46,7 @@ def test_a_pinned_slot_outlives_a_non_blocking_copy_delayed_behind_a_busy_stream
                            batch["image"].cuda(non_blocking=True)))
             del batch
     torch.cuda.synchronize()
-    for (labels, images), indices in zip(copies, seq._plan.batches(0), strict=True):
+    for (labels, images), indices in zip(copies, planned_batches(seq, 0), strict=True):
         marker = torch.from_numpy(indices % 251).to(torch.uint8)[:, None, None, None]
         assert labels.cpu().tolist() == indices.tolist() and (images.cpu() == marker).all()
 
@@ -53,6 +54,6 @@ def test_a_pinned_slot_outlives_a_non_blocking_copy_delayed_behind_a_busy_stream
 def test_registered_memory_is_released_after_finish():
     seq = ShmSequence(ImageWorker(64), 64, batch_size=8, num_workers=1, out_type="cuda")
     with seq.start():
-        address = seq._runtime.ring.address
+        address = ring_of(seq).address
         assert next(iter(seq))["image"].is_cuda
     assert int(torch.cuda.cudart().cudaHostUnregister(address)) != 0  # no longer registered

@@ -4,6 +4,7 @@ from hypothesis import given, settings, strategies as st
 
 from shmseq import (BatchSampler, DataLoader, RandomSampler, SequentialSampler, ShmSequence,
                     default_batchify)
+from shmseq.testing import ring_of
 from workers import IndexWorker, InitReporter, PairDataset, SeedReporter, record_init
 
 TEN = np.arange(10)
@@ -76,7 +77,7 @@ def test_samples_are_stacked_straight_into_the_slot():
         ring_contains = None
         seen = []
         for images, labels, names in loader:
-            ring_contains = loader._runtime.ring.contains
+            ring_contains = ring_of(loader).contains
             assert ring_contains(images) and ring_contains(labels)
             assert images.shape[1:] == (4, 4, 3) and images.dtype == np.uint8
             assert labels.dtype == np.asarray(0).dtype

@@ -5,9 +5,10 @@ import threading
 import numpy as np
 import pytest
 
-import shmseq.pipeline
+import shmseq.devices
 from shmseq import ShmSeqError, ShmSequence
-from shmseq.devices import FakeDevice, FakeStream, make_device
+from shmseq.devices import make_device
+from shmseq.testing import FakeDevice, FakeStream, planned_batches, ring_of
 from shmseq.ring import LEASED, Ring
 from workers import ImageWorker
 
@@ -31,18 +32,16 @@ class RecordingFake(FakeDevice):
         super().close()
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    devices = []
+class Fakes:
+    """A sequence's device factory (``ShmSequence(..., device=fakes)``): the devices it made."""
 
-    def make(max_delay=0.01, fail_on=None):
-        def factory(*args, **kwargs):
-            devices.append(RecordingFake(max_delay=max_delay, fail_on=fail_on))
-            return devices[-1]
-        monkeypatch.setattr(shmseq.pipeline, "make_device", factory)
-        return devices
+    def __init__(self, **options):
+        self.options = options
+        self.made = []
 
-    return make
+    def __call__(self):
+        self.made.append(RecordingFake(**self.options))
+        return self.made[-1]
 
 
 def run(dset_size=400, epochs=2, **options):
@@ -55,7 +54,7 @@ def run(dset_size=400, epochs=2, **options):
 
 def assert_intact(epochs, seq):
     for epoch, batches in enumerate(epochs):
-        expected = seq._plan.batches(epoch)
+        expected = planned_batches(seq, epoch)
         assert len(batches) == len(expected)
         for (labels, images), indices in zip(batches, expected):
             marker = (indices % 251).astype(np.uint8)[:, None, None, None]
@@ -64,36 +63,36 @@ def assert_intact(epochs, seq):
 
 
 @pytest.mark.parametrize("backend", ["proc", "thread"])
-def test_no_slot_is_rewritten_before_its_copy_completes(fake, backend):
-    devices = fake(max_delay=0.004)
-    epochs, seq = run(thread_type=backend)
+def test_no_slot_is_rewritten_before_its_copy_completes(backend):
+    fakes = Fakes(max_delay=0.004)
+    epochs, seq = run(thread_type=backend, device=fakes)
     assert_intact(epochs, seq)
-    assert [entry[0] for entry in devices[0].log] == ["attach", "close"]
+    assert [entry[0] for entry in fakes.made[0].log] == ["attach", "close"]
 
 
-def test_the_identity_check_catches_a_slot_released_too_early(fake, monkeypatch):
-    fake(max_delay=0.002)
+def test_the_identity_check_catches_a_slot_released_too_early(monkeypatch):
     monkeypatch.setattr(Ring, "track_copy", lambda self, slot, completion: None)  # the bug
-    epochs, seq = run(dset_size=200, epochs=1)
+    epochs, seq = run(dset_size=200, epochs=1, device=Fakes(max_delay=0.002))
     with pytest.raises(AssertionError, match="rewritten before its copy completed"):
         assert_intact(epochs, seq)
 
 
-def test_the_device_is_closed_before_the_ring_is_unmapped(fake):
-    devices = fake(max_delay=0.05)
+def test_the_device_is_closed_before_the_ring_is_unmapped():
+    fakes = Fakes(max_delay=0.05)
+    devices = fakes.made
     seq = ShmSequence(ImageWorker(16), 400, batch_size=4, num_workers=2, buffer=3,
-                      out_type="null", timeout=30)
+                      out_type="null", timeout=30, device=fakes)
     seq.start()
     next(iter(seq))
     seq.finish()  # copies still in flight
     assert devices[0].log == [("attach", True), ("close", True)]
-    assert not devices[0].stream._thread.is_alive()
+    assert "shmseq-fake-stream" not in {t.name for t in threading.enumerate()}
 
 
-def test_a_failed_copy_surfaces_in_order(fake):
-    fake(fail_on=lambda views: 20 in views["label"])
+def test_a_failed_copy_surfaces_in_order():
     seq = ShmSequence(ImageWorker(16), 400, batch_size=4, num_workers=2, shuffle=False,
-                      out_type="null", timeout=30)
+                      out_type="null", timeout=30,
+                      device=Fakes(fail_on=lambda views: 20 in views["label"]))
     with seq.start():
         got = []
         with pytest.raises(ShmSeqError, match="copying a batch to the device failed"):
@@ -102,14 +101,13 @@ def test_a_failed_copy_surfaces_in_order(fake):
     assert got == [0, 4, 8, 12, 16]
 
 
-def test_copied_batches_do_not_hold_slots(fake):
-    fake(max_delay=0.002)
+def test_copied_batches_do_not_hold_slots():
     seq = ShmSequence(ImageWorker(16), 120, batch_size=4, num_workers=2, buffer=2,
-                      out_type="null", timeout=30, shuffle=False)
+                      out_type="null", timeout=30, shuffle=False, device=Fakes(max_delay=0.002))
     with seq.start():
         kept = list(seq)  # keeps every batch: fine, they are copies
-        seq._runtime.ring.collect()
-        assert seq._runtime.ring.count(LEASED) == 0
+        ring_of(seq).collect()
+        assert ring_of(seq).count(LEASED) == 0
     assert [b["label"][0] for b in kept] == list(range(0, 120, 4))
 
 
@@ -135,27 +133,26 @@ def test_fake_copies_from_locked_memory_complete_late_on_another_thread():
     stream.close()
 
 
-def test_a_slot_freed_when_its_copy_completes_wakes_the_consumer(fake):
+def test_a_slot_freed_when_its_copy_completes_wakes_the_consumer():
     """One slot: each batch needs the slot whose copy the releaser thread frees, while the
     consumer already waits; the release must wake it (not the timeout)."""
     import time
-    fake(max_delay=0.002)
     seq = ShmSequence(ImageWorker(16), 60, batch_size=4, num_workers=1, buffer=1, shuffle=False,
-                      out_type="null", timeout=60)
+                      out_type="null", timeout=60, device=Fakes(max_delay=0.002))
     began = time.monotonic()
     with seq.start():
         assert [b["label"][0] for b in seq] == list(range(0, 60, 4))
     assert time.monotonic() - began < 10, "the consumer slept through a freed slot"
 
 
-def test_torch_leaves_share_the_slot_where_torch_can():
+def test_torch_wraps_views_of_the_slot_where_torch_can():
     torch = pytest.importorskip("torch")
-    from shmseq.devices import torch_leaf
+    from shmseq.devices import torch_wrap
     region = np.arange(64, dtype=np.uint8)
     native = np.ndarray((4,), np.dtype("<i4"), region, 0)
-    tensor = torch_leaf(native.dtype)(native)
+    tensor = torch_wrap(native.dtype)(native)
     assert tensor.dtype == torch.int32 and tensor.data_ptr() == region.ctypes.data
     swapped = np.ndarray((4,), np.dtype(">i4"), region, 16)
-    copied = torch_leaf(swapped.dtype)(swapped)  # torch holds native order only: a copy
+    copied = torch_wrap(swapped.dtype)(swapped)  # torch holds native order only: a copy
     assert copied.tolist() == swapped.tolist() and copied.data_ptr() != swapped.ctypes.data
-    assert torch_leaf(np.dtype("U3")) is None  # torch lacks it: stays a numpy view
+    assert torch_wrap(np.dtype("U3")) is None  # torch lacks it: stays a numpy view

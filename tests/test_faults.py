@@ -16,6 +16,7 @@ import shmseq.segments
 from shmseq import (BatchTimeout, SharedMemoryFull, ShmSeqError, ShmSequence, UnsupportedBatch,
                     WorkerDied, WorkerError)
 from shmseq.devices import HostDevice
+from shmseq.testing import worker_pids
 from leaks import leftovers, shm_entries
 from workers import (BadReturn, Crash, DieOrDawdle, DiesUnpickled, ExitInInit, FailingInit, Hang,
                      IndexWorker, ImageWorker, Slow, SlowStart5)
@@ -227,7 +228,7 @@ def _rss_kib(pid):
 def test_soak_twenty_thousand_batches_through_three_slots():
     seq = make(ImageWorker(4), dset_size=20_000 * 4, buffer=3)
     with seq.start():
-        pids = [os.getpid()] + [h.pid for h in seq._runtime.pool._workers]
+        pids = [os.getpid()] + worker_pids(seq)
         for k, batch in enumerate(seq):
             assert batch["label"][0] == 4 * k and batch["image"][3, 1, 1, 2] == (4 * k + 3) % 251
             sum(range(200))  # a consumer slower than the workers
@@ -263,7 +264,7 @@ def test_killing_the_main_process_leaves_no_worker_and_no_segment(method, slot_b
                               slot_bytes={slot_bytes!r}).start()
             batches = iter(seq)
             next(batches)
-            print(*[h.pid for h in seq._runtime.pool._workers], flush=True)
+            print(*worker_pids(seq), flush=True)
             seq._runtime.pool.exchange(0.5, waiting=0)  # overflowing workers now block on full pipes
             os.kill(os.getpid(), signal.SIGKILL)
     """)
@@ -329,6 +330,7 @@ _PRINT_WORKERS = """
 import multiprocessing, sys, threading, time
 sys.path.insert(0, {tests!r})
 from shmseq import ShmSequence
+from shmseq.testing import worker_pids
 import workers
 
 def print_workers():

@@ -50,7 +50,7 @@ _PRELUDE = textwrap.dedent(f"""
             return False
 
     def worker_pids(pipeline):
-        return [handle.pid for handle in pipeline.pool._workers]
+        return [handle.pid for handle in pipeline.pool.handles]
 """)
 
 EPOCH = [[4 * k, 4 * k + 1, 4 * k + 2, 4 * k + 3] for k in range(100)]  # 400 samples, by 4

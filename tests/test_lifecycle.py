@@ -10,9 +10,9 @@ import warnings
 import numpy as np
 import pytest
 
-import shmseq.pipeline
 from shmseq import DataLoader, PipelineClosed, ShmSeqError, ShmSequence
-from shmseq.devices import FakeDevice, FakePinnedDevice, FakeStream, HostDevice
+from shmseq.devices import HostDevice
+from shmseq.testing import FakeDevice, FakePinnedDevice, FakeStream, planned_batches, worker_pids
 from shmseq.ring import Ring
 from leaks import holders, live_children, mapped_rings
 from workers import ImageWorker, IndexWorker, ListWorker, SizedWorker, Slow
@@ -116,7 +116,7 @@ def test_a_finished_pipeline_leaves_nothing_to_the_cyclic_collector(no_gc):
 
 # -- 2. no inherited rings ---------------------------------------------------------------------
 def _worker_pids(seq) -> list[int]:
-    return [handle.pid for handle in seq._runtime.pool._workers]
+    return worker_pids(seq)
 
 
 def _write_every_slot(seq) -> None:
@@ -146,7 +146,7 @@ def test_workers_map_only_their_own_ring(method):
 
 # -- 3. pinned slots and the consumer's non_blocking copies ------------------------------------
 def _copies_intact(copies, seq) -> bool:
-    expected = seq._plan.batches(0)
+    expected = planned_batches(seq, 0)
     for (labels, images), indices in zip(copies, expected, strict=True):
         marker = (indices % 251).astype(np.uint8)[:, None, None, None]
         if labels.tolist() != indices.tolist() or not (images == marker).all():
@@ -157,7 +157,8 @@ def _copies_intact(copies, seq) -> bool:
 def _copy_every_batch_then_drop_it(device, stream):
     """The usual ``x = x.cuda(non_blocking=True)``: the copy is enqueued on the current stream,
     the view of the slot dropped at once."""
-    seq = make(ImageWorker(32), 240, buffer=2, shuffle=True, seed=3, num_workers=2)
+    seq = make(ImageWorker(32), 240, buffer=2, shuffle=True, seed=3, num_workers=2,
+               device=lambda: device)
     copies = []
     with seq.start():
         for batch in seq:
@@ -168,10 +169,9 @@ def _copy_every_batch_then_drop_it(device, stream):
 
 
 @pytest.fixture
-def pinned(monkeypatch):
+def pinned():
     stream = FakeStream(max_delay=0.01, seed=1)
     device = FakePinnedDevice(stream)
-    monkeypatch.setattr(shmseq.pipeline, "make_device", lambda *args, **kwargs: device)
     yield device, stream
     stream.close()
 
@@ -245,10 +245,9 @@ def test_a_device_that_fails_to_close_still_lets_everything_go(monkeypatch):
         assert len(list(b["label"].copy() for b in seq)) == 10
 
 
-def test_an_error_waiting_for_a_copy_surfaces_at_the_next_batch(monkeypatch):
+def test_an_error_waiting_for_a_copy_surfaces_at_the_next_batch():
     device = FakeDevice(max_delay=0.002, fail_wait_on=lambda views: 20 in views["label"])
-    monkeypatch.setattr(shmseq.pipeline, "make_device", lambda *args, **kwargs: device)
-    seq = make(ImageWorker(16), 400, buffer=3, timeout=60)
+    seq = make(ImageWorker(16), 400, buffer=3, timeout=60, device=lambda: device)
     began = time.monotonic()
     with pytest.raises(ShmSeqError, match="waiting for a copy out of slot .* failed") as info:
         with seq.start():

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import shmseq.worker_handle
 from shmseq import ShmSequence, WorkerError
+from shmseq.testing import planned_batches, ring_of
 from workers import DtypeWorker, FillWorker, ImageWorker, IndexWorker, Pair, SizedWorker, WhoBuilt
 
 
@@ -36,7 +37,7 @@ def test_every_index_exactly_once_in_order(dset_size, batch_size, num_workers, b
     with seq.start():
         for epoch in range(2):
             got = [b.copy() for b in seq]
-            expected = seq._plan.batches(epoch)
+            expected = planned_batches(seq, epoch)
             assert [b.tolist() for b in got] == [b.tolist() for b in expected]
             flat = np.concatenate(got) if got else np.array([], np.int64)
             assert sorted(flat.tolist()) == list(range(dset_size))
@@ -64,7 +65,7 @@ def test_an_index_array_is_the_dataset():
 @pytest.mark.parametrize("backend", ["proc", "thread"])
 def test_delivered_arrays_are_views_of_the_ring(backend):
     with make(ImageWorker, thread_type=backend).start() as seq:
-        ring = seq._runtime.ring
+        ring = ring_of(seq)
         for batch in seq:
             assert ring.contains(batch["image"]) and ring.contains(batch["label"])
             assert batch["image"].flags.writeable
@@ -75,7 +76,7 @@ def test_delivered_arrays_are_views_of_the_ring(backend):
 def test_torch_tensors_share_the_slot():
     torch = pytest.importorskip("torch")
     with make(ImageWorker, out_type="cpu").start() as seq:
-        ring = seq._runtime.ring
+        ring = ring_of(seq)
         for batch in seq:
             assert isinstance(batch["image"], torch.Tensor) and batch["image"].dtype == torch.uint8
             assert ring.contains(batch["image"].numpy()) and batch["label"].dtype == torch.int64
@@ -83,7 +84,7 @@ def test_torch_tensors_share_the_slot():
 
 def test_in_place_worker_writes_once_into_the_slot():
     with make(FillWorker, slot_bytes=4096).start() as seq:
-        ring = seq._runtime.ring
+        ring = ring_of(seq)
         for k, (values, labels) in enumerate(seq):
             assert ring.contains(values) and values.dtype == np.float32
             assert labels.tolist() == list(range(4 * k, 4 * k + 4))
@@ -101,7 +102,7 @@ def test_only_slot_ids_cross_the_middle_pipe(monkeypatch):
         return data
 
     with make(ImageWorker(64), 1000, slot_bytes=1 << 17, start_method="fork").start() as seq:
-        reply_fds = {handle.replies.fd for handle in seq._runtime.pool._workers}
+        reply_fds = {handle.replies.fd for handle in seq._runtime.pool.handles}
         monkeypatch.setattr(shmseq.worker_handle.os, "read", recording)
         batches = sum(1 for _ in seq)
     monkeypatch.undo()
@@ -141,7 +142,7 @@ def test_auto_sized_slots_fit_the_batches():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert sum(1 for _ in seq) == 8
-        assert seq._runtime.ring.spec.slot_bytes >= 8 * 8 * 8 * 3
+        assert ring_of(seq).spec.slot_bytes >= 8 * 8 * 8 * 3
 
 
 def test_breaking_out_mid_epoch_then_a_whole_next_epoch():
@@ -263,7 +264,7 @@ def test_a_bfloat16_tensor_comes_back_as_itself_from_the_slot(out_type):
             expected = torch.tensor(list(range(4 * k, 4 * k + 4)), dtype=torch.float32)
             assert batch.dtype == torch.bfloat16
             assert torch.equal(batch, expected.to(torch.bfloat16) / 3)
-            assert seq._runtime.ring.contains(batch.view(torch.int16).numpy())
+            assert ring_of(seq).contains(batch.view(torch.int16).numpy())
 
 
 @pytest.mark.parametrize("out_type", ["null", "cpu"])
@@ -282,7 +283,7 @@ def test_a_namedtuple_keeps_its_type():
     with make(DtypeWorker("namedtuple")).start() as seq:
         batch = next(iter(seq))
         assert type(batch) is Pair and batch.label.tolist() == [0, 1, 2, 3]
-        assert batch.image.shape == (4, 2) and seq._runtime.ring.contains(batch.image)
+        assert batch.image.shape == (4, 2) and ring_of(seq).contains(batch.image)
         del batch
 
 
