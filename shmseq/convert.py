@@ -155,7 +155,7 @@ class Converter:
         return self.device.hand_over(copied, None)
 
     def _overflowed(self, batch: str, payload_bytes: int) -> None:
-        """Count it; warn again whenever a batch outgrows the last slot_bytes suggested."""
+        """Count it, keep the slot size that fits every batch so far, and warn at the first."""
         stats = self.stats
         stats.overflow_count += 1
         if payload_bytes <= stats.largest_overflow_bytes:
@@ -163,11 +163,13 @@ class Converter:
         stats.largest_overflow_bytes = payload_bytes
         if stats.suggested_slot_bytes is None or payload_bytes > stats.suggested_slot_bytes:
             stats.suggested_slot_bytes = slot_bytes_for(payload_bytes)
-            warn_user(
-                f"{batch} needed {payload_bytes:,} bytes, the most of any batch so far, but "
-                f"slot_bytes is {self.ring.spec.slot_bytes:,}: it came through the overflow "
-                f"path, with a copy. Pass slot_bytes={stats.suggested_slot_bytes} (or more) to "
-                "keep every batch seen so far in the ring (seq.stats.suggested_slot_bytes)")
+        self._warn_once("overflow", (
+            f"{batch} needed {payload_bytes:,} bytes but slot_bytes is "
+            f"{self.ring.spec.slot_bytes:,}: it came through the overflow path, with a copy, as "
+            "will any batch larger than a slot (this warning is not repeated). Pass "
+            f"slot_bytes={stats.suggested_slot_bytes} or more; the loader's "
+            ".stats.suggested_slot_bytes follows the largest batch so far, and "
+            ".stats.overflow_count counts them"))
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from .errors import ShmSeqError, warn_user
+from .errors import ShmSeqError, warn_once
 from .layout import iter_arrays, map_arrays
 
 OUT_TYPES = ("null", "cpu", "cuda")
@@ -78,12 +78,14 @@ def resolve_out_type(out_type: str) -> str:
                               "install torch, or use out_type='null' for numpy arrays")
         return out_type
     if not torch_available():
-        warn_user(f"out_type={out_type!r} needs torch, which is not installed: "
-                  "delivering numpy arrays (out_type='null') instead")
+        warn_once("no torch", f"out_type={out_type!r} needs torch, which is not installed: "
+                  "delivering numpy arrays (out_type='null') instead, here and for every "
+                  "sequence after it; pass out_type='null' to say so and silence this")
         return "null"
     if not cuda_available():
-        warn_user(f"out_type={out_type!r} but CUDA is not available: delivering CPU tensors "
-                  "(out_type='cpu') instead")
+        warn_once("no cuda", f"out_type={out_type!r} but CUDA is not available: delivering CPU "
+                  "tensors (out_type='cpu') instead, here and for every sequence after it; pass "
+                  "out_type='cpu' to say so and silence this")
         return "cpu"
     return out_type
 
@@ -215,6 +217,7 @@ def make_device(out_type: str, pin_memory: bool | None = None, pin_device_id: in
     if pin_memory is None:
         pin_memory = out_type == "cpu" and cuda_available()
     elif pin_memory and not cuda_available():
-        warn_user("pin_memory=True but CUDA is not available: delivering pageable memory")
+        warn_once("no cuda to pin for", "pin_memory=True but CUDA is not available: delivering "
+                  "pageable memory, here and for every sequence after it")
         pin_memory = False
     return HostDevice(to_torch=out_type == "cpu", pin_device=pin_device_id if pin_memory else None)

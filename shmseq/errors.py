@@ -86,6 +86,17 @@ def raised_in_worker(described: tuple, *, what: str, batch_indices=None,
     return original
 
 
+_warned_in_process: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """``warn_user`` the first time ``key`` comes up in this process: a fact about the machine
+    (no CUDA here) is news once, not at every sequence made."""
+    if key not in _warned_in_process:
+        _warned_in_process.add(key)
+        warn_user(message)
+
+
 def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
     """Warn, pointing at the first frame outside shmseq and the standard library (the user's
     line)."""

@@ -403,7 +403,8 @@ class WorkerPool:
         if building is not None:
             self._killers.add(building)
         warn_user(f"{died}: a new worker takes its place and builds its batches again "
-                  f"({self._restarts} more restarts allowed)")
+                  f"({self._restarts} more {'restart' if self._restarts == 1 else 'restarts'} "
+                  "allowed)")
         self._unwatch(dead)
         dead.close_pipes()
         end_workers([dead])
