@@ -130,6 +130,23 @@ class _Events:
         self._handlers.clear()
 
 
+class Pace:
+    """Which side is slower: the consumer, once it found half the ring or more waiting for it,
+    until it has to wait for a batch again. Its tasks are then packed on one worker (see
+    ``WorkerPool._choose``)."""
+
+    def __init__(self, n_slots: int):
+        self.n_slots = n_slots
+        self.consumer_is_slower = False
+
+    def follow(self, waiting: int, waited: bool) -> None:
+        """``waiting``: deliveries the consumer has not taken; ``waited``: it is about to wait."""
+        if waited:
+            self.consumer_is_slower = False
+        elif 2 * waiting >= self.n_slots:
+            self.consumer_is_slower = True
+
+
 class WorkerPool:
     """Starts the workers, feeds them free slots, collects their replies, watches them, and
     (``restarts`` > 0) replaces a worker process that dies, sending its batches again.
@@ -147,7 +164,7 @@ class WorkerPool:
         self._n_slots = n_slots
         self._waker = waker
         self._in_turn = in_turn
-        self._packing = False  # the consumer is the slower side (see _follow_the_pace)
+        self._pace = Pace(n_slots)
         self._unslotted = 0  # batches sent before there was a ring, not back yet: each takes a slot
         self._stopped = False
         self._restarts = restarts
@@ -201,10 +218,10 @@ class WorkerPool:
     def exchange(self, timeout: float | None, waiting: int) -> list[Arrival]:
         """Give the workers what they can build, then return their replies: those there, or
         else the first within ``timeout`` s (None: until something happens). ``waiting``: the
-        deliveries the consumer has not taken yet (see ``_follow_the_pace``).
+        deliveries the consumer has not taken yet (see ``Pace``).
 
         Raises what went wrong with a worker (it died, or failed to start)."""
-        self._follow_the_pace(waiting, waited=bool(timeout is None or timeout > 0))
+        self._pace.follow(waiting, waited=timeout is None or timeout > 0)
         self._dispatch(waiting)
         if timeout != 0 and self.ring is not None and self.ring.has_news():
             timeout = 0  # freed before we said we wait: the consumer collects it first
@@ -214,15 +231,6 @@ class WorkerPool:
         finally:
             self._waker.waiting = False
         return self._handle_ready(ready)
-
-    def _follow_the_pace(self, waiting: int, waited: bool) -> None:
-        """Which side is slower: the consumer, once it found half the ring or more waiting for
-        it, until it has to wait for a batch again. Its tasks are then packed on one worker
-        (see ``_choose``)."""
-        if waited:
-            self._packing = False
-        elif 2 * waiting >= self._n_slots:
-            self._packing = True
 
     def _handle_ready(self, ready: list[tuple[int, tuple]]) -> list[Arrival]:
         arrivals: list[Arrival] = []
@@ -247,7 +255,7 @@ class WorkerPool:
                 self._send_task(chosen, task, None)
                 stream.advance()
             return
-        ring, pack = self.ring, self._packing
+        ring, pack = self.ring, self._pace.consumer_is_slower
         while ring.free_count() > self._unslotted and (task := stream.peek()) is not None:
             chosen = self._choose(task, pack)
             if chosen is None or (slot := ring.acquire()) is None:
