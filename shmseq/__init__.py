@@ -3,11 +3,11 @@
 ::
 
  consumer thread, while it waits for a batch (pool.py):
-   free slot + next (seq, indices) --> task pipe --> worker 1..N (processes or threads)
+   free slot + next (number, indices) --> task pipe --> worker 1..N (processes or threads)
                                                       | worker_obj[indices] -> batch
                                                       | written once into its slot (workers.py)
  ring of `buffer` slots x `slot_bytes`  <-------------+ (POSIX shared memory, one segment)
-                                                      | only ("done", seq, slot) comes back
+                                                      | only ("done", number, slot) comes back
  consumer thread: reply pipes + worker sentinels <----+
    every batch, one route (convert.py): slot -> device -> consumer, in order
      numpy / CPU tensors: the device's "copy" completes at once, the batch is views of the slot

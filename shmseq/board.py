@@ -1,8 +1,8 @@
 """What each worker is building, on a page of shared memory: the evidence a death is charged on.
 
-A worker writes the seq of a task into its cell as it begins building it (a store to shared
+A worker writes the batch number of a task into its cell as it begins building it (a store to shared
 memory: nothing crosses a pipe). When a worker dies, the pool reads the cell: the batch was
-being built only if the cell holds that batch's seq. A worker killed between tasks, in its
+being built only if the cell holds that batch's number. A worker killed between tasks, in its
 constructor, or before it read its first task (an out-of-memory kill that takes two workers in
 a row, say) leaves a cell that does not name the batch, and the batch is not blamed for it.
 
@@ -47,7 +47,7 @@ class Board:
         self._cells[:] = IDLE
 
     def building(self, wid: int) -> int:
-        """The seq worker ``wid`` began and did not finish; ``IDLE`` if none."""
+        """The number of the batch worker ``wid`` began and did not finish; ``IDLE`` if none."""
         return int(self._cells[wid])
 
     def clear(self, wid: int) -> None:
@@ -71,8 +71,8 @@ class WorkerCell:
             os.close(fd)
         self._cell = cells[wid:wid + 1]
 
-    def begin(self, seq: int) -> None:
-        self._cell[0] = seq
+    def begin(self, number: int) -> None:
+        self._cell[0] = number
 
     def close(self) -> None:
         self._cell = None

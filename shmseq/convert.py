@@ -1,4 +1,4 @@
-"""Where a batch is read: every arrival takes one route, slot -> device -> consumer, in order.
+"""Where a batch is read: every reply takes one route, slot -> device -> consumer, in order.
 
 As each reply arrives (in the consumer's thread, while it waits), ``Converter.arrive`` leases
 the batch's slot from the ring, decodes the batch into views of it
@@ -6,9 +6,9 @@ the batch's slot from the ring, decodes the batch into views of it
 once: the batch *is* the views, and the lease lives as long as they do. A copying device
 (CUDA) starts its copy on a stream of its own; the views die at once and the ring keeps
 the slot until the copy is done. Either way the ``Delivery`` waits in ``OrderedOutput``
-until the consumer asks for its seq, and ``Converter.hand_over`` gives it out.
+until the consumer asks for its number, and ``Converter.hand_over`` gives it out.
 
-A consumer holding every batch it received (``list(seq)``) would leave the workers no
+A consumer holding every batch it received (``list(number)``) would leave the workers no
 slot: the batch that would take the last one is handed over as a copy instead.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import PipelineClosed, ShmSeqError, warn_user
 from .layout import batch_reader, map_arrays, slot_bytes_for
-from .pool import Arrival
+from .pool import Reply
 from .ring import Ring
 from .stats import LoaderStats
 
@@ -33,11 +33,11 @@ class Delivery(NamedTuple):
     in_slot: bool = False  # the batch is views of a leased slot
     payload_bytes: int = 0  # size of a payload too large for its slot (overflow), else 0
     nbytes: int = 0         # the batch's array bytes
-    error: Callable[[], BaseException] | None = None  # makes the error (see pool.Arrival)
+    error: Callable[[], BaseException] | None = None  # makes the error (see pool.Reply)
 
 
 class OrderedOutput:
-    """Deliveries keyed by seq, taken strictly in order by the consumer.
+    """Deliveries keyed by number, taken strictly in order by the consumer.
 
     Only the consumer's thread puts and pops; ``close`` may come from any thread (a
     ``finish()`` elsewhere), and wins over deliveries still waiting."""
@@ -53,9 +53,9 @@ class OrderedOutput:
         """Deliveries the consumer has not taken yet."""
         return len(self._items)
 
-    def put(self, seq: int, delivery: Delivery) -> None:
-        if seq >= self.floor:
-            self._items[seq] = delivery
+    def put(self, number: int, delivery: Delivery) -> None:
+        if number >= self.floor:
+            self._items[number] = delivery
             self.waiting_in_slots += delivery.in_slot
 
     def close(self, reason: str) -> None:
@@ -63,27 +63,27 @@ class OrderedOutput:
             self._closed = reason
 
     def check(self) -> None:
-        """Raise ``PipelineClosed`` once closed (a new one each time: see pool.Arrival)."""
+        """Raise ``PipelineClosed`` once closed (a new one each time: see pool.Reply)."""
         if self._closed is not None:
             raise PipelineClosed(self._closed)
 
-    def pop(self, seq: int) -> Delivery | None:
+    def pop(self, number: int) -> Delivery | None:
         self.check()
-        delivery = self._items.pop(seq, None)
+        delivery = self._items.pop(number, None)
         if delivery is not None:
             self.waiting_in_slots -= delivery.in_slot
         return delivery
 
-    def pop_first(self, first_seq: int) -> tuple[int, Delivery] | None:
-        """The delivery of seq ``first_seq`` or after that arrived first, with its seq."""
+    def pop_first(self, first_number: int) -> tuple[int, Delivery] | None:
+        """The delivery of number ``first_number`` or after that arrived first, with its number."""
         self.check()
-        seq = next((seq for seq in self._items if seq >= first_seq), None)
-        return None if seq is None else (seq, self.pop(seq))
+        number = next((number for number in self._items if number >= first_number), None)
+        return None if number is None else (number, self.pop(number))
 
-    def drop_below(self, seq: int) -> None:
-        """Forget deliveries before ``seq`` (an epoch left early): their leases die here."""
-        self.floor = max(self.floor, seq)
-        for key in [key for key in self._items if key < seq]:
+    def drop_below(self, number: int) -> None:
+        """Forget deliveries before ``number`` (an epoch left early): their leases die here."""
+        self.floor = max(self.floor, number)
+        for key in [key for key in self._items if key < number]:
             self.waiting_in_slots -= self._items.pop(key).in_slot
 
     def clear(self) -> None:
@@ -91,7 +91,7 @@ class OrderedOutput:
 
 
 class Converter:
-    """Arrivals -> deliveries through the device; deliveries -> the consumer. ``name`` says
+    """Replies -> deliveries through the device; deliveries -> the consumer. ``name`` says
     how messages call a batch ("batch 3 of epoch 1")."""
 
     def __init__(self, device, ring: Ring, output: OrderedOutput, stats: LoaderStats,
@@ -103,39 +103,39 @@ class Converter:
         self.name = name
         self._warned: set[str] = set()
 
-    def arrive(self, arrival: Arrival) -> None:
-        """Convert an arrival as soon as it is there (a copy starts while the consumer works)."""
-        if arrival.seq < self.output.floor:
-            if arrival.slot is not None:
-                self.ring.discard(arrival.slot)  # stale: its epoch was left
+    def arrive(self, reply: Reply) -> None:
+        """Convert an reply as soon as it is there (a copy starts while the consumer works)."""
+        if reply.number < self.output.floor:
+            if reply.slot is not None:
+                self.ring.discard(reply.slot)  # stale: its epoch was left
             return
-        if arrival.error is not None:
-            delivery = Delivery(None, error=arrival.error)
+        if reply.error is not None:
+            delivery = Delivery(None, error=reply.error)
         else:
             try:
-                delivery = self._convert(arrival)
+                delivery = self._convert(reply)
             except Exception as exc:  # noqa: BLE001 - surfaces in the consumer, in order
-                delivery = Delivery(None, error=_conversion_failed(self.name(arrival.seq), exc))
-        self.output.put(arrival.seq, delivery)
+                delivery = Delivery(None, error=_conversion_failed(self.name(reply.number), exc))
+        self.output.put(reply.number, delivery)
 
-    def _convert(self, arrival: Arrival) -> Delivery:
-        slot, payload = arrival.slot, arrival.payload
+    def _convert(self, reply: Reply) -> Delivery:
+        slot, payload = reply.slot, reply.payload
         region = payload if slot is None else self.ring.lease(slot)
         reader = batch_reader(region, self.device.wrap)
         batch, copy = self.device.convert(reader.build(region))
         if copy is not None and slot is not None:
             self.ring.track_copy(slot, functools.partial(self.device.wait, copy))
         return Delivery(batch, copy, slot is not None and copy is None and reader.arrays > 0,
-                        len(payload) if arrival.overflowed else 0, reader.nbytes)
+                        len(payload) if reply.overflowed else 0, reader.nbytes)
 
-    def hand_over(self, seq: int, delivery: Delivery):
+    def hand_over(self, number: int, delivery: Delivery):
         """The batch as the consumer gets it; copied out when keeping it would starve the ring."""
         if delivery.error is not None:
             raise delivery.error()
         self.stats.batches += 1
         self.stats.bytes += delivery.nbytes
         if delivery.payload_bytes:
-            self._overflowed(self.name(seq), delivery.payload_bytes)
+            self._overflowed(self.name(number), delivery.payload_bytes)
         if delivery.in_slot:
             held = self.ring.leased - self.output.waiting_in_slots  # this one included
             if held >= self.ring.spec.n_slots:

@@ -18,13 +18,13 @@ class WorkerError(ShmSeqError):
     own type."""
 
     def __init__(self, message: str, *, exc_type: str = "", exc_message: str = "",
-                 worker_traceback: str = "", batch_indices=None, seq: int | None = None):
+                 worker_traceback: str = "", batch_indices=None, batch_number: int | None = None):
         super().__init__(message)
         self.exc_type = exc_type
         self.exc_message = exc_message
         self.worker_traceback = worker_traceback
         self.batch_indices = batch_indices
-        self.seq = seq
+        self.batch_number = batch_number  # the batch's number in the stream the pool dispatched
 
 
 class WorkerDied(ShmSeqError):
@@ -61,7 +61,7 @@ def add_note(exc: BaseException, note: str) -> None:
 
 
 def raised_in_worker(described: tuple, *, what: str, batch_indices=None,
-                     seq: int | None = None) -> BaseException:
+                     batch_number: int | None = None) -> BaseException:
     """The exception to raise in the consumer for one a worker raised: the worker's own, of its
     own type (an ``except KeyError`` catches it, as it would without workers), its cause a
     ``WorkerError`` carrying the worker's traceback and the batch, and a note saying ``what``
@@ -74,7 +74,7 @@ def raised_in_worker(described: tuple, *, what: str, batch_indices=None,
     exc_type, exc_message, text, pickled = described
     record = WorkerError(f"{what}: {exc_type}: {exc_message}\n\nWorker traceback:\n{text}",
                          exc_type=exc_type, exc_message=exc_message, worker_traceback=text,
-                         batch_indices=batch_indices, seq=seq)
+                         batch_indices=batch_indices, batch_number=batch_number)
     try:
         original = pickle.loads(pickled) if pickled is not None else None
     except Exception:  # noqa: BLE001 - any failure to rebuild it means the record is raised

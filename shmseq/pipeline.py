@@ -3,7 +3,7 @@
 A front end (``ShmSequence``, the torch-style ``DataLoader``) describes what to run in a
 ``PipelineSpec`` and starts a ``Pipeline`` (workers) or an ``Inline`` runtime (everything in
 the calling thread). Then, for each epoch (or pass of a sampler), it ``open``s the epoch
-and ``take``s its batches by seq. A runtime never refers back to its front end, and nothing
+and ``take``s its batches by number. A runtime never refers back to its front end, and nothing
 in it sits in a reference cycle, so that a front end nobody references any more closes it by
 its finalizer at once, without the garbage collector. ``close()`` works from any thread.
 
@@ -27,7 +27,7 @@ from .devices import Device, make_device
 from .errors import BatchTimeout, PipelineClosed, ShmSeqError
 from .layout import encode_batch, read_batch, slot_bytes_for
 from .plan import BatchStream, Plan
-from .pool import Arrival, Waker, WorkerPool, brief
+from .pool import Reply, Waker, WorkerPool, brief
 from .ring import Ring
 from .stats import LoaderStats
 from .worker_handle import JOIN_SECONDS
@@ -131,22 +131,22 @@ class Pipeline:
         self.device.attach(ring)
         self.pool.use_ring(ring)
 
-    def _sized_by(self, arrivals: list[Arrival]) -> None:
+    def _sized_by(self, replies: list[Reply]) -> None:
         """The first batches came back encoded (no ring yet): the ring is made to hold them."""
-        sizes = [len(arrival.payload) for arrival in arrivals if arrival.payload is not None]
+        sizes = [len(reply.payload) for reply in replies if reply.payload is not None]
         if sizes:
             self._use_ring(self._new_ring(slot_bytes_for(max(sizes))))
 
-    def _into_ring(self, arrival: Arrival) -> Arrival:
+    def _into_ring(self, reply: Reply) -> Reply:
         """A batch built before there was a ring: copied into a slot, to be delivered as views
         of the ring as every batch is. One larger than a slot is delivered as it came, as an
         overflow; with no slot free (a ring smaller than the workers), as it came."""
-        if arrival.payload is None or arrival.overflowed or arrival.seq < self.output.floor:
-            return arrival  # a batch in its slot, an error; a stale one is dropped on arrival
-        if len(arrival.payload) > self.ring.spec.slot_bytes:
-            return arrival._replace(overflowed=True)
-        slot = self.ring.store(arrival.payload)
-        return arrival if slot is None else Arrival(arrival.seq, slot)
+        if reply.payload is None or reply.overflowed or reply.number < self.output.floor:
+            return reply  # a batch in its slot, an error; a stale one is dropped on reply
+        if len(reply.payload) > self.ring.spec.slot_bytes:
+            return reply._replace(overflowed=True)
+        slot = self.ring.store(reply.payload)
+        return reply if slot is None else Reply(reply.number, slot)
 
     # -- the consumer's step ----------------------------------------------------------------------
     def _step(self, timeout: float | None) -> None:
@@ -155,14 +155,14 @@ class Pipeline:
         (those there, or the first within ``timeout`` s), and convert them into deliveries."""
         if self.ring is not None:
             self.ring.collect()  # slots freed, and copies failed, in other threads
-        arrivals = self.pool.exchange(timeout, waiting=self.output.waiting)
+        replies = self.pool.exchange(timeout, waiting=self.output.waiting)
         if self.ring is None:
-            self._sized_by(arrivals)
-        for arrival in arrivals:
+            self._sized_by(replies)
+        for reply in replies:
             if self.ring is None:  # a failure: no batch has come back yet
-                self.output.put(arrival.seq, Delivery(None, error=arrival.error))
+                self.output.put(reply.number, Delivery(None, error=reply.error))
             else:
-                self.converter.arrive(self._into_ring(arrival))
+                self.converter.arrive(self._into_ring(reply))
 
     # -- the consumer's side ---------------------------------------------------------------------
     @property
@@ -186,40 +186,40 @@ class Pipeline:
 
     def open(self, epoch: int, position: int = 0, batches: Iterable | None = None) -> int:
         """The consumer starts ``epoch`` at ``position`` (with the plan's ``batches`` for it,
-        when given): the seq of that batch. Deliveries of earlier epochs are dropped, and the
+        when given): the number of that batch. Deliveries of earlier epochs are dropped, and the
         workers are given the epoch's first batches at once."""
         with self._consumers_turn():
             self.output.check()
-            seq = self.stream.open(epoch, position, batches)
-            self.output.drop_below(seq)
+            number = self.stream.open(epoch, position, batches)
+            self.output.drop_below(number)
             self._step(0)  # the workers start on the epoch's first batches at once
-            return seq
+            return number
 
     def batches(self, epoch: int, position: int = 0):
         """The batches of ``epoch`` from ``position`` on, in order."""
-        seq = self.open(epoch, position)
+        number = self.open(epoch, position)
         for position in itertools.count(position):
             if self.plan.batch(epoch, position) is None:
                 return
-            yield self.take(seq, epoch, position)
-            seq += 1
+            yield self.take(number, epoch, position)
+            number += 1
 
-    def take(self, seq: int, epoch: int, position: int):
-        """Batch ``seq`` (``position`` of ``epoch``), as the consumer gets it."""
-        return self.hand_over(seq, self.receive(seq, epoch, position))
+    def take(self, number: int, epoch: int, position: int):
+        """Batch ``number`` (``position`` of ``epoch``), as the consumer gets it."""
+        return self.hand_over(number, self.receive(number, epoch, position))
 
-    def receive(self, seq: int, epoch: int, position: int):
-        """The delivery of batch ``seq`` (``position`` of ``epoch``): from the output if it is
+    def receive(self, number: int, epoch: int, position: int):
+        """The delivery of batch ``number`` (``position`` of ``epoch``): from the output if it is
         there, else once the pool brings it. Raises what keeps it from coming (a timeout, a
         worker's death, the pipeline closed)."""
-        delivery = self._first_ready(lambda: self.output.pop(seq), epoch, position)
+        delivery = self._first_ready(lambda: self.output.pop(number), epoch, position)
         self.plan.release(epoch, position + 1)
         return delivery
 
-    def receive_any(self, first_seq: int, epoch: int, position: int) -> tuple[int, object]:
-        """The delivery of seq ``first_seq`` or after that arrived first, and its seq (an
-        epoch's batches in the order they are ready); ``position`` is ``first_seq``'s."""
-        return self._first_ready(lambda: self.output.pop_first(first_seq), epoch, position)
+    def receive_any(self, first_number: int, epoch: int, position: int) -> tuple[int, object]:
+        """The delivery of number ``first_number`` or after that arrived first, and its number (an
+        epoch's batches in the order they are ready); ``position`` is ``first_number``'s."""
+        return self._first_ready(lambda: self.output.pop_first(first_number), epoch, position)
 
     def _first_ready(self, take: Callable, epoch: int, position: int):
         """What ``take()`` finds in the output after a step of the consumer, or once later
@@ -243,13 +243,13 @@ class Pipeline:
             self.stats.consumer_wait_s += time.perf_counter() - began
             return found
 
-    def hand_over(self, seq: int, delivery):
+    def hand_over(self, number: int, delivery):
         """The batch as the consumer gets it; raises the batch's error (its worker's exception)
         in its place."""
         with self._failures_reported():
             if self.converter is None:  # no batch came back yet: only failures did
                 raise delivery.error()
-            return self.converter.hand_over(seq, delivery)
+            return self.converter.hand_over(number, delivery)
 
     @contextlib.contextmanager
     def _failures_reported(self):
@@ -269,12 +269,12 @@ class Pipeline:
         self.plan.release(epoch, position)
 
     def _timed_out(self, epoch: int, position: int):
-        seq = self.stream.seq_of(epoch, position)
+        number = self.stream.number_of(epoch, position)
         raise BatchTimeout(
             f"batch {position} of epoch {epoch} (sample indices "
             f"{brief(self.plan.batch(epoch, position))}) did not arrive within timeout="
             f"{self.spec.timeout} s; it is with "
-            f"{self.pool.holder_of(seq) if seq is not None else 'no worker yet'}")
+            f"{self.pool.holder_of(number) if number is not None else 'no worker yet'}")
 
     def replan(self) -> None:
         """The plan changed (a new seed): batches planned so far are stale."""

@@ -17,7 +17,7 @@ so that a cursor running ahead knows they are stale):
   only as the dispatcher needs them (a sampler may never end).
 
 ``BatchStream`` walks a plan for the dispatcher, as a node of ``torchdata.nodes`` does
-(``next``, ``state``, ``reset`` from a state), numbering batches by ``seq`` in the order
+(``next``, ``state``, ``reset`` from a state), numbering batches in the order
 they are dispatched, across epochs.
 """
 from __future__ import annotations
@@ -327,17 +327,17 @@ class SamplerPlan:
 
 
 class Task(NamedTuple):
-    """A batch as the dispatcher sends it: its ``seq``, its indices, and its position in its
+    """A batch as the dispatcher sends it: its ``number``, its indices, and its position in its
     epoch (which worker builds it, when batches go to the workers in turn)."""
-    seq: int
+    number: int
     indices: object
     position: int
 
 
 class BatchStream:
-    """The dispatcher's cursor: the plan's batches as ``(seq, indices)``, epoch after epoch.
+    """The dispatcher's cursor: the plan's batches as ``(number, indices)``, epoch after epoch.
 
-    ``seq`` counts batches in the order they are dispatched, so that a consumer going back
+    ``number`` counts batches in the order they are dispatched, so that a consumer going back
     (``set_epoch``, ``load_state_dict``) restarts the cursor with fresh seqs, and whatever
     is still in flight from before is told apart and dropped. The cursor runs ahead into
     epochs the plan has open; ``open(epoch, position)`` tells it where the consumer is.
@@ -345,8 +345,8 @@ class BatchStream:
 
     def __init__(self, plan, epoch: int = 0, position: int = 0):
         self.plan = plan
-        self._seq = 0
-        self._segments: list[list[int]] = []  # [first seq, epoch, first position, count] taken
+        self._next_number = 0
+        self._segments: list[list[int]] = []  # [first number, epoch, first position, count] taken
         self.reset({"epoch": epoch, "position": position})
 
     def state(self) -> dict:
@@ -362,24 +362,24 @@ class BatchStream:
 
     def open(self, epoch: int, position: int, batches: Iterable | None = None) -> int:
         """The consumer starts ``epoch`` at ``position`` (the plan's ``batches`` for it, when
-        given): the seq that batch comes as."""
+        given): the number that batch is dispatched with."""
         self.plan.open(epoch, batches)
-        seq = self.seq_of(epoch, position) if self._version == self.plan.version else None
-        if seq is None:
+        number = self.number_of(epoch, position) if self._version == self.plan.version else None
+        if number is None:
             self.reset({"epoch": epoch, "position": position})
-            seq = self._seq
-        self._segments = [s for s in self._segments if s[0] + s[3] > seq]
-        return seq
+            number = self._next_number
+        self._segments = [s for s in self._segments if s[0] + s[3] > number]
+        return number
 
-    def name(self, seq: int) -> str:
-        """Batch ``seq`` as messages call it, as the user counts: "batch 3 of epoch 1"."""
+    def name(self, number: int) -> str:
+        """Batch ``number`` as messages call it, as the user counts: "batch 3 of epoch 1"."""
         for first, epoch, first_position, count in self._segments:
-            if first <= seq < first + count:
-                return f"batch {first_position + seq - first} of epoch {epoch}"
-        return f"batch {seq}"
+            if first <= number < first + count:
+                return f"batch {first_position + number - first} of epoch {epoch}"
+        return f"batch {number}"
 
-    def seq_of(self, epoch: int, position: int) -> int | None:
-        """The seq batch ``position`` of ``epoch`` was dispatched as; None if it was not."""
+    def number_of(self, epoch: int, position: int) -> int | None:
+        """The number batch ``position`` of ``epoch`` was dispatched as; None if it was not."""
         for first, taken_epoch, first_position, count in self._segments:
             if taken_epoch == epoch and first_position <= position < first_position + count:
                 return first + position - first_position
@@ -393,7 +393,7 @@ class BatchStream:
                 return None
             indices = self.plan.batch(self._epoch, self._position)
             if indices is not None:
-                return Task(self._seq, indices, self._position)
+                return Task(self._next_number, indices, self._position)
             self._epoch, self._position = self._epoch + 1, 0
 
     def next(self) -> Task | None:
@@ -406,9 +406,9 @@ class BatchStream:
     def advance(self) -> None:
         """Take the batch ``peek()`` just returned."""
         last = self._segments[-1] if self._segments else None
-        if last and last[1] == self._epoch and last[0] + last[3] == self._seq:
+        if last and last[1] == self._epoch and last[0] + last[3] == self._next_number:
             last[3] += 1
         else:
-            self._segments.append([self._seq, self._epoch, self._position, 1])
-        self._seq += 1
+            self._segments.append([self._next_number, self._epoch, self._position, 1])
+        self._next_number += 1
         self._position += 1

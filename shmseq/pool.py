@@ -2,13 +2,13 @@
 
 The consumer's thread drives the pool (``exchange``) at each of its steps (pipeline.py):
 
-1. each free slot of the ring goes, with the next ``(seq, indices)`` of the stream, down
+1. each free slot of the ring goes, with the next ``(number, indices)`` of the stream, down
    a worker's task pipe (``_dispatch``, the one place batches are handed out; ``_choose``
    says to which worker, following the consumer's pace);
 2. it waits on every worker's reply pipe and process sentinel at once (and on the waker,
    which other threads use to cut the wait short), so that a worker that dies is reported
    at once, as ``concurrent.futures`` and ``loky`` do;
-3. each reply becomes an ``Arrival``: a batch written in its slot, an encoded batch (too
+3. each reply becomes a ``Reply``: a batch written in its slot, an encoded batch (too
    large for its slot, or built before there was a ring), or the worker's error.
 
 Before there is a ring (its slot size is not known yet), each worker gets one batch at a
@@ -41,13 +41,13 @@ from .wire import framed, task_frame
 from .workers import WorkerInfo
 
 
-class Arrival(NamedTuple):
-    """What a reply brings: batch ``seq`` in ``slot``, or as ``payload`` bytes (built before
+class Reply(NamedTuple):
+    """What a reply brings: batch ``number`` in ``slot``, or as ``payload`` bytes (built before
     there was a ring, or ``overflowed`` its slot), or ``error``, which makes the error to
     raise in its place (made when raised: an exception kept in a frame of its own traceback
     is a reference cycle, which would keep the consumer's batches, and their ring, until a
     garbage collection)."""
-    seq: int
+    number: int
     slot: int | None
     payload: np.ndarray | None = None
     error: Callable[[], BaseException] | None = None
@@ -215,7 +215,7 @@ class WorkerPool:
                          if not (h.ready and (self.ring is None or h.attached)))
 
     # -- the consumer's thread -----------------------------------------------------------------
-    def exchange(self, timeout: float | None, waiting: int) -> list[Arrival]:
+    def exchange(self, timeout: float | None, waiting: int) -> list[Reply]:
         """Give the workers what they can build, then return their replies: those there, or
         else the first within ``timeout`` s (None: until something happens). ``waiting``: the
         deliveries the consumer has not taken yet (see ``Pace``).
@@ -232,14 +232,14 @@ class WorkerPool:
             self._waker.waiting = False
         return self._handle_ready(ready)
 
-    def _handle_ready(self, ready: list[tuple[int, tuple]]) -> list[Arrival]:
-        arrivals: list[Arrival] = []
+    def _handle_ready(self, ready: list[tuple[int, tuple]]) -> list[Reply]:
+        received: list[Reply] = []
         for fd, handler in ready:
             if self._events.current(fd, handler):  # not a replaced worker's
-                handler[0](handler[1], arrivals)
-        return arrivals
+                handler[0](handler[1], received)
+        return received
 
-    def _woken(self, _, arrivals: list[Arrival]) -> None:
+    def _woken(self, _, received: list[Reply]) -> None:
         self._waker.drain()
 
     def _dispatch(self, waiting: int) -> None:
@@ -284,8 +284,8 @@ class WorkerPool:
 
     def _send_task(self, chosen: WorkerHandle, task: Task, slot: int | None) -> None:
         self._unslotted += slot is None
-        chosen.open[task.seq] = (task.indices, slot)
-        self._send(chosen, task_frame(task.seq, slot, task.indices))
+        chosen.open[task.number] = (task.indices, slot)
+        self._send(chosen, task_frame(task.number, slot, task.indices))
 
     def _send(self, handle: WorkerHandle, message: bytes) -> None:
         """Send a framed message; never blocks: what the pipe cannot take waits until the
@@ -294,7 +294,7 @@ class WorkerPool:
         if handle.tasks.waiting and not self._events.watching(handle.tasks.fd):
             self._events.watch(handle.tasks.fd, (self._flush, handle), write=True)
 
-    def _flush(self, handle: WorkerHandle, arrivals: list[Arrival]) -> None:
+    def _flush(self, handle: WorkerHandle, received: list[Reply]) -> None:
         try:
             handle.tasks.flush()
         except OSError:
@@ -302,10 +302,10 @@ class WorkerPool:
         if not handle.tasks.waiting or not handle.accepting:
             self._events.unwatch(handle.tasks.fd)
 
-    def _receive(self, handle: WorkerHandle, arrivals: list[Arrival]) -> None:
+    def _receive(self, handle: WorkerHandle, received: list[Reply]) -> None:
         """Every reply the worker has sent so far."""
         for message in self._replies(handle):
-            self._handle(handle, message, arrivals)
+            self._handle(handle, message, received)
 
     def _replies(self, handle: WorkerHandle) -> list:
         """The replies the worker has sent so far; none once its pipe closed (a dying process:
@@ -317,28 +317,28 @@ class WorkerPool:
             handle.close_replies()
             return []
 
-    def _handle(self, handle: WorkerHandle, message: tuple, arrivals: list[Arrival]) -> None:
+    def _handle(self, handle: WorkerHandle, message: tuple, received: list[Reply]) -> None:
         kind = message[0]
         if kind == "done":
-            _, seq, slot, size, busy = message
-            handle.closed(seq)
+            _, number, slot, size, busy = message
+            handle.closed(number)
             self.stats.worker_busy_s += busy
             self.ring.written(slot)
-            arrivals.append(Arrival(seq, slot))
+            received.append(Reply(number, slot))
         elif kind == "overflow":
-            _, seq, slot, payload, busy = message
-            handle.closed(seq)
+            _, number, slot, payload, busy = message
+            handle.closed(number)
             self.stats.worker_busy_s += busy
             self._give_back(slot)
-            arrivals.append(Arrival(seq, None, payload, overflowed=slot is not None))
+            received.append(Reply(number, None, payload, overflowed=slot is not None))
         elif kind == "error":
-            _, seq, slot, info = message
-            indices = handle.closed(seq)
+            _, number, slot, info = message
+            indices = handle.closed(number)
             self._give_back(slot)
-            what = (f"{handle.describe()} failed on {self.stream.name(seq)} "
+            what = (f"{handle.describe()} failed on {self.stream.name(number)} "
                     f"(sample indices {brief(indices)})")
-            arrivals.append(Arrival(seq, None, error=functools.partial(
-                raised_in_worker, info, what=what, batch_indices=indices, seq=seq)))
+            received.append(Reply(number, None, error=functools.partial(
+                raised_in_worker, info, what=what, batch_indices=indices, batch_number=number)))
         elif kind == "ready":
             handle.ready = True
         elif kind == "attached":
@@ -353,10 +353,10 @@ class WorkerPool:
             self.ring.unused(slot)
 
     # -- deaths --------------------------------------------------------------------------------
-    def _died(self, handle: WorkerHandle, arrivals: list[Arrival]) -> None:
+    def _died(self, handle: WorkerHandle, received: list[Reply]) -> None:
         """A worker process ended unasked: replace it, or say how and on which batch."""
         while handle.replies.fd >= 0 and self._events.watching(handle.replies.fd):
-            self._receive(handle, arrivals)  # its last words (an init error) explain more
+            self._receive(handle, received)  # its last words (an init error) explain more
         handle.runner.join(JOIN_SECONDS)  # its sentinel closed: the exit status follows at once
         code = handle.runner.exitcode
         how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
@@ -371,7 +371,7 @@ class WorkerPool:
         if refusal is None:
             self._restart(handle, died, building)
             return
-        queued = [self.stream.name(seq) for seq in sorted(handle.open) if seq != building]
+        queued = [self.stream.name(number) for number in sorted(handle.open) if number != building]
         if queued:
             died += f"; {', '.join(queued)} were queued for it"
         raise WorkerDied(died + refusal, pid=handle.pid, exitcode=code)
@@ -379,8 +379,8 @@ class WorkerPool:
     def _building(self, handle: WorkerHandle) -> int | None:
         """The batch the dead worker had begun and not finished, by its cell on the board; None
         if it had begun none of its tasks."""
-        seq = None if self._board is None else self._board.building(handle.wid)
-        return seq if seq in handle.open else None
+        number = None if self._board is None else self._board.building(handle.wid)
+        return number if number in handle.open else None
 
     def _what_it_held(self, handle: WorkerHandle, building: int | None) -> str:
         if not handle.ready:
@@ -426,9 +426,9 @@ class WorkerPool:
         heir = handle if self._in_turn else min(
             (h for h in self._workers if h.accepting and h.ready and h is not handle),
             key=lambda h: len(h.open), default=handle)
-        for seq, (indices, slot) in sorted(dead.open.items()):
-            heir.open[seq] = (indices, slot)
-            self._send(heir, task_frame(seq, slot, indices))
+        for number, (indices, slot) in sorted(dead.open.items()):
+            heir.open[number] = (indices, slot)
+            self._send(heir, task_frame(number, slot, indices))
 
     def _unwatch(self, handle: WorkerHandle) -> None:
         for fd in (handle.replies.fd, handle.sentinel, handle.tasks.fd):
@@ -439,10 +439,10 @@ class WorkerPool:
         """The workers, by worker id (a replacement in its dead predecessor's place)."""
         return list(self._workers)
 
-    def holder_of(self, seq: int) -> str:
-        """Which worker is building ``seq``, for timeout messages."""
+    def holder_of(self, number: int) -> str:
+        """Which worker is building ``number``, for timeout messages."""
         for handle in self._workers:
-            if seq in handle.open:
+            if number in handle.open:
                 return handle.describe()
         return "no worker (it was never dispatched: the ring has no free slot)"
 

@@ -214,7 +214,7 @@ class _RingIterator(_BaseDataLoaderIter):
         if self._pipeline is None:
             self._pipeline = Pipeline(self._spec, self._plan, self._epoch, stats=self._stats)
             self._closer = weakref.finalize(self, _close_in_owner, self._pipeline, os.getpid())
-        self._first_seq = self._pipeline.open(self._epoch, 0, self._sampler_iter)
+        self._first_number = self._pipeline.open(self._epoch, 0, self._sampler_iter)
 
     def _next_data(self):
         if self._pipeline is None:
@@ -226,21 +226,21 @@ class _RingIterator(_BaseDataLoaderIter):
             if not self._persistent_workers:
                 self._shutdown_workers()
             raise StopIteration
-        seq = self._first_seq + self._position
+        number = self._first_number + self._position
         if self._in_order:
-            delivery = self._receive(self._pipeline.receive, seq)
+            delivery = self._receive(self._pipeline.receive, number)
             self._position += 1
         else:
-            seq, delivery = self._receive(self._pipeline.receive_any, seq)
-            self._handed.add(seq - self._first_seq)
+            number, delivery = self._receive(self._pipeline.receive_any, number)
+            self._handed.add(number - self._first_number)
             self._pipeline.release(self._epoch, self._position)
-        return self._pipeline.hand_over(seq, delivery)
+        return self._pipeline.hand_over(number, delivery)
 
-    def _receive(self, receive, seq: int):
-        """``receive(seq, epoch, position)``, with failures of the pipeline worded as torch's
+    def _receive(self, receive, number: int):
+        """``receive(number, epoch, position)``, with failures of the pipeline worded as torch's
         (a worker's own exception is not one: it comes with its batch, from ``hand_over``)."""
         try:
-            return receive(seq, self._epoch, self._position)
+            return receive(number, self._epoch, self._position)
         except BatchTimeout as exc:
             raise BatchTimeout(f"DataLoader timed out after {self._timeout} seconds: {exc}") \
                 from None

@@ -1,7 +1,7 @@
 """What crosses the pipes between the consumer and its workers, and how it is read and written.
 
-The two messages every batch costs travel as fixed binary records: ``("task", seq, slot,
-indices)`` to a worker, ``("done", seq, slot, size, seconds)`` back. The rare ones (the
+The two messages every batch costs travel as fixed binary records: ``("task", number, slot,
+indices)`` to a worker, ``("done", number, slot, size, seconds)`` back. The rare ones (the
 ring, stop, errors, overflow batches, multi-shard tasks) are pickled. Messages are framed as
 ``multiprocessing.Connection`` frames them (a big-endian length first), so either side may
 use a ``Connection``; both read with ``FrameReader``, every complete message in one read.
@@ -14,18 +14,18 @@ import struct
 
 import numpy as np
 
-_TASK = struct.Struct("!qq")          # seq, slot (-1: none, a batch built before the ring)
-_DONE = struct.Struct("<qqqd")        # seq, slot, bytes written, seconds spent
+_TASK = struct.Struct("!qq")          # number, slot (-1: none, a batch built before the ring)
+_DONE = struct.Struct("<qqqd")        # number, slot, bytes written, seconds spent
 _TASK_TAG, _DONE_TAG, _PICKLE_TAG = b"T", b"D", b"P"
 _FRAME = struct.Struct("!i")          # Connection's message header,
 _LARGE = struct.Struct("!Q")          # and its second one, for messages of 2 GiB or more
-_TASK_HEAD = struct.Struct("!icqq")   # a task's frame header, tag, seq and slot in one
+_TASK_HEAD = struct.Struct("!icqq")   # a task's frame header, tag, number and slot in one
 _DONE_HEAD = _FRAME.pack(1 + _DONE.size) + _DONE_TAG
 _READ_BYTES = 1 << 16
 
 
 def encode(message) -> bytes:
-    """A message as bytes: ``("task", seq, slot, indices)``, ``("done", seq, slot, size,
+    """A message as bytes: ``("task", number, slot, indices)``, ``("done", number, slot, size,
     seconds)``, or anything picklable."""
     if message is not None and message[0] in ("task", "done"):
         maker = task_frame if message[0] == "task" else done_frame
@@ -38,20 +38,20 @@ def framed(message) -> bytes:
     return frame(encode(message))
 
 
-def task_frame(seq: int, slot: int | None, indices) -> bytes:
+def task_frame(number: int, slot: int | None, indices) -> bytes:
     """A task, framed; pickled when ``indices`` is not one array (a multi-shard batch's list)."""
     if not isinstance(indices, np.ndarray):
-        return frame(_PICKLE_TAG + pickle.dumps(("task", seq, slot, indices),
+        return frame(_PICKLE_TAG + pickle.dumps(("task", number, slot, indices),
                                                 pickle.HIGHEST_PROTOCOL))
     indices = indices.astype(np.int64, copy=False)
-    head = _TASK_HEAD.pack(1 + _TASK.size + indices.nbytes, _TASK_TAG, seq,
+    head = _TASK_HEAD.pack(1 + _TASK.size + indices.nbytes, _TASK_TAG, number,
                            -1 if slot is None else slot)
     return head + indices.tobytes()
 
 
-def done_frame(seq: int, slot: int, size: int, seconds: float) -> bytes:
+def done_frame(number: int, slot: int, size: int, seconds: float) -> bytes:
     """A done reply, framed."""
-    return _DONE_HEAD + _DONE.pack(seq, slot, size, seconds)
+    return _DONE_HEAD + _DONE.pack(number, slot, size, seconds)
 
 
 def decode(data) -> object:
@@ -64,10 +64,10 @@ def _decode_at(data, start: int, size: int) -> object:
     if tag == _DONE_TAG[0]:
         return ("done", *_DONE.unpack_from(data, start + 1))
     if tag == _TASK_TAG[0]:
-        seq, slot = _TASK.unpack_from(data, start + 1)
+        number, slot = _TASK.unpack_from(data, start + 1)
         count = (size - 1 - _TASK.size) // 8
         indices = np.frombuffer(data, np.int64, count, start + 1 + _TASK.size).copy()
-        return ("task", seq, None if slot < 0 else slot, indices)
+        return ("task", number, None if slot < 0 else slot, indices)
     return pickle.loads(memoryview(data)[start + 1:start + size])  # no copy of an overflow batch
 
 

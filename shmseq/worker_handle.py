@@ -86,7 +86,7 @@ class WorkerHandle:
         self._replies = replies
         self.replies = FrameReader(replies.fileno())
         self.runner = runner
-        self.open: dict[int, tuple[np.ndarray, int | None]] = {}  # seq -> (indices, slot), as sent
+        self.open: dict[int, tuple[np.ndarray, int | None]] = {}  # number -> (indices, slot), as sent
         self.ready = False        # its worker object is built
         self.attached = False     # it maps the ring
         self.accepting = True     # its task pipe is open
@@ -112,9 +112,9 @@ class WorkerHandle:
         except OSError:
             self.accepting = False  # it died: its sentinel (or last message) tells why
 
-    def closed(self, seq: int):
-        """The task ``seq`` is done (or failed): its indices."""
-        indices, _ = self.open.pop(seq, (None, None))
+    def closed(self, number: int):
+        """The task ``number`` is done (or failed): its indices."""
+        indices, _ = self.open.pop(number, (None, None))
         return indices
 
     def close_replies(self) -> None:

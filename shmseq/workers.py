@@ -1,9 +1,9 @@
 """Inside a worker (process or thread): where a batch is written.
 
-``worker_loop`` takes ``("task", seq, slot, indices)`` from its task pipe, calls
+``worker_loop`` takes ``("task", number, slot, indices)`` from its task pipe, calls
 ``worker_obj[indices]`` (or ``worker_obj.fill_batch(indices, out)`` for in-place
 workers), writes the batch into the slot (``layout.write_batch``) and replies
-``("done", seq, slot, size, seconds)``: only ids travel, never the payload. A batch
+``("done", number, slot, size, seconds)``: only ids travel, never the payload. A batch
 too large for its slot goes back encoded in the reply instead (the overflow path);
 a failure goes back as its type, message and traceback. The consumer's side of the
 pipes is ``pool.py``.
@@ -65,7 +65,7 @@ def describe_exception(exc: BaseException) -> tuple:
     return (f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), text, pickled)
 
 
-def _run_task(worker_obj, ring: WorkerRing | None, seq: int, slot: int | None,
+def _run_task(worker_obj, ring: WorkerRing | None, number: int, slot: int | None,
               indices: np.ndarray) -> bytes:
     """Build and write one batch; the framed reply, with its size and the time it took."""
     began = time.perf_counter()
@@ -75,13 +75,13 @@ def _run_task(worker_obj, ring: WorkerRing | None, seq: int, slot: int | None,
         if region is not None:
             try:
                 size = write_batch(batch, region, allocator)
-                return done_frame(seq, slot, size, time.perf_counter() - began)
+                return done_frame(number, slot, size, time.perf_counter() - began)
             except SlotOverflow:
                 pass
         payload = encode_batch(batch)
-        return framed(("overflow", seq, slot, payload, time.perf_counter() - began))
+        return framed(("overflow", number, slot, payload, time.perf_counter() - began))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
-        return framed(("error", seq, slot, describe_exception(exc)))
+        return framed(("error", number, slot, describe_exception(exc)))
 
 
 class WorkerInfo(NamedTuple):
@@ -230,10 +230,10 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
                 ring = WorkerRing(message[1])
                 write_all(replies, framed(("attached", info.id)))
             else:
-                _, seq, slot, indices = message
+                _, number, slot, indices = message
                 if cell is not None:
-                    cell.begin(seq)
-                write_all(replies, _run_task(worker_obj, ring, seq, slot, indices))
+                    cell.begin(number)
+                write_all(replies, _run_task(worker_obj, ring, number, slot, indices))
     except (EOFError, OSError):
         return  # the consumer closed the pipes: it is shutting down, or gone
     finally:

@@ -9,7 +9,7 @@ from shmseq.convert import Converter, Delivery, OrderedOutput
 from shmseq.devices import HostDevice
 from shmseq.errors import PipelineClosed
 from shmseq.layout import encode_batch
-from shmseq.pool import Arrival, Pace
+from shmseq.pool import Reply, Pace
 from shmseq.ring import FREE, Ring
 from shmseq.stats import LoaderStats
 
@@ -17,11 +17,11 @@ from shmseq.stats import LoaderStats
 # -- the ordered output -------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
 @given(st.permutations(range(12)), st.integers(0, 12))
-def test_deliveries_come_out_in_seq_order_whatever_order_they_arrive_in(arrivals, floor):
+def test_deliveries_come_out_in_seq_order_whatever_order_they_arrive_in(replies, floor):
     output = OrderedOutput()
     output.drop_below(floor)
     taken = []
-    for seq in arrivals:
+    for seq in replies:
         output.put(seq, Delivery(seq))
         while (delivery := output.pop(len(taken) + floor)) is not None:
             taken.append(delivery.batch)
@@ -63,7 +63,7 @@ def converter():
 def _deliver(converter, seq: int) -> None:
     """Batch ``seq`` written into a slot by a worker, then arrived."""
     slot = converter.ring.store(encode_batch({"x": np.full(1000, seq, np.int32)}))
-    converter.arrive(Arrival(seq, slot))
+    converter.arrive(Reply(seq, slot))
 
 
 def test_a_batch_stays_a_view_until_keeping_it_would_leave_the_workers_no_slot(converter):

@@ -257,6 +257,7 @@ def test_killing_the_main_process_leaves_no_worker_and_no_segment(method, slot_b
         import os, signal, sys
         sys.path.insert(0, {str(TESTS)!r})
         from shmseq import ShmSequence
+        from shmseq.testing import worker_pids
         from workers import ImageWorker
         if __name__ == "__main__":
             seq = ShmSequence(ImageWorker(64), 10_000, batch_size=4, num_workers=2,

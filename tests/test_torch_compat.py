@@ -562,7 +562,7 @@ def test_a_timeout_is_a_runtime_error_saying_so():
 
 @pytest.mark.parametrize("error", [
     shmseq.WorkerError("worker 0 failed", exc_type="KeyError", exc_message="3",
-                       worker_traceback="Traceback ...", batch_indices=[1, 2], seq=4),
+                       worker_traceback="Traceback ...", batch_indices=[1, 2], batch_number=4),
     shmseq.WorkerDied("worker 1 was killed", pid=123, exitcode=-9),
     shmseq.BatchTimeout("batch 3 did not arrive"), shmseq.SharedMemoryFull("no room"),
     shmseq.UnsupportedBatch("a set"), shmseq.PipelineClosed("finished"),
