@@ -41,7 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m shmseq.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help="one short repeat of the matrix (under a minute)")
+                        help="one short repeat of the matrix (about a minute; no spreads)")
     parser.add_argument("--workloads", type=_names(list(WORKLOADS)), default=TRANSPORT_WORKLOADS,
                         help=f"comma-separated, among {', '.join(WORKLOADS)} (default: all but "
                              "augment, whose workers spend their time augmenting images with "

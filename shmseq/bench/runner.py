@@ -54,7 +54,7 @@ def measure(name: str, workload: Workload, repeat: int, seconds: float,
     The consumer's CPU time is ``process_time``: every thread of this process.
     """
     if name == LIMIT:
-        return Run(name, workload.name, repeat, limit_rate(workload, seconds))
+        return Run(name, workload.name, repeat, limit_rate(workload, seconds, warmup_seconds))
     ordered = name not in UNORDERED
     start = time.perf_counter()
     with SYSTEMS[name](workload) as batches:

@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import os
 import shlex
+import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -21,7 +24,7 @@ except ImportError as missing:
 from ..bench.report import machine
 from ..vision import ImageArrayWorker, ImageFolderWorker
 from . import __doc__ as ABOUT
-from . import report, sweep
+from . import load, report, sweep
 from .data import make_array_store, make_jpeg_folder
 from .loaders import LOADERS, shmseq_loader
 from .training import Epoch, Trainer, train
@@ -38,8 +41,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--format", choices=("store", "jpeg"), default="store",
                         help="decoded images memory-mapped from a store (default), or JPEG files")
-    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "shmseq-demo",
-                        help="where the synthetic datasets are made, and reused (%(default)s)")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the synthetic dataset for later runs, in "
+                             f"{cache_dir()} (reused by later runs with --keep); by default it "
+                             "is made in a temporary directory and deleted at the end")
+    parser.add_argument("--workdir", type=Path,
+                        help="make the synthetic dataset here, or reuse the one made here "
+                             "earlier, and keep it (instead of --keep's place)")
     parser.add_argument("--out", type=Path, default=Path("demo-results"),
                         help="where results.md, results.json and sweep.png go (%(default)s)")
     parser.add_argument("--workers", type=int, default=2, help="worker processes, for every loader")
@@ -64,15 +72,47 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def dataset(args):
-    """The in-place worker over the synthetic dataset, made on first use."""
+def cache_dir() -> Path:
+    """Where ``--keep`` keeps the dataset: ``$XDG_CACHE_HOME/shmseq/demo`` (``~/.cache``)."""
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(home) / "shmseq" / "demo"
+
+
+def dataset(args, workdir: Path):
+    """The in-place worker over the synthetic dataset under ``workdir``, and the dataset's
+    folder (made unless an earlier run made it there)."""
     if args.format == "store":
-        root = make_array_store(args.workdir / f"store-{args.images}-{CLASSES}-{args.side}",
+        root = make_array_store(workdir / f"store-{args.images}-{CLASSES}-{args.side}-{args.seed}",
                                 args.images, CLASSES, args.side, seed=args.seed)
-        return ImageArrayWorker(root, args.crop, seed=args.seed)
-    root = make_jpeg_folder(args.workdir / f"jpeg-{args.images}-{CLASSES}", args.images, CLASSES,
-                            seed=args.seed)
-    return ImageFolderWorker(root, args.crop, seed=args.seed)
+        return ImageArrayWorker(root, args.crop, seed=args.seed), root
+    root = make_jpeg_folder(workdir / f"jpeg-{args.images}-{CLASSES}-{args.seed}", args.images,
+                            CLASSES, seed=args.seed)
+    return ImageFolderWorker(root, args.crop, seed=args.seed), root
+
+
+def size_of(path: Path) -> int:
+    """Bytes of the files under ``path`` (or of the file)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(os.path.getsize(os.path.join(folder, name))
+               for folder, _, names in os.walk(path) for name in names)
+
+
+def human(size: int) -> str:
+    """Bytes as ``du -h`` counts them."""
+    return f"{size / 2**20:,.0f} MiB" if size >= 2**20 else f"{size / 2**10:,.0f} KiB"
+
+
+@contextlib.contextmanager
+def terminated_as_exit():
+    """SIGTERM (a ``timeout``, a job scheduler) unwinds like Ctrl-C: loaders stop, data goes."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def training_run(worker, args, device: torch.device) -> list[Epoch]:
@@ -104,37 +144,81 @@ def sweep_run(worker, args, device: torch.device) -> list[sweep.Measurement]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    began = time.perf_counter()
-    worker = dataset(args)
+    args.command = shlex.join(["python", "-m", "shmseq.demo",
+                               *(sys.argv[1:] if argv is None else argv)])
+    began, at_start = time.perf_counter(), load.snapshot()
+    print(f"machine: {load.describe_cores()}, {load.describe_load(at_start.load)}", flush=True)
+    scratch = args.workdir is None and not args.keep
+    workdir = Path(tempfile.mkdtemp(prefix="shmseq-demo-")) if scratch else (
+        args.workdir or cache_dir())
+    try:
+        with terminated_as_exit():
+            root, written, busy = run(args, workdir, at_start)
+        data = size_of(root)
+    finally:
+        if scratch:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(f"results: {', '.join(written)} in {args.out}{os.sep} "
+          f"({human(sum(size_of(args.out / name) for name in written))})")
+    if scratch:
+        print(f"dataset: {human(data)}, made in a temporary directory and deleted; --keep keeps it "
+              f"for later runs, in {cache_dir()}")
+    else:
+        print(f"dataset kept: {root} ({human(data)}), reused by later runs with "
+              f"{'--keep' if args.workdir is None else '--workdir ' + shlex.quote(str(workdir))}; "
+              f"delete it with: rm -r {shlex.quote(str(root))}")
+    print(f"done in {time.perf_counter() - began:.0f} s")
+    if busy:
+        print(busy_warning(busy))
+
+
+def run(args, workdir: Path, at_start: load.Snapshot) -> tuple[Path, list[str], list[str]]:
+    """Make or find the dataset, train, sweep, report: the dataset's folder, the files written
+    and why the machine was busy, if it was."""
+    worker, root = dataset(args, workdir)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # The loader's workers need their cores: torch's threads spinning against busy cores
     # slow every training step down many times over.
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - args.workers))
+    torch.set_num_threads(max(1, load.usable_cores() - args.workers))
     epochs = training_run(worker, args, device)
     measurements = sweep_run(worker, args, device)
+    at_end = load.snapshot()
     summaries = sweep.summarize(measurements)
     info = machine()
+    busy = load.busy(at_start, at_end, args.workers, load.usable_cores())
+    others = load.others_cores(at_start, at_end)
+    at_end_text = load.describe_load(at_end.load) + (
+        "" if others is None else f"; other work took {others:.2f} cores on average meanwhile")
     setup = {"format": args.format, "images": len(worker), "crop": args.crop,
              "batch_size": args.batch_size, "workers": args.workers, "steps_ms": args.steps_ms,
              "repeats": args.repeats, "seconds": args.seconds, "device": str(device),
-             "machine": info}
+             "machine": {**info, "usable_cores": load.usable_cores(), "cpu_count": os.cpu_count(),
+                         "load_at_start": at_start.load, "load_at_end": at_end.load,
+                         "others_cores": others, "busy": busy}}
     title = (f"{args.workers} workers, batches of {args.batch_size} random {args.crop}x{args.crop} "
              f"crops from {'JPEG files' if args.format == 'jpeg' else 'a decoded image store'}")
-    command = shlex.join(["python", "-m", "shmseq.demo", *(sys.argv[1:] if argv is None else argv)])
+    warning = [busy_warning(busy), ""] if busy else []
     text = "\n".join([
-        f"shmseq demo: {title}; {len(worker)} images, {device}; {info['nproc']} CPUs "
-        f"({info['cpu']}), torch {info['torch']}", "",
+        f"shmseq demo: {title}; {len(worker)} images, {device}",
+        f"machine: {info['cpu']}, {load.describe_cores()}, {info['ram']} RAM; Python "
+        f"{info['python']}, torch {info['torch']}; at the start {load.describe_load(at_start.load)}; "
+        f"at the end {at_end_text}", "", *warning,
         report.table(summaries), "", report.COLUMNS, "", "What it shows:",
         *(f"- {line}" for line in report.findings(summaries)), "",
-        f"Reproduce: `{command}`", ""])
+        f"Reproduce: `{args.command}`", ""])
     print("\n" + text)
     report.write(args.out, setup, measurements, summaries, epochs, text)
-    written = "results.md, results.json"
+    written = ["results.md", "results.json"]
     if report.chart(args.out / "sweep.png", summaries, title):
-        written += ", sweep.png"
+        written.append("sweep.png")
     else:
         print("matplotlib is not installed (pip install 'shmseq[demo]'): no chart", file=sys.stderr)
-    print(f"wrote {written} into {args.out} in {time.perf_counter() - began:.0f} s")
+    return root, written, busy
+
+
+def busy_warning(reasons: list[str]) -> str:
+    return (f"WARNING: the machine was busy ({'; '.join(reasons)}): these figures may not "
+            "reproduce; compare them only with figures taken on an idle machine.")
 
 
 if __name__ == "__main__":

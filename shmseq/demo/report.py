@@ -5,6 +5,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from ..bench.report import with_spread
 from .sweep import Measurement, Summary, fed_down_to
 from .training import Epoch
 
@@ -13,19 +14,18 @@ step ms: the simulated accelerator's time per training step (the trainer's threa
 released, as it does on a GPU); img/s: images delivered per second; stall: the share of the
 time the accelerator sat idle, waiting for its next batch (0 %: it never starves); trainer
 CPU: the training process's CPU time per batch, all its threads. Medians of the repeats,
-(min-max)."""
+(min-max); a single run has no spread."""
 
 
 def table(summaries: list[Summary]) -> str:
     width = max(len(s.loader) for s in summaries)
-    lines = [f"{'step ms':>7}  {'loader':<{width}}  {'img/s (min-max)':>22}  "
-             f"{'stall (min-max)':>16}  {'trainer CPU µs/batch':>20}"]
+    spread = " (min-max)" if any(s.runs > 1 for s in summaries) else ""
+    lines = [f"{'step ms':>7}  {'loader':<{width}}  {'img/s' + spread:>22}  "
+             f"{'stall' + spread:>16}  {'trainer CPU µs/batch':>20}"]
     for s in summaries:
-        low, high = s.images_per_s_spread
-        stall_low, stall_high = s.stall_spread
-        lines.append(f"{s.step_ms:>7g}  {s.loader:<{width}}  "
-                     f"{f'{s.images_per_s:,.0f} ({low:,.0f}-{high:,.0f})':>22}  "
-                     f"{f'{s.stall:.0%} ({stall_low:.0%}-{stall_high:.0%})':>16}  "
+        rate = with_spread(s.images_per_s, s.images_per_s_spread, ",.0f", s.runs)
+        stall = with_spread(s.stall, s.stall_spread, ".0%", s.runs)
+        lines.append(f"{s.step_ms:>7g}  {s.loader:<{width}}  {rate:>22}  {stall:>16}  "
                      f"{s.cpu_us_per_batch:>20,.0f}")
     return "\n".join(lines)
 

@@ -47,6 +47,7 @@ class Summary:
     stall: float
     stall_spread: tuple[float, float]
     cpu_us_per_batch: float
+    runs: int = 1  # the repeats summarised: a spread needs two or more
 
 
 def accelerator_step(batch, seconds: float) -> None:
@@ -103,7 +104,8 @@ def summarize(measurements: list[Measurement]) -> list[Summary]:
             rates, stalls = [m.images_per_s for m in group], [m.stall for m in group]
             found.append(Summary(loader, step_ms, statistics.median(rates), (min(rates), max(rates)),
                                  statistics.median(stalls), (min(stalls), max(stalls)),
-                                 statistics.median(m.cpu_us_per_batch for m in group)))
+                                 statistics.median(m.cpu_us_per_batch for m in group),
+                                 len(group)))
     return found
 
 
