@@ -149,13 +149,13 @@ class Pipeline:
         return reply if slot is None else Reply(reply.number, slot)
 
     # -- the consumer's step ----------------------------------------------------------------------
-    def _step(self, timeout: float | None) -> None:
-        """One turn of the consumer: collect the slots freed since the last one, give the
-        workers what they can build (free slots with the next batches), read their replies
-        (those there, or the first within ``timeout`` s), and convert them into deliveries."""
+    def _step(self, timeout: float | None, read: bool = True) -> None:
+        """One turn of the consumer: collect the slots freed since the last one, exchange with
+        the workers (their replies there, or the first within ``timeout`` s, for free slots with
+        the next batches; ``read=False``: slots only) and convert the replies into deliveries."""
         if self.ring is not None:
             self.ring.collect()  # slots freed, and copies failed, in other threads
-        replies = self.pool.exchange(timeout, waiting=self.output.waiting)
+        replies = self.pool.exchange(timeout, waiting=self.output.waiting, read=read)
         if self.ring is None:
             self._sized_by(replies)
         for reply in replies:
@@ -222,12 +222,11 @@ class Pipeline:
         return self._first_ready(lambda: self.output.pop_first(first_number), epoch, position)
 
     def _first_ready(self, take: Callable, epoch: int, position: int):
-        """What ``take()`` finds in the output after a step of the consumer, or once later
-        steps brought it."""
+        """What ``take()`` finds in the output (the workers then given the slots freed
+        meanwhile), or once the consumer's steps brought it."""
         with self._failures_reported():
-            self.output.check()
-            self._step(0)
             if (found := take()) is not None:  # raises once the pipeline is closed
+                self._step(0, read=False)
                 return found
             began = time.perf_counter()
             deadline = None if self.spec.timeout is None else time.monotonic() + self.spec.timeout

@@ -53,6 +53,11 @@ class Reply(NamedTuple):
     error: Callable[[], BaseException] | None = None
     overflowed: bool = False
 
+    @property
+    def unstored(self) -> bool:
+        """Built before there was a ring: the consumer copies it into a slot."""
+        return self.payload is not None and not self.overflowed
+
 
 class Waker:
     """Cuts the consumer's wait short from any thread: a slot came free, ``finish()`` was called."""
@@ -131,16 +136,17 @@ class _Events:
 
 
 class Pace:
-    """Which side is slower: the consumer, once it found half the ring or more waiting for it,
-    until it has to wait for a batch again. Its tasks are then packed on one worker (see
-    ``WorkerPool._choose``)."""
+    """Which side is slower: the consumer, once it looked for a batch not delivered yet and
+    found replies that left half the ring or more waiting for it, until it has to wait for a
+    batch again. Its tasks are then packed on one worker (see ``WorkerPool._choose``)."""
 
     def __init__(self, n_slots: int):
         self.n_slots = n_slots
         self.consumer_is_slower = False
 
     def follow(self, waiting: int, waited: bool) -> None:
-        """``waiting``: deliveries the consumer has not taken; ``waited``: it is about to wait."""
+        """``waiting``: deliveries the consumer has not taken, the replies it just found
+        counted in; ``waited``: it found none and is about to wait."""
         if waited:
             self.consumer_is_slower = False
         elif 2 * waiting >= self.n_slots:
@@ -215,22 +221,30 @@ class WorkerPool:
                          if not (h.ready and (self.ring is None or h.attached)))
 
     # -- the consumer's thread -----------------------------------------------------------------
-    def exchange(self, timeout: float | None, waiting: int) -> list[Reply]:
-        """Give the workers what they can build, then return their replies: those there, or
-        else the first within ``timeout`` s (None: until something happens). ``waiting``: the
-        deliveries the consumer has not taken yet (see ``Pace``).
+    def exchange(self, timeout: float | None, waiting: int, read: bool = True) -> list[Reply]:
+        """Read the replies there, give the workers what they can build, and return the
+        replies: if none was there, the first within ``timeout`` s (None: until something
+        happens). ``waiting``: the deliveries the consumer has not taken yet (see ``Pace``).
+        ``read=False``: the consumer has its batch, the workers are only given free slots
+        (replies left in the pipes are read at its next look).
 
         Raises what went wrong with a worker (it died, or failed to start)."""
-        self._pace.follow(waiting, waited=timeout is None or timeout > 0)
-        self._dispatch(waiting)
-        if timeout != 0 and self.ring is not None and self.ring.has_news():
+        ready = self._events.wait(0) if read else []
+        received = self._handle_ready(ready)
+        waiting += len(received)
+        waits = read and not ready and timeout != 0
+        if read and timeout != 0:  # the consumer looks for a batch not delivered yet
+            self._pace.follow(waiting, waited=waits)
+        self._dispatch(waiting, unstored=sum(reply.unstored for reply in received))
+        if not waits:
+            return received
+        if self.ring is not None and self.ring.has_news():
             timeout = 0  # freed before we said we wait: the consumer collects it first
-        self._waker.waiting = timeout != 0
+        self._waker.waiting = True
         try:
-            ready = self._events.wait(timeout)
+            return self._handle_ready(self._events.wait(timeout))
         finally:
             self._waker.waiting = False
-        return self._handle_ready(ready)
 
     def _handle_ready(self, ready: list[tuple[int, tuple]]) -> list[Reply]:
         received: list[Reply] = []
@@ -242,9 +256,10 @@ class WorkerPool:
     def _woken(self, _, received: list[Reply]) -> None:
         self._waker.drain()
 
-    def _dispatch(self, waiting: int) -> None:
-        """Send the next batches of the stream with free slots (before there is a ring, one
-        batch without a slot to each worker that has none, while fewer than a ring's worth of
+    def _dispatch(self, waiting: int, unstored: int) -> None:
+        """Send the next batches of the stream with free slots, but for those ``unstored``
+        batches, built before there was a ring, will take (before there is a ring, one batch
+        without a slot to each worker that has none, while fewer than a ring's worth of
         failures wait for the consumer)."""
         stream = self.stream
         if self.ring is None:
@@ -256,7 +271,8 @@ class WorkerPool:
                 stream.advance()
             return
         ring, pack = self.ring, self._pace.consumer_is_slower
-        while ring.free_count() > self._unslotted and (task := stream.peek()) is not None:
+        while (ring.free_count() > self._unslotted + unstored
+               and (task := stream.peek()) is not None):
             chosen = self._choose(task, pack)
             if chosen is None or (slot := ring.acquire()) is None:
                 return
