@@ -142,7 +142,7 @@ class Pipeline:
         of the ring as every batch is. One larger than a slot is delivered as it came, as an
         overflow; with no slot free (a ring smaller than the workers), as it came."""
         if reply.payload is None or reply.overflowed or reply.number < self.output.floor:
-            return reply  # a batch in its slot, an error; a stale one is dropped on reply
+            return reply  # an error, an overflow; a stale one is dropped on reply
         if len(reply.payload) > self.ring.spec.slot_bytes:
             return reply._replace(overflowed=True)
         slot = self.ring.store(reply.payload)
@@ -162,7 +162,7 @@ class Pipeline:
             if self.ring is None:  # a failure: no batch has come back yet
                 self.output.put(reply.number, Delivery(None, error=reply.error))
             else:
-                self.converter.arrive(self._into_ring(reply))
+                self.converter.arrive(reply if reply.slot is not None else self._into_ring(reply))
 
     # -- the consumer's side ---------------------------------------------------------------------
     @property

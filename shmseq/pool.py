@@ -53,11 +53,6 @@ class Reply(NamedTuple):
     error: Callable[[], BaseException] | None = None
     overflowed: bool = False
 
-    @property
-    def unstored(self) -> bool:
-        """Built before there was a ring: the consumer copies it into a slot."""
-        return self.payload is not None and not self.overflowed
-
 
 class Waker:
     """Cuts the consumer's wait short from any thread: a slot came free, ``finish()`` was called."""
@@ -171,7 +166,8 @@ class WorkerPool:
         self._waker = waker
         self._in_turn = in_turn
         self._pace = Pace(n_slots)
-        self._unslotted = 0  # batches sent before there was a ring, not back yet: each takes a slot
+        self._unslotted = 0  # batches sent before there was a ring, not stored yet: each takes a slot
+        self._unslotted_back = 0  # of those, the ones back: the consumer stores them (_into_ring)
         self._stopped = False
         self._restarts = restarts
         self._killers: set[int] = set()  # batches that killed a worker once
@@ -229,13 +225,18 @@ class WorkerPool:
         (replies left in the pipes are read at its next look).
 
         Raises what went wrong with a worker (it died, or failed to start)."""
-        ready = self._events.wait(0) if read else []
-        received = self._handle_ready(ready)
+        self._unslotted -= self._unslotted_back  # stored by the consumer since the last exchange
+        self._unslotted_back = 0
+        if not read:
+            self._dispatch(waiting)
+            return []
+        ready = self._events.wait(0)
+        received = self._handle_ready(ready) if ready else []
         waiting += len(received)
-        waits = read and not ready and timeout != 0
-        if read and timeout != 0:  # the consumer looks for a batch not delivered yet
+        waits = not ready and timeout != 0
+        if timeout != 0:  # the consumer looks for a batch not delivered yet
             self._pace.follow(waiting, waited=waits)
-        self._dispatch(waiting, unstored=sum(reply.unstored for reply in received))
+        self._dispatch(waiting)
         if not waits:
             return received
         if self.ring is not None and self.ring.has_news():
@@ -256,11 +257,11 @@ class WorkerPool:
     def _woken(self, _, received: list[Reply]) -> None:
         self._waker.drain()
 
-    def _dispatch(self, waiting: int, unstored: int) -> None:
-        """Send the next batches of the stream with free slots, but for those ``unstored``
-        batches, built before there was a ring, will take (before there is a ring, one batch
-        without a slot to each worker that has none, while fewer than a ring's worth of
-        failures wait for the consumer)."""
+    def _dispatch(self, waiting: int) -> None:
+        """Send the next batches of the stream with free slots, but for those the batches built
+        before there was a ring will take (before there is a ring, one batch without a slot to
+        each worker that has none, while fewer than a ring's worth of failures wait for the
+        consumer)."""
         stream = self.stream
         if self.ring is None:
             while waiting < self._n_slots and (task := stream.peek()) is not None:
@@ -271,8 +272,7 @@ class WorkerPool:
                 stream.advance()
             return
         ring, pack = self.ring, self._pace.consumer_is_slower
-        while (ring.free_count() > self._unslotted + unstored
-               and (task := stream.peek()) is not None):
+        while ring.free_count() > self._unslotted and (task := stream.peek()) is not None:
             chosen = self._choose(task, pack)
             if chosen is None or (slot := ring.acquire()) is None:
                 return
@@ -364,7 +364,7 @@ class WorkerPool:
 
     def _give_back(self, slot: int | None) -> None:
         if slot is None:  # sent before there was a ring: the consumer copies it into one
-            self._unslotted -= 1
+            self._unslotted_back += 1
         else:
             self.ring.unused(slot)
 
