@@ -34,6 +34,7 @@ class Delivery(NamedTuple):
     payload_bytes: int = 0  # size of a payload too large for its slot (overflow), else 0
     nbytes: int = 0         # the batch's array bytes
     error: Callable[[], BaseException] | None = None  # makes the error (see pool.Reply)
+    ended: bool = False     # no batch: a worker's stream had ended (a stream's pass skips it)
 
 
 class OrderedOutput:
@@ -109,7 +110,9 @@ class Converter:
             if reply.slot is not None:
                 self.ring.discard(reply.slot)  # stale: its epoch was left
             return
-        if reply.error is not None:
+        if reply.ended:
+            delivery = Delivery(None, ended=True)
+        elif reply.error is not None:
             delivery = Delivery(None, error=reply.error)
         else:
             try:

@@ -1,10 +1,10 @@
 """Where batches are delivered: the ``Device`` contract and its implementations.
 
 A device turns a batch of numpy views of a slot into what the consumer gets (``Device``
-says how, step by step). A device that page-locks the ring also sets ``ring.fence`` at ``attach``: called when the
-last view of a batch dies, it returns a completion (a callable that blocks until done) for
-the copies the consumer may have enqueued from the slot: a ``non_blocking`` copy from
-page-locked memory still reads the slot after the view is gone.
+says how, step by step). A device that page-locks the ring also sets ``ring.fence`` at
+``attach``: called when the last view of a batch dies, it returns a completion (a callable
+that blocks until done) for the copies the consumer may have enqueued from the slot: a
+``non_blocking`` copy from page-locked memory still reads the slot after the view is gone.
 
 * ``HostDevice``: numpy views or ``torch.from_numpy`` tensors, zero-copy; page-locked in
   place when a pinning device is given (MXNet's ``pin_memory``), with a CUDA event recorded

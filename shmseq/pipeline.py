@@ -159,8 +159,8 @@ class Pipeline:
         if self.ring is None:
             self._sized_by(replies)
         for reply in replies:
-            if self.ring is None:  # a failure: no batch has come back yet
-                self.output.put(reply.number, Delivery(None, error=reply.error))
+            if self.ring is None:  # a failure, or a stream's end: no batch has come back yet
+                self.output.put(reply.number, Delivery(None, error=reply.error, ended=reply.ended))
             else:
                 self.converter.arrive(reply if reply.slot is not None else self._into_ring(reply))
 
@@ -192,6 +192,7 @@ class Pipeline:
             self.output.check()
             number = self.stream.open(epoch, position, batches)
             self.output.drop_below(number)
+            self.pool.begin_pass(number)
             self._step(0)  # the workers start on the epoch's first batches at once
             return number
 
@@ -212,14 +213,25 @@ class Pipeline:
         """The delivery of batch ``number`` (``position`` of ``epoch``): from the output if it is
         there, else once the pool brings it. Raises what keeps it from coming (a timeout, a
         worker's death, the pipeline closed)."""
-        delivery = self._first_ready(lambda: self.output.pop(number), epoch, position)
+        delivery = self._first_ready(
+            lambda: self.output.pop(number) or self._past_the_end(epoch, position), epoch, position)
         self.plan.release(epoch, position + 1)
         return delivery
 
     def receive_any(self, first_number: int, epoch: int, position: int) -> tuple[int, object]:
         """The delivery of number ``first_number`` or after that arrived first, and its number (an
         epoch's batches in the order they are ready); ``position`` is ``first_number``'s."""
-        return self._first_ready(lambda: self.output.pop_first(first_number), epoch, position)
+        def take():
+            if (found := self.output.pop_first(first_number)) is not None:
+                return found
+            ended = self._past_the_end(epoch, position)
+            return None if ended is None else (first_number, ended)
+        return self._first_ready(take, epoch, position)
+
+    def _past_the_end(self, epoch: int, position: int) -> Delivery | None:
+        """An ended delivery for a batch its pass will never have (a stream's pass ended
+        before it, once every worker's stream did), else None."""
+        return Delivery(None, ended=True) if self.plan.batch(epoch, position) is None else None
 
     def _first_ready(self, take: Callable, epoch: int, position: int):
         """What ``take()`` finds in the output (the workers then given the slots freed

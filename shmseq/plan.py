@@ -73,6 +73,8 @@ class Plan(Protocol):
 
     def release(self, epoch: int, position: int) -> None: ...
 
+    def end(self, epoch: int, position: int) -> None: ...
+
     def has_batches(self) -> bool: ...
 
     def set_epoch(self, epoch: int) -> None: ...
@@ -215,6 +217,10 @@ class EpochPlan:
     def release(self, epoch: int, position: int) -> None:
         """Nothing to forget: an epoch's batches are made again whenever asked for."""
 
+    def end(self, epoch: int, position: int) -> None:
+        raise ValueError("an epoch plan's epochs have the length it planned: only a stream's "
+                         "pass ends where its workers' streams end")
+
     def set_epoch(self, epoch: int) -> None:
         """Nothing to tell: the epoch is an argument of every method."""
 
@@ -316,6 +322,13 @@ class SamplerPlan:
                 self._drawn.popleft()
                 self._first += 1
 
+    def end(self, epoch: int, position: int) -> None:
+        """The open pass ends before ``position`` (its workers' streams ended)."""
+        if epoch == self._epoch:
+            self._pass = None
+            while self._drawn and self._first + len(self._drawn) > position:
+                self._drawn.pop()
+
     def length(self, epoch: int) -> int:
         if epoch == self._epoch and self._pass is None:
             return self._first + len(self._drawn)
@@ -402,6 +415,10 @@ class BatchStream:
         if item is not None:
             self.advance()
         return item
+
+    def end_pass(self) -> None:
+        """The pass being dispatched ends here: the batch ``peek()`` would give is not one."""
+        self.plan.end(self._epoch, self._position)
 
     def advance(self) -> None:
         """Take the batch ``peek()`` just returned."""

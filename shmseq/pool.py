@@ -52,6 +52,7 @@ class Reply(NamedTuple):
     payload: np.ndarray | None = None
     error: Callable[[], BaseException] | None = None
     overflowed: bool = False
+    ended: bool = False  # no batch: the worker's stream ended (see workers.StreamEnded)
 
 
 class Waker:
@@ -165,6 +166,9 @@ class WorkerPool:
         self._n_slots = n_slots
         self._waker = waker
         self._in_turn = in_turn
+        self._ended: set[int] = set()  # workers whose stream ended in this pass
+        self._pass_first = 0  # the number of the pass's first batch
+        self._turn = 0  # the worker after the last one given a task in turn
         self._pace = Pace(n_slots)
         self._unslotted = 0  # batches sent before there was a ring, not stored yet: each takes a slot
         self._unslotted_back = 0  # of those, the ones back: the consumer stores them (_into_ring)
@@ -283,16 +287,18 @@ class WorkerPool:
         """The worker for a task; None if none takes tasks (gone: their sentinels say why).
 
         In turn (``in_turn``): worker ``position % num_workers``, or the next one that takes
-        tasks. Else the least-busy worker that has started (a replacement still starting, 0.2 s
-        when spawned, would hold up the batches given to it): the work is spread. But while the
-        consumer is the slower side (``pack``), tasks all go to the first worker that takes
-        tasks, awake most often, where the least-busy one would be a sleeping one woken for each
-        batch; on small batches the wake-ups cost more than the batches themselves."""
+        tasks; once a worker's stream ended, the next one round the cycle whose stream has not
+        (torch's order for an ``IterableDataset``). Else the least-busy worker that has started
+        (a replacement still starting, 0.2 s when spawned, would hold up the batches given to
+        it): the work is spread. But while the consumer is the slower side (``pack``), tasks all
+        go to the first worker that takes tasks, awake most often, where the least-busy one
+        would be a sleeping one woken for each batch; on small batches the wake-ups cost more
+        than the batches themselves."""
         workers = self._workers
         if self._in_turn:
-            first = task.position % len(workers)
-            return next((handle for handle in workers[first:] + workers[:first]
-                         if handle.accepting), None)
+            first = self._turn if self._ended else task.position % len(workers)
+            return next((workers[at] for at in [*range(first, len(workers)), *range(first)]
+                         if workers[at].accepting and workers[at].wid not in self._ended), None)
         taking = [handle for handle in workers if handle.accepting]
         if not taking:
             return None
@@ -300,6 +306,8 @@ class WorkerPool:
 
     def _send_task(self, chosen: WorkerHandle, task: Task, slot: int | None) -> None:
         self._unslotted += slot is None
+        if self._in_turn:
+            self._turn = (self._workers.index(chosen) + 1) % len(self._workers)
         chosen.open[task.number] = (task.indices, slot)
         self._send(chosen, task_frame(task.number, slot, task.indices))
 
@@ -355,12 +363,31 @@ class WorkerPool:
                     f"(sample indices {brief(indices)})")
             received.append(Reply(number, None, error=functools.partial(
                 raised_in_worker, info, what=what, batch_indices=indices, batch_number=number)))
+        elif kind == "ended":
+            _, number, slot = message
+            handle.closed(number)
+            self._give_back(slot)
+            received.append(Reply(number, None, ended=True))
+            if number >= self._pass_first:
+                self._stream_ended(handle.wid)
         elif kind == "ready":
             handle.ready = True
         elif kind == "attached":
             handle.attached = True
         elif kind == "init_error":
             raise raised_in_worker(message[2], what=f"{handle.describe()} failed to start")
+
+    def begin_pass(self, first_number: int) -> None:
+        """A new pass starts with batch ``first_number``: every worker's stream starts again."""
+        self._ended.clear()
+        self._pass_first = first_number
+
+    def _stream_ended(self, wid: int) -> None:
+        """Worker ``wid`` has no batch left in this pass: the tasks go round the others, as
+        torch's loader deals them, and the pass ends where the last one ended."""
+        self._ended.add(wid)
+        if len(self._ended) == len(self._workers):
+            self.stream.end_pass()
 
     def _give_back(self, slot: int | None) -> None:
         if slot is None:  # sent before there was a ring: the consumer copies it into one

@@ -34,6 +34,7 @@ from .errors import BatchTimeout, PipelineClosed, ShmSeqError, WorkerDied
 from .layout import SlotAllocator, as_ndarray
 from .pipeline import Pipeline, PipelineSpec
 from .plan import SamplerPlan
+from .workers import StreamEnded
 from .stats import LoaderStats
 
 
@@ -91,25 +92,40 @@ def _as_task(index):
 
 class _Fetcher:
     """Runs in each worker: fetches an item of the index sampler with torch's own fetcher (so
-    ``__getitems__``, bulk loading and ``collate_fn`` behave as under torch's loader) and
-    collates it straight into the slot when ``collate_fn`` is torch's ``default_collate``."""
+    ``__getitems__``, bulk loading, ``collate_fn`` and the end of an ``IterableDataset``'s
+    stream behave as under torch's loader) and collates it straight into the slot when
+    ``collate_fn`` is torch's ``default_collate``.
 
-    def __init__(self, dataset, auto_collation: bool, collate_fn, drop_last: bool):
+    For an ``IterableDataset`` a task is ``(pass, item)``: the worker iterates its copy of the
+    dataset anew at each pass, as torch's workers do, and says when its stream has ended."""
+
+    def __init__(self, dataset, kind: int, auto_collation: bool, collate_fn, drop_last: bool):
         self.dataset = dataset  # what get_worker_info().dataset is
+        self.kind = kind
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
         self.drop_last = drop_last
         self._fetcher = None
+        self._pass = None  # the pass the fetcher iterates (an IterableDataset's)
         self._slot: SlotAllocator | None = None  # where the batch in hand is collated
 
     def fill_batch(self, task, out: SlotAllocator):
+        item = task.tolist() if isinstance(task, np.ndarray) else task.value
+        if self.kind == _DatasetKind.Iterable:
+            this_pass, item = item
+            if this_pass != self._pass:
+                self._fetcher, self._pass = None, this_pass
         if self._fetcher is None:  # in the worker, after its seeding and worker_init_fn
             collate_fn = self._into_slot if self.collate_fn is default_collate else self.collate_fn
             self._fetcher = _DatasetKind.create_fetcher(
-                _DatasetKind.Map, self.dataset, self.auto_collation, collate_fn, self.drop_last)
+                self.kind, self.dataset, self.auto_collation, collate_fn, self.drop_last)
         self._slot = out
         try:
-            return self._fetcher.fetch(task.tolist() if isinstance(task, np.ndarray) else task.value)
+            return self._fetcher.fetch(item)
+        except StopIteration:
+            if self.kind != _DatasetKind.Iterable:
+                raise  # from a map-style dataset: an error, as under torch's loader
+            raise StreamEnded from None
         finally:
             self._slot = None
 
@@ -152,8 +168,13 @@ class DataLoader(TorchDataLoader[T_co]):
         self._stats = LoaderStats()
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
-        if self.num_workers == 0 or self._dataset_kind == _DatasetKind.Iterable:
-            return super()._get_iterator()  # nothing to carry, or a stream: torch's own
+        if self.num_workers == 0:
+            return super()._get_iterator()  # nothing to carry: torch's own
+        if self._dataset_kind == _DatasetKind.Iterable and self.worker_restarts:
+            raise ValueError(
+                f"worker_restarts={self.worker_restarts} needs a map-style dataset: a "
+                f"replacement worker cannot resume the stream of {type(self.dataset).__name__} "
+                "(an IterableDataset) where the dead one stopped; pass worker_restarts=0")
         self.check_worker_number_rationality()
         return _RingIterator(self)
 
@@ -176,8 +197,10 @@ class DataLoader(TorchDataLoader[T_co]):
 
 
 class _RingIterator(_BaseDataLoaderIter):
-    """One pass over a map-style dataset per ``iter()``, its batches built by worker processes
-    into the ring; the workers stay for the next pass with ``persistent_workers``.
+    """One pass over the dataset per ``iter()``, its batches built by worker processes into
+    the ring; the workers stay for the next pass with ``persistent_workers``. An
+    ``IterableDataset``'s pass ends once every worker's stream has ended; a worker whose
+    stream ended gets no more tasks in the pass, as under torch's loader.
 
     ``_BaseDataLoaderIter`` (torch's) draws the workers' base seed and makes the index
     sampler's iterator; each pass hands that iterator to the pipeline, which draws from it as
@@ -189,7 +212,8 @@ class _RingIterator(_BaseDataLoaderIter):
         self._plan = SamplerPlan(self._index_sampler, as_task=_as_task)
         context = loader.multiprocessing_context
         self._spec = PipelineSpec(
-            _Fetcher(self._dataset, self._auto_collation, self._collate_fn, self._drop_last),
+            _Fetcher(self._dataset, self._dataset_kind, self._auto_collation, self._collate_fn,
+                     self._drop_last),
             self._num_workers, buffer=self._num_workers * loader.prefetch_factor + 2,
             slot_bytes=loader.slot_bytes,
             start_method=None if context is None else context.get_start_method(),
@@ -214,9 +238,18 @@ class _RingIterator(_BaseDataLoaderIter):
         if self._pipeline is None:
             self._pipeline = Pipeline(self._spec, self._plan, self._epoch, stats=self._stats)
             self._closer = weakref.finalize(self, _close_in_owner, self._pipeline, os.getpid())
-        self._first_number = self._pipeline.open(self._epoch, 0, self._sampler_iter)
+        items, epoch = self._sampler_iter, self._epoch
+        if self._dataset_kind == _DatasetKind.Iterable:  # each task says which pass it is of
+            items = ((epoch, item) for item in items)  # (not self: no cycle through the plan)
+        self._first_number = self._pipeline.open(self._epoch, 0, items)
 
     def _next_data(self):
+        while True:
+            number, delivery = self._next_delivery()
+            if not delivery.ended:  # else a worker's stream had ended: nothing to hand over
+                return self._pipeline.hand_over(number, delivery)
+
+    def _next_delivery(self):
         if self._pipeline is None:
             raise StopIteration
         while self._position in self._handed:
@@ -234,7 +267,7 @@ class _RingIterator(_BaseDataLoaderIter):
             number, delivery = self._receive(self._pipeline.receive_any, number)
             self._handed.add(number - self._first_number)
             self._pipeline.release(self._epoch, self._position)
-        return self._pipeline.hand_over(number, delivery)
+        return number, delivery
 
     def _receive(self, receive, number: int):
         """``receive(number, epoch, position)``, with failures of the pipeline worded as torch's

@@ -65,6 +65,12 @@ def describe_exception(exc: BaseException) -> tuple:
     return (f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), text, pickled)
 
 
+class StreamEnded(Exception):
+    """Raised by a worker object whose stream (a torch ``IterableDataset``'s copy in this
+    worker) has no batch left in this pass: the consumer skips the task and gives this worker
+    no more in the pass."""
+
+
 def _run_task(worker_obj, ring: WorkerRing | None, number: int, slot: int | None,
               indices: np.ndarray) -> bytes:
     """Build and write one batch; the framed reply, with its size and the time it took."""
@@ -80,6 +86,8 @@ def _run_task(worker_obj, ring: WorkerRing | None, number: int, slot: int | None
                 pass
         payload = encode_batch(batch)
         return framed(("overflow", number, slot, payload, time.perf_counter() - began))
+    except StreamEnded:
+        return framed(("ended", number, slot))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
         return framed(("error", number, slot, describe_exception(exc)))
 

@@ -588,6 +588,63 @@ def test_an_iterable_dataset_sharded_by_its_workers():
     agree(run)
 
 
+STREAMS = [([5, 1, 3], 2), ([0, 7], 3), ([3, 0, 0, 2], None), ([4, 4], 1), ([0, 0], 2)]
+
+
+@pytest.mark.parametrize("sizes, batch_size", STREAMS, ids=str)
+def test_streams_of_any_lengths_give_torchs_batches_in_torchs_order(sizes, batch_size):
+    """Batches come round the workers in turn, a worker whose stream ended is skipped from
+    then on, and the pass ends when every stream has: the order does not depend on when the
+    trainer learns that a stream ended."""
+    def run(Loader):
+        loader = Loader(data.RecordStream(sizes), batch_size=batch_size, num_workers=len(sizes))
+        return epochs(loader, 2)
+    agree(run)
+
+
+@pytest.mark.parametrize("options", [{"persistent_workers": True}, {"drop_last": True},
+                                     {"in_order": False}], ids=str)
+def test_streams_with_persistent_workers_drop_last_and_out_of_order(options):
+    def run(Loader):
+        loader = Loader(data.RecordStream([5, 2]), batch_size=2, num_workers=2, **options)
+        passes = epochs(loader, 2)
+        close(loader)
+        if not options.get("in_order", True):  # as they are ready: compare what came
+            return [sorted(map(repr, batches)) for batches in passes]
+        return passes
+    agree(run)
+
+
+def test_an_error_in_a_stream_is_raised_as_its_type_and_the_stream_goes_on():
+    def run(Loader):
+        batches = iter(Loader(data.RecordStream([3, 3], bad=(1, 1)), batch_size=None,
+                              num_workers=2))
+        seen = []
+        while not isinstance(item := outcome(lambda: as_plain(next(batches))), Raised) or \
+                item.type is not StopIteration:
+            seen.append(item if isinstance(item, Raised) else item["index"])
+        return seen
+    seen = agree(run)
+    assert Raised(KeyError, "") in seen and len(seen) == 6
+
+
+def test_workers_shard_a_stream_in_worker_init_fn_as_torchs_docs_show():
+    agree(lambda Loader: epochs(Loader(data.RangeStream(3, 17), batch_size=3, num_workers=2,
+                                       worker_init_fn=data.split_range)))
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_a_stream_left_early_then_iterated_again_is_a_whole_pass(persistent_workers):
+    def run(Loader):
+        loader = Loader(data.RecordStream([4, 3]), batch_size=2, num_workers=2,
+                        persistent_workers=persistent_workers)
+        first = as_plain(next(iter(loader)))
+        again = epochs(loader)
+        close(loader)
+        return first, again
+    agree(run)
+
+
 def test_an_iterable_datasets_len_warning():
     def run(Loader):
         loader = Loader(data.CountingStream(5), batch_size=None, num_workers=2)

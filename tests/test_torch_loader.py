@@ -44,11 +44,26 @@ def test_whatever_the_collate_fn_returns_keeps_its_tensors_in_the_ring():
     del batch
 
 
-def test_iterable_datasets_and_no_workers_are_torchs_own_iterators():
-    streamed = DataLoader(data.CountingStream(6), batch_size=2, num_workers=1)
+def test_an_iterable_datasets_batches_are_views_of_the_ring():
+    streamed = DataLoader(data.PerWorkerStream([5, 2]), batch_size=2, num_workers=2)
+    batches = iter(streamed)
+    batch = next(batches)
+    assert batch.numpy().base is not None and len(mapped_rings()) == 1
+    del batch
+    assert labels(batches) == [[0, 1], [2, 3], [4]]
+    assert streamed.stats.batches == 4 and not live_children()
+
+
+def test_without_workers_the_iterator_is_torchs_own():
     inline = DataLoader(data.Counting(6), batch_size=2)
-    assert labels(streamed) == labels(inline) == [[0, 1], [2, 3], [4, 5]]
-    assert streamed.stats.batches == inline.stats.batches == 0
+    assert labels(inline) == [[0, 1], [2, 3], [4, 5]] and inline.stats.batches == 0
+
+
+def test_a_stream_refuses_worker_restarts_saying_why():
+    loader = DataLoader(data.CountingStream(4), num_workers=1, worker_restarts=1)
+    with pytest.raises(ValueError, match="worker_restarts=1 needs a map-style dataset: a "
+                                         "replacement worker cannot resume the stream"):
+        iter(loader)
 
 
 @pytest.mark.parametrize("arguments, match", [

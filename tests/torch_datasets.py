@@ -272,6 +272,54 @@ class BrokenStream(IterableDataset):
         raise RuntimeError("Error in __iter__")
 
 
+class RecordStream(IterableDataset):
+    """Worker ``k`` yields ``sizes[k]`` records (a dict of a tensor, an array, a number and a
+    string); ``bad`` (worker, item): that item raises ``KeyError``, and the stream goes on."""
+
+    def __init__(self, sizes, bad=None):
+        self.sizes = sizes
+        self.bad = bad
+
+    def __iter__(self):
+        return _Records(get_worker_info().id, self.sizes, self.bad)
+
+
+class _Records:
+    def __init__(self, worker: int, sizes, bad):
+        self.worker, self.size, self.bad, self.at = worker, sizes[worker], bad, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.at >= self.size:
+            raise StopIteration
+        self.at += 1
+        if (self.worker, self.at - 1) == self.bad:
+            raise KeyError(f"item {self.at - 1} of worker {self.worker}")
+        return {"image": torch.full((2, 3), self.at - 1), "mask": np.full(4, self.worker),
+                "index": self.at - 1, "name": f"w{self.worker}"}
+
+
+class RangeStream(IterableDataset):
+    """``range(start, end)``, split over the workers by ``split_range`` (torch's documented
+    ``worker_init_fn`` recipe: each worker narrows its copy of the dataset)."""
+
+    def __init__(self, start: int, end: int):
+        self.start, self.end = start, end
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+
+def split_range(worker_id: int) -> None:
+    info = get_worker_info()
+    dataset = info.dataset
+    share = -(-(dataset.end - dataset.start) // info.num_workers)
+    dataset.start = dataset.start + worker_id * share
+    dataset.end = min(dataset.start + share, dataset.end)
+
+
 # -- what a collate_fn may return ----------------------------------------------------------------
 class Encoding(Mapping):
     """A mapping that is not a dict, as transformers' ``BatchEncoding``."""
