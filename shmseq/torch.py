@@ -7,8 +7,9 @@ Switch by changing one import::
 ``DataLoader`` is a subclass of torch's: its constructor, samplers, ``generator``, attribute
 guards, ``len()`` and error messages are torch's own, and frameworks treat it as torch's
 (Lightning re-instantiates it with its ``DistributedSampler``). Only the iterator differs,
-for map-style datasets loaded by worker processes: each batch is fetched as torch's worker
-fetches it (``__getitems__``, ``collate_fn``), collated straight into a slot of the ring
+for datasets loaded by worker processes: each batch is fetched as torch's worker fetches it
+(``__getitems__``, ``collate_fn``, an ``IterableDataset``'s stream in each worker), collated
+straight into a slot of the ring
 (``default_collate`` stacks every tensor, array and number column there), and delivered as
 tensors that are views of the slot. Torch's sequence of events is kept: the workers' seeds
 (``base_seed + worker_id``, drawn from ``generator`` when an iterator is made), batch ``k``
@@ -141,7 +142,7 @@ T_co = TypeVar("T_co", covariant=True)
 
 class DataLoader(TorchDataLoader[T_co]):
     """``torch.utils.data.DataLoader`` (its arguments, samplers, seeds and errors) with the
-    batches of map-style datasets loaded by workers delivered through shmseq's ring.
+    batches that workers load delivered through shmseq's ring.
 
     Beyond torch's arguments, keyword-only: ``slot_bytes`` (the ring's slot size; by default,
     sized from the first batches) and ``worker_restarts`` (how many dead workers to replace).
