@@ -8,7 +8,7 @@ once: the batch *is* the views, and the lease lives as long as they do. A copyin
 the slot until the copy is done. Either way the ``Delivery`` waits in ``OrderedOutput``
 until the consumer asks for its number, and ``Converter.hand_over`` gives it out.
 
-A consumer holding every batch it received (``list(number)``) would leave the workers no
+A consumer holding every batch it received (``list(seq)``) would leave the workers no
 slot: the batch that would take the last one is handed over as a copy instead.
 """
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Converter:
         self._warned: set[str] = set()
 
     def arrive(self, reply: Reply) -> None:
-        """Convert an reply as soon as it is there (a copy starts while the consumer works)."""
+        """Convert a reply as soon as it is there (a copy starts while the consumer works)."""
         if reply.number < self.output.floor:
             if reply.slot is not None:
                 self.ring.discard(reply.slot)  # stale: its epoch was left

@@ -307,7 +307,7 @@ class WorkerPool:
     def _send_task(self, chosen: WorkerHandle, task: Task, slot: int | None) -> None:
         self._unslotted += slot is None
         if self._in_turn:
-            self._turn = (self._workers.index(chosen) + 1) % len(self._workers)
+            self._turn = (chosen.wid + 1) % len(self._workers)  # a worker's id is its place
         chosen.open[task.number] = (task.indices, slot)
         self._send(chosen, task_frame(task.number, slot, task.indices))
 
