@@ -1,12 +1,13 @@
 """worker_restarts: a run that survives its workers' deaths, every batch once and in order,
 the same as a run without them."""
 import concurrent.futures
+import functools
 import multiprocessing
 import os
 import random
 import re
 import signal
-import threading
+import time
 import warnings
 
 import pytest
@@ -119,43 +120,64 @@ def test_a_replacement_dying_in_its_constructor_uses_a_restart_and_blames_no_bat
     assert seq.stats.restarts == 2 and "while starting, in place of a dead worker" in warned[1]
 
 
-def _workers() -> list[int]:
-    return [p.pid for p in multiprocessing.active_children() if p.name.startswith("shmseq-worker")]
+START_SECONDS = 0.5
 
 
-def _kill_pairs(pairs: int, rng: random.Random, done: threading.Event) -> int:
-    """Kill a worker, then 20-200 ms later its replacement (or, once that is gone, another),
-    ``pairs`` times: how many were killed."""
-    killed = 0
+def _since(marks, pid: int, stage: str) -> float | None:
+    """Seconds since worker ``pid`` reached ``stage`` of its start (see ``workers.slow_start``)."""
+    try:
+        return time.time() - os.stat(os.path.join(marks, f"{pid}.{stage}")).st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def _kill_pairs(marks, pairs: int, rng: random.Random) -> int:
+    """Kill a worker at work, then 20-200 ms later a replacement while it starts, ``pairs``
+    times: how many were killed. A worker is killed at work only once it has been ready for
+    0.2 s, long past the batch it took over from a dead one: a batch that kills two workers is
+    not sent again, by design, and random kills must not make one."""
+    killed: list[int] = []
+
+    def kill_one(eligible) -> None:
+        for _ in range(1000):
+            pids = [p.pid for p in multiprocessing.active_children()
+                    if p.name.startswith("shmseq-worker") and p.pid not in killed]
+            chosen = [pid for pid in pids if eligible(pid)]
+            if chosen:
+                killed.append(rng.choice(chosen))
+                os.kill(killed[-1], signal.SIGKILL)
+                return
+            time.sleep(0.005)
+        raise AssertionError(f"no worker to kill in 5 s after killing {killed}")
+
     for _ in range(pairs):
-        if done.wait(rng.uniform(0.05, 0.2)):
-            break
-        before = _workers()
-        os.kill(rng.choice(before), signal.SIGKILL)
-        if done.wait(rng.uniform(0.02, 0.2)):
-            return killed + 1
-        os.kill(rng.choice([pid for pid in _workers() if pid not in before] or _workers()),
-                signal.SIGKILL)
-        killed += 2
-    return killed
+        time.sleep(rng.uniform(0.05, 0.2))
+        kill_one(lambda pid: (_since(marks, pid, "ready") or 0) > 0.2)
+        time.sleep(rng.uniform(0.02, 0.2))
+        kill_one(lambda pid: _since(marks, pid, "ready") is None
+                 and (_since(marks, pid, "starting") or START_SECONDS) < START_SECONDS - 0.1)
+    return len(killed)
 
 
 @pytest.mark.parametrize("method, seed", [("fork", 0), ("spawn", 1), ("forkserver", 2)])
 def test_kills_in_quick_pairs_cost_restarts_never_the_run(tmp_path, method, seed):
-    """Two kills 20-200 ms apart (an out-of-memory killer taking a worker and then its
-    replacement): every batch once and in order, no WorkerDied while restarts remain."""
-    seq = make(KillOnce(tmp_path, at=[], seconds=0.004), dset_size=2000, start_method=method,
-               worker_restarts=100)
-    done = threading.Event()
+    """A worker killed at work, then its replacement while it starts (an out-of-memory killer
+    taking both): every batch once and in order, no WorkerDied while restarts remain. Whole
+    epochs run until the last kill and one more after it, so every dead worker is needed again."""
+    seq = make(KillOnce(tmp_path, at=[], seconds=0.004), dset_size=800, start_method=method,
+               worker_restarts=100,
+               worker_init_fn=functools.partial(workers.slow_start, str(tmp_path), START_SECONDS))
+    got = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "worker .* a new worker takes its place")
         with seq.start():
             killer = concurrent.futures.ThreadPoolExecutor(1).submit(
-                _kill_pairs, 5, random.Random(seed), done)
-            got = [seen(b) for b in seq]
-            done.set()
-    assert got == reference(tmp_path, 1, dset_size=2000)[0]
-    assert seq.stats.restarts == killer.result() > 0
+                _kill_pairs, str(tmp_path), 3, random.Random(seed))
+            while not killer.done():
+                got.append([seen(b) for b in seq])
+            got.append([seen(b) for b in seq])
+    assert got == reference(tmp_path, len(got), dset_size=800)
+    assert seq.stats.restarts == killer.result() == 6
 
 
 def test_restarts_need_processes():

@@ -304,3 +304,13 @@ class DiesUnpickled:
 
     def __getitem__(self, indices):
         return indices
+
+
+def slow_start(marks, seconds, worker_id):
+    """A worker_init_fn that takes ``seconds``, leaving files that say when the worker began
+    and finished starting (``<pid>.starting``, ``<pid>.ready`` under ``marks``)."""
+    import os
+    import time
+    open(os.path.join(marks, f"{os.getpid()}.starting"), "w").close()
+    time.sleep(seconds)
+    open(os.path.join(marks, f"{os.getpid()}.ready"), "w").close()
