@@ -17,12 +17,13 @@ Where to look: ``plan.py`` (which indices), ``pool.py`` (dispatch and replies),
 ``workers.py`` (where a batch is written), ``layout.py`` (the bytes of a slot),
 ``ring.py`` (the slot state machine: when a slot is freed), ``convert.py`` (where a batch
 is read), ``devices.py`` (numpy, torch, CUDA), ``pipeline.py`` (the running pipeline and its
-closing), ``sequence.py`` (the public API and its epochs), ``torch.py`` (torch's DataLoader).
+closing), ``sequence.py`` (the public API and its epochs), ``torch.py`` (torch's DataLoader),
+``shards.py`` (tar shards streamed by member offset).
 """
 from .compat import MPSequence, MSequence, MTSequence
 from .dataloader import DataLoader, default_batchify
 from .errors import (BatchTimeout, PipelineClosed, SharedMemoryFull, ShmSeqError,
-                     UnsupportedBatch, WorkerDied, WorkerError)
+                     SkippedSamplesWarning, UnsupportedBatch, WorkerDied, WorkerError)
 from .layout import SlotAllocator
 from .samplers import BatchSampler, RandomSampler, SequentialSampler
 from .sequence import ShmSequence
@@ -34,4 +35,4 @@ __all__ = ["ShmSequence", "MSequence", "MPSequence", "MTSequence", "DataLoader",
            "SequentialSampler", "RandomSampler", "BatchSampler", "get_worker_info", "WorkerInfo",
            "SlotAllocator", "LoaderStats",
            "ShmSeqError", "WorkerError", "WorkerDied", "BatchTimeout", "UnsupportedBatch",
-           "SharedMemoryFull", "PipelineClosed"]
+           "SharedMemoryFull", "PipelineClosed", "SkippedSamplesWarning"]

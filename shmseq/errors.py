@@ -52,6 +52,11 @@ class PipelineClosed(ShmSeqError):
     """The sequence was finished (or restarted) while a consumer was still reading it."""
 
 
+class SkippedSamplesWarning(UserWarning):
+    """A worker's opt-in skip policy left samples out of a batch (counted in
+    ``stats.skipped_samples``)."""
+
+
 def add_note(exc: BaseException, note: str) -> None:
     """``exc.add_note(note)``; on Python 3.10, which has no notes, kept in ``__notes__`` only."""
     if hasattr(exc, "add_note"):

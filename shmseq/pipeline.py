@@ -31,7 +31,7 @@ from .pool import Reply, Waker, WorkerPool, brief
 from .ring import Ring
 from .stats import LoaderStats
 from .worker_handle import JOIN_SECONDS
-from .workers import build_batch, make_worker
+from .workers import build_batch, make_worker, skipped_by
 
 ERROR_GRACE = 0.2  # seconds workers get to leave once a failure was raised, before they are killed
 
@@ -343,6 +343,7 @@ class Inline:
             if indices is None:
                 return
             batch, _ = build_batch(self.worker_obj, indices, None)
+            self.stats.report_skipped(skipped_by(self.worker_obj), f"batch {position} of epoch {epoch}")
             if self.test_mode != "numpy":
                 views = read_batch(encode_batch(batch), self.device.wrap)
                 batch = self.device.hand_over(*self.device.convert(views))

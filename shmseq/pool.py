@@ -370,6 +370,9 @@ class WorkerPool:
             received.append(Reply(number, None, ended=True))
             if number >= self._pass_first:
                 self._stream_ended(handle.wid)
+        elif kind == "skipped":
+            _, number, skipped = message
+            self.stats.report_skipped(skipped, f"{handle.describe()} building {self.stream.name(number)}")
         elif kind == "ready":
             handle.ready = True
         elif kind == "attached":

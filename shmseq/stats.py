@@ -4,6 +4,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from .errors import SkippedSamplesWarning, warn_user
+
 
 @dataclass
 class LoaderStats:
@@ -18,6 +20,7 @@ class LoaderStats:
     suggested_slot_bytes: int | None = None  # a slot_bytes that fits them all (with headroom)
     copy_out_count: int = 0       # batches copied out because the consumer held the ring
     restarts: int = 0             # workers that died and were replaced (worker_restarts)
+    skipped_samples: int = 0      # samples a worker's opt-in skip policy left out of a batch
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -30,10 +33,19 @@ class LoaderStats:
         elapsed = self.elapsed_s
         return self.consumer_wait_s / elapsed if elapsed > 0 else 0.0
 
+    def report_skipped(self, skipped: list[str], where: str) -> None:
+        """Count the samples a worker left out (``skipped``: why, one each), and warn."""
+        if skipped:
+            self.skipped_samples += len(skipped)
+            more = f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""
+            warn_user(f"{len(skipped)} sample(s) left out of {where}: {skipped[0]}{more}",
+                      SkippedSamplesWarning)
+
     def as_dict(self) -> dict:
         return {"batches": self.batches, "bytes": self.bytes, "worker_busy_s": self.worker_busy_s,
                 "consumer_wait_s": self.consumer_wait_s, "overflow_count": self.overflow_count,
                 "largest_overflow_bytes": self.largest_overflow_bytes,
                 "suggested_slot_bytes": self.suggested_slot_bytes,
                 "copy_out_count": self.copy_out_count, "restarts": self.restarts,
+                "skipped_samples": self.skipped_samples,
                 "elapsed_s": self.elapsed_s, "stall_fraction": self.stall_fraction}

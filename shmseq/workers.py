@@ -55,6 +55,13 @@ def build_batch(worker_obj, indices: np.ndarray, region: np.ndarray | None):
     return batch, None
 
 
+def skipped_by(worker_obj) -> list[str]:
+    """What a worker with an opt-in skip policy left out of the batch it just built (its
+    ``pop_skipped()``, as ``ShardWorker`` has): one description per sample."""
+    pop = getattr(worker_obj, "pop_skipped", None)
+    return pop() if pop is not None else []
+
+
 def describe_exception(exc: BaseException) -> tuple:
     """What crosses back to the consumer about a failure: type, message, traceback, the object."""
     try:
@@ -78,14 +85,16 @@ def _run_task(worker_obj, ring: WorkerRing | None, number: int, slot: int | None
     try:
         region = ring.region(slot) if slot is not None else None  # may find /dev/shm full
         batch, allocator = build_batch(worker_obj, indices, region)
+        skipped = skipped_by(worker_obj)
+        told = framed(("skipped", number, skipped)) if skipped else b""
         if region is not None:
             try:
                 size = write_batch(batch, region, allocator)
-                return done_frame(number, slot, size, time.perf_counter() - began)
+                return told + done_frame(number, slot, size, time.perf_counter() - began)
             except SlotOverflow:
                 pass
         payload = encode_batch(batch)
-        return framed(("overflow", number, slot, payload, time.perf_counter() - began))
+        return told + framed(("overflow", number, slot, payload, time.perf_counter() - began))
     except StreamEnded:
         return framed(("ended", number, slot))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer

@@ -1,0 +1,496 @@
+"""Streaming shards: WebDataset-layout tar files read member by member, by byte offset.
+
+A shard is a tar file whose members are grouped into samples by key (``n01/img7.jpg`` and
+``n01/img7.cls`` are the sample ``n01/img7``, WebDataset's convention). An index lists each
+shard's URL and the byte offset where each of its samples begins; with it every sample has a
+global id (shard after shard), and the rest of shmseq treats a stream of shards as it treats
+any dataset:
+
+* ``ShardPlan`` (an ``EpochPlan``) orders the ids of an epoch: the shards in an order drawn
+  from ``seed + epoch``, each sample moved at most ``shuffle_window`` places (a bounded
+  shuffle, like WebDataset's buffer, but a pure function of the seed), then dealt to the ranks
+  batch by batch, padded or cut so that every rank gets as many batches. The order does not
+  depend on the number of workers, so a run resumes with any number of them.
+* ``ShardWorker`` builds a batch from its ids: it reads each sample's bytes at its offset (no
+  shard is read from its start to reach a member), hands the sample to the user's ``decode``,
+  and stacks the results. A replacement worker rebuilds a dead one's batch from the same ids.
+* ``ShardSequence`` is a ``ShmSequence`` over an index with that plan and worker.
+
+Reading is ``tarfile``'s header format parsed in place and ``fsspec`` for URLs with a protocol
+(local paths need neither fsspec nor a copy through it). ``webdataset``'s reader streams a
+shard from its first byte and cannot start at a member, which exact resume needs.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import posixpath
+import tarfile
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from .checks import check_int
+from .plan import EpochPlan
+from .sequence import ShmSequence
+
+INDEX_VERSION = 1
+_BLOCK = 512
+ON_ERROR = ("raise", "skip")
+
+
+class ShardError(ValueError):
+    """A shard that cannot be read as its index says (missing, truncated, corrupt), or a sample
+    in it that does not decode: the message names the shard's URL, the sample and its offset."""
+
+
+def _key_and_field(name: str) -> tuple[str, str]:
+    """WebDataset's split of a member name: the key up to the first dot of the base name."""
+    folder, base = posixpath.split(name)
+    stem, dot, field = base.partition(".")
+    return posixpath.join(folder, stem) if folder else stem, field if dot else ""
+
+
+def _is_remote(url: str) -> bool:
+    return "://" in url and not url.startswith("file://")
+
+
+def open_url(url: str, storage_options: dict | None = None):
+    """A binary file object for a local path or any fsspec URL."""
+    if not _is_remote(url):
+        return open(url.removeprefix("file://"), "rb")
+    try:
+        import fsspec
+    except ImportError:
+        raise ImportError(f"reading {url} needs fsspec: pip install fsspec (and aiohttp for "
+                          "http://, s3fs for s3://, gcsfs for gs://)") from None
+    return fsspec.open(url, "rb", **(storage_options or {})).open()
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One tar file: where each of its samples begins, and where the last one ends."""
+    url: str
+    offsets: np.ndarray  # int64: the byte offset of each sample's first member header
+    end: int             # the byte offset just past the last sample's last member
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def span(self, ordinal: int) -> tuple[int, int]:
+        """The bytes of sample ``ordinal``: its members' headers and data."""
+        stop = self.offsets[ordinal + 1] if ordinal + 1 < len(self.offsets) else self.end
+        return int(self.offsets[ordinal]), int(stop)
+
+
+class ShardIndex:
+    """The shards of a dataset and their samples' offsets; a sample's global id counts the
+    samples of the shards before its own."""
+
+    def __init__(self, shards: Iterable[Shard]):
+        self.shards = tuple(shards)
+        counts = [len(shard) for shard in self.shards]
+        self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard number, ordinal in that shard) of each global id."""
+        shard = np.searchsorted(self.starts, ids, side="right") - 1
+        return shard, ids - self.starts[shard]
+
+    @classmethod
+    def scan(cls, urls: Iterable[str], storage_options: dict | None = None) -> "ShardIndex":
+        """Read the member headers of each shard (its data is skipped where the file seeks)."""
+        return cls(_scan_shard(url, storage_options) for url in urls)
+
+    @classmethod
+    def load(cls, url: str, storage_options: dict | None = None) -> "ShardIndex":
+        """An index saved by ``save``; shard URLs in it that are relative are taken relative
+        to the index's own location."""
+        with open_url(url, storage_options) as file:
+            saved = json.load(file)
+        if saved.get("version") != INDEX_VERSION:
+            raise ValueError(f"{url} is not a shard index of version {INDEX_VERSION} "
+                             f"(it says version {saved.get('version')!r}): scan the shards again")
+        base = url.rsplit("/", 1)[0] if "/" in url else "."
+        return cls(Shard(_joined(base, entry["url"]), np.asarray(entry["offsets"], np.int64),
+                         int(entry["end"])) for entry in saved["shards"])
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the index as JSON; shard paths under its folder are kept relative to it."""
+        folder = os.path.dirname(os.path.abspath(path))
+        entries = [{"url": _relative(shard.url, folder), "offsets": shard.offsets.tolist(),
+                    "end": shard.end} for shard in self.shards]
+        with open(path, "w") as file:
+            json.dump({"version": INDEX_VERSION, "shards": entries}, file)
+
+
+def _joined(base: str, url: str) -> str:
+    if "://" in url or os.path.isabs(url):
+        return url
+    return f"{base}/{url}" if _is_remote(base) else os.path.join(base, url)
+
+
+def _relative(url: str, folder: str) -> str:
+    if _is_remote(url):
+        return url
+    path = os.path.abspath(url)
+    return os.path.relpath(path, folder) if path.startswith(folder + os.sep) else path
+
+
+def _scan_shard(url: str, storage_options: dict | None) -> Shard:
+    offsets, key, end = [], None, 0
+    try:
+        with open_url(url, storage_options) as file, tarfile.open(fileobj=file, mode="r:") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                member_key, _ = _key_and_field(member.name)
+                if member_key != key:
+                    offsets.append(member.offset)
+                    key = member_key
+                end = member.offset_data + -(-member.size // _BLOCK) * _BLOCK
+    except (OSError, tarfile.TarError) as exc:
+        raise ShardError(f"cannot index shard {url}: {type(exc).__name__}: {exc}") from exc
+    return Shard(url, np.asarray(offsets, np.int64), end)
+
+
+def write_shards(samples: Iterable[dict], pattern: str, *, samples_per_shard: int = 1000,
+                 index: str | None = None) -> ShardIndex:
+    """Pack samples into tar shards (``pattern % shard_number``, e.g. ``"out/train-%05d.tar"``)
+    and write their index (``index``; default ``shards.json`` beside the first shard).
+
+    A sample is a dict: ``"__key__"`` (a unique name, no dot in its last part) and one entry
+    per field, ``bytes`` (``"jpg"``: the encoded file) or ``str``/``int`` (stored as text)."""
+    shards, batch = [], []
+    for sample in samples:
+        batch.append(sample)
+        if len(batch) == samples_per_shard:
+            shards.append(_write_shard(pattern % len(shards), batch))
+            batch = []
+    if batch or not shards:
+        shards.append(_write_shard(pattern % len(shards), batch))
+    written = ShardIndex(shards)
+    written.save(index or os.path.join(os.path.dirname(pattern % 0) or ".", "shards.json"))
+    return written
+
+
+def _write_shard(path: str, samples: list[dict]) -> Shard:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    offsets = []
+    with open(path, "wb") as file, tarfile.open(fileobj=file, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for sample in samples:
+            offsets.append(tar.offset)
+            key = sample["__key__"]
+            for field, value in sample.items():
+                if field.startswith("__"):
+                    continue
+                data = value if isinstance(value, bytes) else str(value).encode()
+                info = tarfile.TarInfo(f"{key}.{field}")
+                info.size, info.mode, info.mtime = len(data), 0o444, 0
+                tar.addfile(info, io.BytesIO(data))
+        end = tar.offset
+    return Shard(path, np.asarray(offsets, np.int64), end)
+
+
+def image_folder_samples(root: str | os.PathLike) -> Iterator[dict]:
+    """An image folder (``root/<class>/<image>``, as ``ImageFolderWorker`` reads it) as
+    samples for ``write_shards``: the encoded file under its extension and the label as
+    ``cls``, in the folder's order."""
+    from .vision import ImageFolder
+    folder = ImageFolder.scan(root)
+    for number, (path, label) in enumerate(zip(folder.files, folder.labels)):
+        with open(path, "rb") as file:
+            data = file.read()
+        field = os.path.splitext(path)[1].lstrip(".").lower()
+        yield {"__key__": f"{number:08d}", field: data, "cls": int(label)}
+
+
+def _parse_members(data: memoryview, url: str, at: int) -> dict:
+    """The members of one sample's bytes (ustar headers, parsed in place; pax and GNU headers
+    through tarfile): field -> bytes, plus ``__key__``."""
+    sample: dict = {}
+    position = 0
+    while position < len(data):
+        header = bytes(data[position:position + _BLOCK])
+        if len(header) < _BLOCK or header[156:157] in (b"x", b"g", b"L", b"K"):
+            return _parse_with_tarfile(data, url, at)
+        try:
+            info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
+        except tarfile.TarError as exc:
+            raise ShardError(f"shard {url}: no valid tar header at byte {at + position} "
+                             f"({exc}): the shard is corrupt, or its index is stale") from exc
+        begin = position + _BLOCK
+        if begin + info.size > len(data):
+            raise ShardError(f"shard {url}: member {info.name} at byte {at + position} runs past "
+                             "its sample's end: the shard is truncated, or its index is stale")
+        _add_member(sample, info.name, data[begin:begin + info.size], url, at + position)
+        position = begin + -(-info.size // _BLOCK) * _BLOCK
+    return sample
+
+
+def _parse_with_tarfile(data: memoryview, url: str, at: int) -> dict:
+    sample: dict = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(bytes(data)), mode="r:") as tar:
+            for member in tar:
+                if member.isfile():
+                    _add_member(sample, member.name, tar.extractfile(member).read(), url,
+                                at + member.offset)
+    except tarfile.TarError as exc:
+        raise ShardError(f"shard {url}: the sample at byte {at} is not valid tar ({exc}): the "
+                         "shard is corrupt, or its index is stale") from exc
+    return sample
+
+
+def _add_member(sample: dict, name: str, data, url: str, at: int) -> None:
+    key, field = _key_and_field(name)
+    if sample.setdefault("__key__", key) != key:
+        raise ShardError(f"shard {url}: member {name} at byte {at} belongs to sample {key}, not "
+                         f"{sample['__key__']}: the index does not match the shard; scan it again")
+    sample[field] = bytes(data)
+
+
+class ShardReader:
+    """Reads samples by global id; one per worker, its files opened on first use and kept."""
+
+    def __init__(self, index: ShardIndex, storage_options: dict | None = None):
+        self.index = index
+        self.storage_options = storage_options
+        self._files: dict[int, object] = {}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_files": {}}
+
+    def read(self, ids: np.ndarray) -> list[dict]:
+        """The samples of ``ids``, in that order, each with ``__key__``, ``__url__`` and
+        ``__offset__``. Samples next to each other in a shard are read in one request."""
+        shards, ordinals = self.index.locate(np.asarray(ids, np.int64))
+        found: dict[tuple[int, int], dict] = {}
+        for shard, run in _runs(sorted(set(zip(shards.tolist(), ordinals.tolist())))):
+            found.update(self._read_run(shard, run))
+        return [found[pair] for pair in zip(shards.tolist(), ordinals.tolist())]
+
+    def _read_run(self, number: int, ordinals: list[int]) -> Iterator[tuple[tuple[int, int], dict]]:
+        shard = self.index.shards[number]
+        begin, end = shard.span(ordinals[0])[0], shard.span(ordinals[-1])[1]
+        data = memoryview(self._read(number, begin, end))
+        for ordinal in ordinals:
+            start, stop = shard.span(ordinal)
+            sample = _parse_members(data[start - begin:stop - begin], shard.url, start)
+            sample.update(__url__=shard.url, __offset__=start)
+            yield (number, ordinal), sample
+
+    def _read(self, number: int, begin: int, end: int) -> bytes:
+        url = self.index.shards[number].url
+        try:
+            file = self._files.get(number)
+            if file is None:
+                file = self._files[number] = open_url(url, self.storage_options)
+            file.seek(begin)
+            data = file.read(end - begin)
+        except FileNotFoundError as exc:
+            raise ShardError(f"shard {url} is missing ({exc})") from exc
+        except OSError as exc:
+            self._files.pop(number, None)
+            raise ShardError(f"shard {url}: reading bytes {begin}-{end} failed: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        if len(data) < end - begin:
+            raise ShardError(f"shard {url} ends at byte {begin + len(data)}, before the sample "
+                             f"at byte {self._sample_at(number, begin + len(data))} ends (byte "
+                             f"{end}): the shard is truncated, or its index is stale")
+        return data
+
+    def _sample_at(self, number: int, byte: int) -> int:
+        offsets = self.index.shards[number].offsets
+        return int(offsets[max(np.searchsorted(offsets, byte, side="right") - 1, 0)])
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+
+
+def _runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, list[int]]]:
+    """Sorted (shard, ordinal) pairs as runs of consecutive ordinals within one shard."""
+    run: list[int] = []
+    shard = None
+    for number, ordinal in pairs:
+        if run and (number != shard or ordinal != run[-1] + 1):
+            yield shard, run
+            run = []
+        shard = number
+        run.append(ordinal)
+    if run:
+        yield shard, run
+
+
+def stack(samples: list) -> object:
+    """Decoded samples as one batch: arrays stacked, tuples and dicts field by field."""
+    first = samples[0]
+    if isinstance(first, tuple):
+        return tuple(stack([sample[i] for sample in samples]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {field: stack([sample[field] for sample in samples]) for field in first}
+    return np.stack([np.asarray(sample) for sample in samples])
+
+
+class ShardWorker:
+    """``worker[ids]``: the samples of ``ids`` read from their shards, decoded by
+    ``decode(sample) -> array or tuple/dict of arrays`` and stacked.
+
+    ``on_error='raise'`` (default): a sample that cannot be read or decoded fails its batch
+    with a ``ShardError`` naming the shard, the sample and its offset. ``'skip'``: the sample is
+    left out of its batch (which is then smaller), and the consumer is told with a warning and
+    ``stats.skipped_samples``; a batch left with no sample still fails."""
+
+    def __init__(self, shards: ShardIndex, decode: Callable[[dict], object], *,
+                 on_error: str = "raise", storage_options: dict | None = None):
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {', '.join(map(repr, ON_ERROR))}, "
+                             f"got {on_error!r}")
+        self.reader = ShardReader(shards, storage_options)
+        self.decode = decode
+        self.on_error = on_error
+        self._skipped: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.reader.index)
+
+    def __getitem__(self, ids: np.ndarray):
+        ids = np.asarray(ids, np.int64)
+        if self.on_error == "raise":
+            return stack([self._decoded(sample) for sample in self.reader.read(ids)])
+        decoded = []
+        for sample in self._readable(ids):
+            try:
+                decoded.append(self._decoded(sample))
+            except ShardError as exc:
+                self._skipped.append(str(exc))
+        if not decoded:
+            raise ShardError(f"every sample of the batch was left out: {'; '.join(self._skipped)}")
+        return stack(decoded)
+
+    def _readable(self, ids: np.ndarray) -> list[dict]:
+        """The samples of ``ids`` that can be read; when some cannot, the others are read one
+        by one and each failure is noted as skipped."""
+        try:
+            return self.reader.read(ids)
+        except ShardError:
+            samples = []
+            for sample_id in ids:
+                try:
+                    samples += self.reader.read(sample_id[None])
+                except ShardError as exc:
+                    self._skipped.append(str(exc))
+            return samples
+
+    def _decoded(self, sample: dict):
+        try:
+            return self.decode(sample)
+        except Exception as exc:  # noqa: BLE001 - named with its shard and offset
+            fields = ", ".join(field for field in sample if not field.startswith("__"))
+            raise ShardError(f"shard {sample['__url__']}: sample {sample['__key__']} at byte "
+                             f"{sample['__offset__']} (members: {fields}) does not decode: "
+                             f"{type(exc).__name__}: {exc}") from exc
+
+    def pop_skipped(self) -> list[str]:
+        """What was left out since the last call (the worker loop reports it with the batch)."""
+        skipped, self._skipped = self._skipped, []
+        return skipped
+
+
+class ShardPlan(EpochPlan):
+    """The epoch's ids: shards in an order drawn from (seed, epoch), samples moved within
+    ``shuffle_window`` places, dealt to the ranks batch by batch (rank r takes batches r,
+    r + world_size, ...), so that the batches all ranks have taken after n steps are the first
+    n * world_size of the epoch, whatever the number of workers."""
+
+    def __init__(self, index: ShardIndex, batch_size: int, *, shuffle_window: int = 1000,
+                 **options):
+        super().__init__(np.arange(len(index), dtype=np.int64), batch_size, **options)
+        self.shard_index = index
+        self.shuffle_window = shuffle_window
+
+    def global_order(self, epoch: int) -> np.ndarray:
+        """Every id of the epoch once, before dealing to ranks."""
+        if not self.shuffle or not len(self.indices):
+            return self.indices
+        index = self.shard_index
+        rng = np.random.default_rng([self.seed, epoch])
+        shards = rng.permutation(len(index.shards))
+        ids = np.concatenate([np.arange(index.starts[s], index.starts[s + 1]) for s in shards])
+        if self.shuffle_window > 1:
+            ids = ids[np.argsort(np.arange(len(ids)) + rng.uniform(0, self.shuffle_window, len(ids)),
+                                 kind="stable")]
+        return ids
+
+    def order(self, epoch: int) -> np.ndarray:
+        ids = self.global_order(epoch)
+        if self.world_size == 1 or not len(ids):
+            return ids
+        per_rank, size = self.samples_per_epoch, self.batch_size
+        dealt = np.resize(ids, per_rank * self.world_size)  # wraps (pads), or cuts
+        full = per_rank // size * size  # each rank's samples in whole batches
+        rounds = dealt[:full * self.world_size].reshape(-1, self.world_size, size)
+        tail = dealt[full * self.world_size:].reshape(self.world_size, -1)
+        return np.concatenate([rounds[:, self.rank].reshape(-1), tail[self.rank]])
+
+
+def as_shard_index(shards, storage_options: dict | None = None) -> ShardIndex:
+    """A ``ShardIndex``; an index file's path or URL (``.json``); or shard URLs, scanned."""
+    if isinstance(shards, ShardIndex):
+        return shards
+    if isinstance(shards, (str, os.PathLike)):
+        url = os.fspath(shards)
+        if url.endswith(".json"):
+            return ShardIndex.load(url, storage_options)
+        shards = [url]
+    return ShardIndex.scan([os.fspath(url) for url in shards], storage_options)
+
+
+class ShardSequence(ShmSequence):
+    """A ``ShmSequence`` over tar shards: ``decode(sample)`` turns each sample (a dict of its
+    members' bytes by field, e.g. ``sample["jpg"]``, plus ``__key__``, ``__url__`` and
+    ``__offset__``) into an array or a tuple/dict of arrays, stacked into the batch.
+
+    Args:
+        shards: an index file (``shards.json`` from ``write_shards`` or ``ShardIndex.save``),
+            shard paths or URLs (scanned when the sequence is made), or a ``ShardIndex``.
+        decode: called in the workers, once per sample.
+        shuffle_window: how many places a sample may move from its shard's order (with
+            ``shuffle``); 1 keeps the shard's order.
+        on_error: ``'raise'`` a ``ShardError`` naming the shard, sample and offset, or
+            ``'skip'`` the sample with a ``SkippedSamplesWarning``, counted in ``stats``.
+        storage_options: passed to fsspec for URLs (credentials, ...).
+        options: ``ShmSequence``'s (``batch_size``, ``num_workers``, ``seed``, ``rank``, ...).
+            Every rank gets as many batches: ``last_batch='discard'`` cuts the epoch to a
+            multiple of the world size, otherwise it is padded with its first samples.
+    """
+
+    def __init__(self, shards, decode: Callable[[dict], object], *, shuffle_window: int = 1000,
+                 on_error: str = "raise", storage_options: dict | None = None, **options):
+        check_int("shuffle_window", shuffle_window, 1)
+        self.shuffle_window = shuffle_window
+        index = as_shard_index(shards, storage_options)
+        worker = ShardWorker(index, decode, on_error=on_error, storage_options=storage_options)
+        super().__init__(worker, len(index), **options)
+
+    def _make_plan(self, dset_size, batch_size, shuffle, last_batch, rank, world_size):
+        return ShardPlan(self.worker.reader.index, batch_size, shuffle_window=self.shuffle_window,
+                         shuffle=bool(shuffle), seed=self._seed, last_batch=last_batch, rank=rank,
+                         world_size=world_size, seed_given=self._seed_given)
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "shuffle_window": self.shuffle_window}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("shuffle_window", self.shuffle_window) != self.shuffle_window:
+            raise ValueError(f"state shuffle_window={state['shuffle_window']!r} does not match "
+                             f"this sequence's shuffle_window={self.shuffle_window!r}: build the "
+                             "sequence as the saved one was")
+        super().load_state_dict(state)
