@@ -27,6 +27,7 @@ import json
 import os
 import posixpath
 import tarfile
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -256,15 +257,26 @@ def _add_member(sample: dict, name: str, data, url: str, at: int) -> None:
 
 
 class ShardReader:
-    """Reads samples by global id; one per worker, its files opened on first use and kept."""
+    """Reads samples by global id; its files are opened on first use and kept, one set per
+    thread (worker threads share the reader; a file's position is not to be shared)."""
 
     def __init__(self, index: ShardIndex, storage_options: dict | None = None):
         self.index = index
         self.storage_options = storage_options
-        self._files: dict[int, object] = {}
+        self._local = threading.local()
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_files": {}}
+        return {**self.__dict__, "_local": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _local=threading.local())
+
+    @property
+    def _files(self) -> dict:
+        files = getattr(self._local, "files", None)
+        if files is None:
+            files = self._local.files = {}
+        return files
 
     def read(self, ids: np.ndarray) -> list[dict]:
         """The samples of ``ids``, in that order, each with ``__key__``, ``__url__`` and

@@ -1,0 +1,119 @@
+"""ShardPlan: every sample once per epoch over ranks x workers, as many batches on every rank,
+samples within their shuffle window, the same stream whatever the number of workers."""
+import collections
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from shmseq.shards import Shard, ShardIndex, ShardPlan, ShardSequence, write_shards
+
+
+def index_of(sizes) -> ShardIndex:
+    """An index of shards with these sample counts (offsets only matter for reading)."""
+    return ShardIndex(Shard(f"shard-{n}.tar", np.arange(size, dtype=np.int64) * 1024, size * 1024)
+                      for n, size in enumerate(sizes))
+
+
+def rank_batches(index, batch_size, world_size, policy, epoch, **options):
+    return [[batch.tolist() for batch in ShardPlan(index, batch_size, rank=rank,
+                                                   world_size=world_size, last_batch=policy,
+                                                   **options).batches(epoch)]
+            for rank in range(world_size)]
+
+
+plans = st.fixed_dictionaries({
+    "sizes": st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    "batch_size": st.integers(1, 16),
+    "world_size": st.integers(1, 8),
+    "policy": st.sampled_from(["keep", "discard"]),
+    "shuffle": st.booleans(),
+    "shuffle_window": st.integers(1, 64),
+    "seed": st.integers(0, 2**32),
+    "epoch": st.integers(0, 5),
+})
+
+
+@settings(max_examples=300, deadline=None)
+@given(plans)
+def test_every_sample_once_per_epoch_and_as_many_batches_on_every_rank(case):
+    index = index_of(case["sizes"])
+    total, ranks, size = len(index), case["world_size"], case["batch_size"]
+    dealt = rank_batches(index, size, ranks, case["policy"], case["epoch"], shuffle=case["shuffle"],
+                         seed=case["seed"], shuffle_window=case["shuffle_window"])
+    assert len({len(batches) for batches in dealt}) == 1  # DDP never waits on a rank
+    assert len({tuple(len(b) for b in batches) for batches in dealt}) == 1
+    seen = collections.Counter(i for batches in dealt for batch in batches for i in batch)
+    if case["policy"] == "keep":
+        per_rank = -(-total // ranks)
+        assert set(seen) == set(range(total))
+        padding = per_rank * ranks - total  # repeats, as DistributedSampler pads
+        assert sum(seen.values()) == total + padding
+        first = ShardPlan(index, size, shuffle=case["shuffle"], seed=case["seed"],
+                          shuffle_window=case["shuffle_window"]).global_order(case["epoch"])
+        repeated = sorted(i for i, count in seen.items() for _ in range(count - 1))
+        assert repeated == sorted(np.resize(first, padding).tolist()) if total else not repeated
+    else:
+        per_rank = total // ranks // size * size
+        assert max(seen.values(), default=1) == 1
+        assert sum(seen.values()) == per_rank * ranks
+
+
+@settings(max_examples=150, deadline=None)
+@given(plans)
+def test_a_sample_moves_less_than_the_window_from_its_shard_order(case):
+    index = index_of(case["sizes"])
+    plan = ShardPlan(index, case["batch_size"], shuffle=True, seed=case["seed"],
+                     shuffle_window=case["shuffle_window"])
+    order = plan.global_order(case["epoch"])
+    assert sorted(order.tolist()) == list(range(len(index)))
+    in_shard_order = ShardPlan(index, case["batch_size"], shuffle=True, seed=case["seed"],
+                               shuffle_window=1).global_order(case["epoch"])
+    shards, ordinals = index.locate(in_shard_order)
+    assert (np.diff(ordinals)[np.diff(shards) == 0] == 1).all()  # each shard in its own order
+    place = np.empty(len(index), np.int64)
+    place[in_shard_order] = np.arange(len(index))
+    assert (np.abs(place[order] - np.arange(len(order))) <= case["shuffle_window"]).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(plans)
+def test_the_batches_of_the_first_steps_are_the_start_of_the_epoch(case):
+    """After n steps the ranks together have had the epoch's first n x world_size batches:
+    a prefix, whatever the world size (what lets a run resume on another one)."""
+    index = index_of(case["sizes"])
+    size, ranks = case["batch_size"], case["world_size"]
+    options = dict(shuffle=case["shuffle"], seed=case["seed"], shuffle_window=case["shuffle_window"])
+    dealt = rank_batches(index, size, ranks, "keep", case["epoch"], **options)
+    first = ShardPlan(index, size, **options).global_order(case["epoch"])
+    steps = max(len(dealt[0]) - 1, 0)  # every step but a last, shorter one
+    taken = sorted(i for batches in dealt for batch in batches[:steps] for i in batch)
+    assert taken == sorted(np.resize(first, steps * size * ranks).tolist())
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("shards")
+    samples = ({"__key__": f"k{i:04d}", "id": str(i)} for i in range(137))
+    write_shards(samples, str(folder / "part-%02d.tar"), samples_per_shard=19)
+    return str(folder / "shards.json")
+
+
+def decode_id(sample: dict) -> int:
+    return int(sample["id"])
+
+
+@settings(max_examples=12, deadline=None)
+@given(workers=st.integers(0, 4), world_size=st.integers(1, 3), batch_size=st.integers(1, 9),
+       policy=st.sampled_from(["keep", "discard"]))
+def test_workers_deliver_the_plan_exactly(shards, workers, world_size, batch_size, policy):
+    """Ranks x workers (threads here, processes elsewhere) deliver what the plan says."""
+    for rank in range(world_size):
+        seq = ShardSequence(shards, decode_id, batch_size=batch_size, num_workers=workers,
+                            thread_type="thread", out_type="null", seed=5, shuffle_window=7,
+                            rank=rank, world_size=world_size, last_batch=policy)
+        with seq.start():
+            got = [batch.tolist() for batch in seq]
+        plan = ShardPlan(seq.worker.reader.index, batch_size, shuffle=True, seed=5,
+                         shuffle_window=7, rank=rank, world_size=world_size, last_batch=policy)
+        assert got == [batch.tolist() for batch in plan.batches(0)]
