@@ -22,6 +22,7 @@ shard from its first byte and cannot start at a member, which exact resume needs
 """
 from __future__ import annotations
 
+import collections
 import io
 import json
 import os
@@ -257,26 +258,36 @@ def _add_member(sample: dict, name: str, data, url: str, at: int) -> None:
 
 
 class ShardReader:
-    """Reads samples by global id; its files are opened on first use and kept, one set per
-    thread (worker threads share the reader; a file's position is not to be shared)."""
+    """Reads samples by global id. Its files are opened on first use and kept, the last
+    ``OPEN_FILES`` used in each thread (worker threads share a reader, never a file: a file's
+    position is not to be shared)."""
+
+    OPEN_FILES = 8
 
     def __init__(self, index: ShardIndex, storage_options: dict | None = None):
         self.index = index
         self.storage_options = storage_options
         self._local = threading.local()
+        self._every_thread: list[collections.OrderedDict] = []
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_local": None}
+        return {**self.__dict__, "_local": None, "_every_thread": []}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _local=threading.local())
 
-    @property
-    def _files(self) -> dict:
+    def _file(self, number: int):
         files = getattr(self._local, "files", None)
         if files is None:
-            files = self._local.files = {}
-        return files
+            files = self._local.files = collections.OrderedDict()
+            self._every_thread.append(files)
+        file = files.pop(number, None)
+        if file is None:
+            file = open_url(self.index.shards[number].url, self.storage_options)
+            if len(files) >= self.OPEN_FILES:
+                files.popitem(last=False)[1].close()
+        files[number] = file
+        return file
 
     def read(self, ids: np.ndarray) -> list[dict]:
         """The samples of ``ids``, in that order, each with ``__key__``, ``__url__`` and
@@ -300,15 +311,13 @@ class ShardReader:
     def _read(self, number: int, begin: int, end: int) -> bytes:
         url = self.index.shards[number].url
         try:
-            file = self._files.get(number)
-            if file is None:
-                file = self._files[number] = open_url(url, self.storage_options)
+            file = self._file(number)
             file.seek(begin)
             data = file.read(end - begin)
         except FileNotFoundError as exc:
             raise ShardError(f"shard {url} is missing ({exc})") from exc
         except OSError as exc:
-            self._files.pop(number, None)
+            self._local.files.pop(number, None)
             raise ShardError(f"shard {url}: reading bytes {begin}-{end} failed: "
                              f"{type(exc).__name__}: {exc}") from exc
         if len(data) < end - begin:
@@ -322,9 +331,12 @@ class ShardReader:
         return int(offsets[max(np.searchsorted(offsets, byte, side="right") - 1, 0)])
 
     def close(self) -> None:
-        for file in self._files.values():
-            file.close()
-        self._files.clear()
+        """Close every thread's files (the workers have stopped); they reopen when read."""
+        for files in self._every_thread:
+            while files:
+                files.popitem()[1].close()
+        self._every_thread.clear()
+        self._local = threading.local()
 
 
 def _runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, list[int]]]:
@@ -496,6 +508,10 @@ class ShardSequence(ShmSequence):
         return ShardPlan(self.worker.reader.index, batch_size, shuffle_window=self.shuffle_window,
                          shuffle=bool(shuffle), seed=self._seed, last_batch=last_batch, rank=rank,
                          world_size=world_size, seed_given=self._seed_given)
+
+    def finish(self) -> None:
+        super().finish()
+        self.worker.reader.close()  # the files read in this process, by num_workers=0 or threads
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), "shuffle_window": self.shuffle_window}
