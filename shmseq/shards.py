@@ -437,13 +437,15 @@ class ShardPlan(EpochPlan):
     """The epoch's ids: shards in an order drawn from (seed, epoch), samples moved within
     ``shuffle_window`` places, dealt to the ranks batch by batch (rank r takes batches r,
     r + world_size, ...), so that the batches all ranks have taken after n steps are the first
-    n * world_size of the epoch, whatever the number of workers."""
+    n * world_size of the epoch, whatever the number of workers. That prefix is what lets a run
+    resume on another world size: the rest of the epoch is dealt anew (``resume_after``)."""
 
     def __init__(self, index: ShardIndex, batch_size: int, *, shuffle_window: int = 1000,
                  **options):
         super().__init__(np.arange(len(index), dtype=np.int64), batch_size, **options)
         self.shard_index = index
         self.shuffle_window = shuffle_window
+        self._consumed: dict[int, int] = {}  # epoch -> its first samples taken before a resume
 
     def global_order(self, epoch: int) -> np.ndarray:
         """Every id of the epoch once, before dealing to ranks."""
@@ -458,11 +460,34 @@ class ShardPlan(EpochPlan):
                                  kind="stable")]
         return ids
 
+    def consumed(self, epoch: int) -> int:
+        """How many of ``epoch``'s first samples (of its global order) a run before took."""
+        return self._consumed.get(epoch, 0)
+
+    def resume_after(self, epoch: int, consumed: int) -> None:
+        """Deal only what follows the first ``consumed`` samples of ``epoch`` (every rank of
+        the run that stopped had taken those), over this plan's ranks."""
+        if consumed and self.last_batch == "rollover":
+            raise ValueError("last_batch='rollover' carries samples across epochs: a stream "
+                             "resumes on another world size with 'keep' or 'discard' only")
+        self._consumed = {epoch: consumed} if consumed else {}
+        self.version += 1
+
+    def _per_rank(self, epoch: int) -> int:
+        total = len(self.indices) - self.consumed(epoch)
+        return total // self.world_size if self.last_batch == "discard" else -(-total // self.world_size)
+
+    def length(self, epoch: int) -> int:
+        if not self.consumed(epoch):
+            return super().length(epoch)
+        samples = self._per_rank(epoch)
+        return samples // self.batch_size if self.last_batch == "discard" else -(-samples // self.batch_size)
+
     def order(self, epoch: int) -> np.ndarray:
-        ids = self.global_order(epoch)
+        ids = self.global_order(epoch)[self.consumed(epoch):]
         if self.world_size == 1 or not len(ids):
             return ids
-        per_rank, size = self.samples_per_epoch, self.batch_size
+        per_rank, size = self._per_rank(epoch), self.batch_size
         dealt = np.resize(ids, per_rank * self.world_size)  # wraps (pads), or cuts
         full = per_rank // size * size  # each rank's samples in whole batches
         rounds = dealt[:full * self.world_size].reshape(-1, self.world_size, size)
@@ -519,11 +544,24 @@ class ShardSequence(ShmSequence):
         self.worker.reader.close()  # the files read in this process, by num_workers=0 or threads
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "shuffle_window": self.shuffle_window}
+        """``ShmSequence``'s state, plus the window and the samples of the epoch that runs
+        before a resume on another world size had taken."""
+        state = super().state_dict()
+        return {**state, "shuffle_window": self.shuffle_window,
+                "consumed_before": self._plan.consumed(state["epoch"])}
 
     def load_state_dict(self, state: dict) -> None:
+        """As ``ShmSequence``'s; a state saved on another world size resumes too: every rank
+        had taken the epoch's first ``position x world_size`` batches, and the rest of the
+        epoch is dealt over this run's ranks (the global sample order is kept)."""
         if state.get("shuffle_window", self.shuffle_window) != self.shuffle_window:
             raise ValueError(f"state shuffle_window={state['shuffle_window']!r} does not match "
                              f"this sequence's shuffle_window={self.shuffle_window!r}: build the "
                              "sequence as the saved one was")
+        self._plan.refresh()
+        consumed, saved_ranks = state.get("consumed_before", 0), state.get("world_size", 1)
+        if saved_ranks != self._plan.world_size:
+            consumed += state["position"] * saved_ranks * state["batch_size"]
+            state = {**state, "world_size": self._plan.world_size, "position": 0}
+        self._plan.resume_after(int(state["epoch"]), consumed)
         super().load_state_dict(state)

@@ -117,3 +117,45 @@ def test_workers_deliver_the_plan_exactly(shards, workers, world_size, batch_siz
         plan = ShardPlan(seq.worker.reader.index, batch_size, shuffle=True, seed=5,
                          shuffle_window=7, rank=rank, world_size=world_size, last_batch=policy)
         assert got == [batch.tolist() for batch in plan.batches(0)]
+
+
+def run_ranks(shards, world_size, state=None, steps=None, policy="keep"):
+    """Each rank's batches (ids) from ``state`` on: ``steps`` of them, or to the epoch's end;
+    and rank 0's state after them."""
+    dealt, saved = [], None
+    for rank in range(world_size):
+        seq = ShardSequence(shards, decode_id, batch_size=4, num_workers=0, out_type="null",
+                            seed=11, shuffle_window=9, rank=rank, world_size=world_size,
+                            last_batch=policy)
+        if state is not None:
+            seq.load_state_dict(state)
+        with seq.start():
+            batches = iter(seq)
+            dealt.append([next(batches).tolist() for _ in range(steps)] if steps is not None
+                         else [batch.tolist() for batch in batches])
+            saved = saved or seq.state_dict()
+    return dealt, saved
+
+
+@pytest.mark.parametrize("policy", ["keep", "discard"])
+@pytest.mark.parametrize("before, after", [(2, 3), (3, 2), (4, 1), (1, 4), (2, 2)])
+def test_a_resume_on_another_world_size_keeps_the_global_order(shards, before, after, policy):
+    """Stopped after some steps on ``before`` ranks and resumed on ``after``: every sample of
+    the epoch once (with padding only at the end), in the global order, twice over too."""
+    first, state = run_ranks(shards, before, steps=3, policy=policy)
+    second, state = run_ranks(shards, after, state=state, steps=1, policy=policy)
+    third, _ = run_ranks(shards, after + 1 if after < 4 else 1, state=state, policy=policy)
+    assert len({len(batches) for batches in third}) == 1
+    taken = [i for part in (first, second, third) for batches in part for b in batches for i in b]
+    counts = collections.Counter(taken)
+    if policy == "keep":
+        assert set(counts) == set(range(137))
+        assert sum(counts.values()) - 137 < 4 * 5  # padding: less than a batch per rank
+    else:
+        assert max(counts.values()) == 1 and 137 - len(counts) < 4 * 5
+    order = ShardPlan(ShardIndex.load(shards), 4, shuffle=True, seed=11,
+                      shuffle_window=9).global_order(0).tolist()
+    steps_first = sorted(i for batches in first for b in batches for i in b)
+    assert steps_first == sorted(order[:3 * 4 * before])  # the epoch's first batches
+    steps_two = sorted(i for part in (first, second) for batches in part for b in batches for i in b)
+    assert steps_two == sorted(order[:3 * 4 * before + 4 * after])  # and the next ones

@@ -1,0 +1,94 @@
+"""Train a tiny model with DistributedDataParallel (gloo, CPU) on tar shards read by offset.
+
+    torchrun --standalone --nproc_per_node=2 examples/ddp_shards.py --shards DIR/shards.json
+
+Each rank's ``ShardSequence`` takes its rank and world size from torch.distributed and gets its
+share of every epoch: as many batches as every other rank (padded by wrapping, or cut with
+``--last-batch discard``), so none waits on another in the gradient all-reduce. Unequal batch
+counts would leave one rank alone in a collective: the process group's timeout turns that hang
+into an error, and the ranks also compare their step counts after every epoch.
+
+A sample is a WebDataset-style group of members: ``<key>.id`` (its number, as text, also the
+last part of its key), ``<key>.x`` (2 float32s) and ``<key>.cls`` (its label)::
+
+    x = np.random.default_rng(0).normal(size=(500, 2)).astype(np.float32)
+    write_shards(({"__key__": f"train/{i:05d}", "id": str(i), "x": x[i].tobytes(),
+                   "cls": int(x[i, 0] > x[i, 1])} for i in range(500)),
+                 "DIR/part-%02d.tar", samples_per_shard=64)
+
+Each rank writes (``--report``) the sample numbers it saw and its steps, epoch by epoch.
+"""
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from shmseq.shards import ShardSequence
+
+
+def decode(sample: dict):
+    """(features, label, sample number); the key must name the number the sample carries."""
+    number = int(sample["id"])
+    if not sample["__key__"].endswith(f"/{number:05d}"):
+        raise ValueError(f"sample {sample['__key__']} carries id {number}")
+    return np.frombuffer(sample["x"], np.float32), np.int64(int(sample["cls"])), np.int64(number)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", required=True, help="a shard index (shards.json)")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shuffle-window", type=int, default=16)
+    parser.add_argument("--last-batch", choices=("keep", "discard"), default="keep")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds a collective (or a batch) may wait before the run fails")
+    parser.add_argument("--report", type=Path,
+                        help="write each rank's batches (sample numbers) and steps here (JSON)")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(2, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    seq = ShardSequence(args.shards, decode, batch_size=args.batch_size, num_workers=args.workers,
+                        seed=args.seed, shuffle_window=args.shuffle_window, out_type="cpu",
+                        last_batch=args.last_batch, timeout=args.timeout)
+    epochs = []
+    with seq:
+        for epoch in range(args.epochs):
+            seq.set_epoch(epoch)
+            batches, loss = [], torch.zeros(())
+            for x, y, number in seq:
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()  # DDP's all-reduce: every rank must take this step
+                optimizer.step()
+                batches.append(number.tolist())
+            steps = len(batches)
+            counts = [None] * dist.get_world_size()
+            dist.all_gather_object(counts, steps)
+            if len(set(counts)) != 1:
+                raise RuntimeError(f"epoch {epoch}: the ranks took {counts} steps")
+            epochs.append({"epoch": epoch, "batches": batches, "steps": steps})
+            print(f"rank {rank} epoch {epoch}: {steps} steps, {sum(map(len, batches))} samples, "
+                  f"loss {loss.item():.3f}", flush=True)
+    if args.report:
+        args.report.mkdir(parents=True, exist_ok=True)
+        report = {"rank": rank, "world_size": dist.get_world_size(), "epochs": epochs,
+                  "batch_size": args.batch_size, "seed": args.seed,
+                  "shuffle_window": args.shuffle_window, "last_batch": args.last_batch}
+        (args.report / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

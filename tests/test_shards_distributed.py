@@ -1,0 +1,119 @@
+"""Two ranks under torchrun stream tar shards: as many steps on each, shares that overlap only
+in the padding, the whole epoch covered (or all but its cut tail), a new order every epoch."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shmseq.shards import ShardIndex, ShardPlan, write_shards
+
+pytest.importorskip("torch.distributed")
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "ddp_shards.py"
+SIZES = (3, 23, 8, 15, 5, 19, 12)  # 85 samples: odd, and not a multiple of 2 x BATCH
+BATCH, SEED, WINDOW, EPOCHS = 8, 3, 16, 2
+# What ShardPlan.order deals to 2 ranks of 85 samples in batches of 8:
+#   keep:    ceil(85 / 2) = 43 each, 86 dealt: the epoch's first sample pads (wraps) on rank 1;
+#            5 whole rounds of 2 x 8, then a last batch of 3 on each rank: 6 steps.
+#   discard: 85 // 2 = 42 each, cut to whole batches: 40 each, 5 steps; the epoch's last
+#            85 - 80 = 5 samples are left out (fewer than 2 x 8).
+EXPECTED = {"keep": {"steps": 6, "per_rank": 43, "overlap": 1, "covered": 85},
+            "discard": {"steps": 5, "per_rank": 40, "overlap": 0, "covered": 80}}
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Seven shards of uneven sizes (one write_shards call each), under one index."""
+    folder = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    parts, number = [], 0
+    for shard, size in enumerate(SIZES):
+        samples = []
+        for _ in range(size):
+            x = rng.normal(size=2).astype(np.float32)
+            samples.append({"__key__": f"s{shard}/{number:05d}", "id": str(number),
+                            "x": x.tobytes(), "cls": int(x[0] > 2 * x[1])})
+            number += 1
+        parts.append(write_shards(samples, str(folder / f"{shard}" / "part-%02d.tar"),
+                                  samples_per_shard=size))
+    index = ShardIndex(shard for part in parts for shard in part.shards)
+    index.save(folder / "shards.json")
+    return folder / "shards.json"
+
+
+def run_ranks(shards: Path, report: Path, last_batch: str) -> list[dict]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(EXAMPLE), "--shards", str(shards), "--epochs", str(EPOCHS),
+               "--batch-size", str(BATCH), "--workers", "2", "--seed", str(SEED),
+               "--shuffle-window", str(WINDOW), "--last-batch", last_batch, "--timeout", "30",
+               "--report", str(report)]
+    began = time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    print(f"torchrun --last-batch {last_batch}: {time.monotonic() - began:.1f} s")
+    return [json.loads((report / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def coverage_table(last_batch: str, total: int, ranks: list[dict]) -> str:
+    lines = [f"last_batch={last_batch}: {total} samples in {len(SIZES)} shards, batch {BATCH}, "
+             "2 ranks",
+             f"{'epoch':>5} {'rank0':>6} {'rank1':>6} {'overlap':>8} {'coverage':>9} "
+             f"{'missing':>8} {'steps/rank':>11}"]
+    for epoch in range(EPOCHS):
+        seen = [[i for batch in r["epochs"][epoch]["batches"] for i in batch] for r in ranks]
+        union = set(seen[0]) | set(seen[1])
+        steps = "/".join(str(r["epochs"][epoch]["steps"]) for r in ranks)
+        lines.append(f"{epoch:>5} {len(seen[0]):>6} {len(seen[1]):>6} "
+                     f"{len(set(seen[0]) & set(seen[1])):>8} {len(union):>4}/{total:<4} "
+                     f"{total - len(union):>8} {steps:>11}")
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("last_batch", ["keep", "discard"])
+def test_two_ranks_stream_shards_in_step(shards, tmp_path, last_batch):
+    index = ShardIndex.load(str(shards))
+    total = len(index)
+    assert total == sum(SIZES) == 85 and total % (2 * BATCH)
+    ranks = run_ranks(shards, tmp_path / "report", last_batch)
+    print(coverage_table(last_batch, total, ranks))
+    expected = EXPECTED[last_batch]
+    orders = []
+    for epoch in range(EPOCHS):
+        got = [r["epochs"][epoch]["batches"] for r in ranks]
+        # each rank's batches are exactly what its plan says, computed here
+        planned = [[b.tolist() for b in ShardPlan(index, BATCH, shuffle=True, seed=SEED,
+                                                   shuffle_window=WINDOW, rank=rank, world_size=2,
+                                                   last_batch=last_batch).batches(epoch)]
+                   for rank in (0, 1)]
+        assert got == planned
+        order = ShardPlan(index, BATCH, shuffle=True, seed=SEED,
+                          shuffle_window=WINDOW).global_order(epoch).tolist()
+        orders.append(order)
+        assert sorted(order) == list(range(total))
+        # as many steps on each rank, and as many samples in each step
+        assert [r["epochs"][epoch]["steps"] for r in ranks] == [expected["steps"]] * 2
+        assert [len(b) for b in got[0]] == [len(b) for b in got[1]]
+        seen = [[i for batch in batches for i in batch] for batches in got]
+        assert [len(s) for s in seen] == [expected["per_rank"]] * 2
+        assert all(len(set(s)) == len(s) for s in seen)  # no sample twice on one rank
+        overlap = set(seen[0]) & set(seen[1])
+        union = set(seen[0]) | set(seen[1])
+        assert len(overlap) == expected["overlap"] and len(union) == expected["covered"]
+        if last_batch == "keep":
+            padding = 2 * expected["per_rank"] - total
+            assert overlap == set(order[:padding])  # the pad wraps to the epoch's first sample
+            assert got[0][0][0] == order[0] and got[1][-1][-1] == order[0]
+            assert union == set(range(total))
+        else:
+            assert not overlap
+            assert set(range(total)) - union == set(order[2 * expected["per_rank"]:])
+            assert total - len(union) < 2 * BATCH
+    assert orders[0] != orders[1]
+    for rank in (0, 1):  # a new order for every rank, and a new share of the samples
+        first, second = (ranks[rank]["epochs"][e]["batches"] for e in (0, 1))
+        assert first != second
+        assert {i for b in first for i in b} != {i for b in second for i in b}
