@@ -35,6 +35,7 @@ class Delivery(NamedTuple):
     nbytes: int = 0         # the batch's array bytes
     error: Callable[[], BaseException] | None = None  # makes the error (see pool.Reply)
     ended: bool = False     # no batch: a worker's stream had ended (a stream's pass skips it)
+    skipped: tuple = ()     # what the worker's skip policy left out of it (see pool.Reply)
 
 
 class OrderedOutput:
@@ -129,7 +130,8 @@ class Converter:
         if copy is not None and slot is not None:
             self.ring.track_copy(slot, functools.partial(self.device.wait, copy))
         return Delivery(batch, copy, slot is not None and copy is None and reader.arrays > 0,
-                        len(payload) if reply.overflowed else 0, reader.nbytes)
+                        len(payload) if reply.overflowed else 0, reader.nbytes,
+                        skipped=reply.skipped)
 
     def hand_over(self, number: int, delivery: Delivery):
         """The batch as the consumer gets it; copied out when keeping it would starve the ring."""
@@ -137,6 +139,7 @@ class Converter:
             raise delivery.error()
         self.stats.batches += 1
         self.stats.bytes += delivery.nbytes
+        self.stats.report_skipped(delivery.skipped, self.name(number))
         if delivery.payload_bytes:
             self._overflowed(self.name(number), delivery.payload_bytes)
         if delivery.in_slot:

@@ -146,7 +146,7 @@ class Pipeline:
         if len(reply.payload) > self.ring.spec.slot_bytes:
             return reply._replace(overflowed=True)
         slot = self.ring.store(reply.payload)
-        return reply if slot is None else Reply(reply.number, slot)
+        return reply if slot is None else reply._replace(slot=slot, payload=None)
 
     # -- the consumer's step ----------------------------------------------------------------------
     def _step(self, timeout: float | None, read: bool = True) -> None:

@@ -53,6 +53,7 @@ class Reply(NamedTuple):
     error: Callable[[], BaseException] | None = None
     overflowed: bool = False
     ended: bool = False  # no batch: the worker's stream ended (see workers.StreamEnded)
+    skipped: tuple = ()  # samples the worker's skip policy left out, why (counted when delivered)
 
 
 class Waker:
@@ -168,6 +169,7 @@ class WorkerPool:
         self._in_turn = in_turn
         self._ended: set[int] = set()  # workers whose stream ended in this pass
         self._pass_first = 0  # the number of the pass's first batch
+        self._skipped: dict[int, tuple] = {}  # batch number -> what its worker left out
         self._turn = 0  # the worker after the last one given a task in turn
         self._pace = Pace(n_slots)
         self._unslotted = 0  # batches sent before there was a ring, not stored yet: each takes a slot
@@ -348,13 +350,14 @@ class WorkerPool:
             handle.closed(number)
             self.stats.worker_busy_s += busy
             self.ring.written(slot)
-            received.append(Reply(number, slot))
+            received.append(Reply(number, slot, skipped=self._skipped.pop(number, ())))
         elif kind == "overflow":
             _, number, slot, payload, busy = message
             handle.closed(number)
             self.stats.worker_busy_s += busy
             self._give_back(slot)
-            received.append(Reply(number, None, payload, overflowed=slot is not None))
+            received.append(Reply(number, None, payload, overflowed=slot is not None,
+                                  skipped=self._skipped.pop(number, ())))
         elif kind == "error":
             _, number, slot, info = message
             indices = handle.closed(number)
@@ -370,9 +373,9 @@ class WorkerPool:
             received.append(Reply(number, None, ended=True))
             if number >= self._pass_first:
                 self._stream_ended(handle.wid)
-        elif kind == "skipped":
+        elif kind == "skipped":  # the batch's own reply follows in the same write
             _, number, skipped = message
-            self.stats.report_skipped(skipped, f"{handle.describe()} building {self.stream.name(number)}")
+            self._skipped[number] = tuple(skipped)
         elif kind == "ready":
             handle.ready = True
         elif kind == "attached":

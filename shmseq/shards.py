@@ -229,8 +229,10 @@ def _parse_members(data: memoryview, url: str, at: int) -> dict:
         try:
             info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
         except tarfile.TarError as exc:
-            raise ShardError(f"shard {url}: no valid tar header at byte {at + position} "
-                             f"({exc}): the shard is corrupt, or its index is stale") from exc
+            sample_key = f"sample {sample['__key__']}" if sample else "the sample"
+            raise ShardError(f"shard {url}: {sample_key} at byte {at}: no valid tar header at byte "
+                             f"{at + position} ({exc}): the shard is corrupt, or its index is "
+                             "stale") from exc
         begin = position + _BLOCK
         if begin + info.size > len(data):
             raise ShardError(f"shard {url}: member {info.name} at byte {at + position} runs past "
@@ -326,7 +328,8 @@ class ShardReader:
             raise ShardError(f"shard {url}: reading bytes {begin}-{end} failed: "
                              f"{type(exc).__name__}: {exc}") from exc
         if len(data) < end - begin:
-            raise ShardError(f"shard {url} ends at byte {begin + len(data)}, before the sample "
+            size = begin + len(data) if data else file.seek(0, os.SEEK_END)  # may end before begin
+            raise ShardError(f"shard {url} ends at byte {size}, before the sample "
                              f"at byte {self._sample_at(number, begin + len(data))} ends (byte "
                              f"{end}): the shard is truncated, or its index is stale")
         return data
