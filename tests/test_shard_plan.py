@@ -159,3 +159,21 @@ def test_a_resume_on_another_world_size_keeps_the_global_order(shards, before, a
     assert steps_first == sorted(order[:3 * 4 * before])  # the epoch's first batches
     steps_two = sorted(i for part in (first, second) for batches in part for b in batches for i in b)
     assert steps_two == sorted(order[:3 * 4 * before + 4 * after])  # and the next ones
+
+
+@pytest.mark.parametrize("thread_type", ["thread", "proc"])
+def test_more_workers_than_shards_still_deliver_every_sample_once(tmp_path, thread_type):
+    """2 shards, 2 ranks x 5 workers: workers read different samples of the same shards."""
+    samples = ({"__key__": f"k{i:04d}", "id": str(i)} for i in range(45))
+    write_shards(samples, str(tmp_path / "part-%02d.tar"), samples_per_shard=30)
+    seen = []
+    for rank in range(2):
+        seq = ShardSequence(str(tmp_path / "shards.json"), decode_id, batch_size=4, num_workers=5,
+                            thread_type=thread_type, out_type="null", seed=2, rank=rank,
+                            world_size=2, start_method="fork" if thread_type == "proc" else None)
+        with seq.start():
+            seen.append([i for batch in seq for i in batch.tolist()])
+    assert len(seen[0]) == len(seen[1]) == 23  # 45 dealt to 2 ranks: one sample repeated
+    assert collections.Counter(seen[0] + seen[1]) == collections.Counter(
+        [*range(45), *ShardPlan(ShardIndex.load(str(tmp_path / "shards.json")), 4, shuffle=True,
+                                seed=2).global_order(0)[:1].tolist()])
