@@ -227,19 +227,37 @@ def _parse_members(data: memoryview, url: str, at: int) -> dict:
         if len(header) < _BLOCK or header[156:157] in (b"x", b"g", b"L", b"K"):
             return _parse_with_tarfile(data, url, at)
         try:
-            info = tarfile.TarInfo.frombuf(header, "utf-8", "surrogateescape")
-        except tarfile.TarError as exc:
+            name, size, regular = _ustar_header(header)
+        except ValueError as exc:
             sample_key = f"sample {sample['__key__']}" if sample else "the sample"
             raise ShardError(f"shard {url}: {sample_key} at byte {at}: no valid tar header at byte "
                              f"{at + position} ({exc}): the shard is corrupt, or its index is "
                              "stale") from exc
         begin = position + _BLOCK
-        if begin + info.size > len(data):
-            raise ShardError(f"shard {url}: member {info.name} at byte {at + position} runs past "
+        if begin + size > len(data):
+            raise ShardError(f"shard {url}: member {name} at byte {at + position} runs past "
                              "its sample's end: the shard is truncated, or its index is stale")
-        _add_member(sample, info.name, data[begin:begin + info.size], url, at + position)
-        position = begin + -(-info.size // _BLOCK) * _BLOCK
+        if regular:
+            _add_member(sample, name, data[begin:begin + size], url, at + position)
+        position = begin + -(-size // _BLOCK) * _BLOCK
     return sample
+
+
+def _ustar_header(header: bytes) -> tuple[str, int, bool]:
+    """(name, size, is a regular file) of a ustar header, read as tarfile reads it (checksum
+    included) at a tenth of the cost of ``TarInfo.frombuf``, which decodes every field."""
+    if not any(header):
+        raise ValueError("an empty block, as at the archive's end")
+    stored = int(header[148:156].rstrip(b"\0 ") or b"-1", 8)
+    if stored != sum(header) - sum(header[148:156]) + 8 * 32:
+        raise ValueError("bad checksum")
+    if header[124] & 0x80:
+        raise ValueError("a base-256 size: only pax sizes are read")
+    size = int(header[124:136].strip(b"\0 ") or b"0", 8)
+    name = header[:100].split(b"\0", 1)[0]
+    if header[257:262] == b"ustar" and header[345] != 0:
+        name = header[345:500].split(b"\0", 1)[0] + b"/" + name
+    return name.decode("utf-8", "surrogateescape"), size, header[156:157] in (b"0", b"\0", b"7")
 
 
 def _parse_with_tarfile(data: memoryview, url: str, at: int) -> dict:
@@ -361,14 +379,19 @@ def _runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, list[int]]]:
         yield shard, run
 
 
-def stack(samples: list) -> object:
-    """Decoded samples as one batch: arrays stacked, tuples and dicts field by field."""
+def stack(samples: list, empty: Callable = np.empty) -> object:
+    """Decoded samples as one batch: arrays stacked into ``empty(shape, dtype)`` (a slot's
+    allocator, in a worker), tuples and dicts field by field."""
     first = samples[0]
     if isinstance(first, tuple):
-        return tuple(stack([sample[i] for sample in samples]) for i in range(len(first)))
+        return tuple(stack([sample[i] for sample in samples], empty) for i in range(len(first)))
     if isinstance(first, dict):
-        return {field: stack([sample[field] for sample in samples]) for field in first}
-    return np.stack([np.asarray(sample) for sample in samples])
+        return {field: stack([sample[field] for sample in samples], empty) for field in first}
+    arrays = [np.asarray(sample) for sample in samples]
+    if any(array.shape != arrays[0].shape for array in arrays):
+        raise ValueError(f"decoded samples of shapes {sorted({a.shape for a in arrays})} cannot be "
+                         "stacked into a batch: decode to one shape (crop or pad)")
+    return np.stack(arrays, out=empty((len(arrays), *arrays[0].shape), arrays[0].dtype))
 
 
 class ShardWorker:
@@ -394,9 +417,16 @@ class ShardWorker:
         return len(self.reader.index)
 
     def __getitem__(self, ids: np.ndarray):
+        return self._batch(ids, np.empty)
+
+    def fill_batch(self, ids: np.ndarray, out) -> object:
+        """The batch stacked straight into the slot (``out``: its ``SlotAllocator``)."""
+        return self._batch(ids, out.empty)
+
+    def _batch(self, ids: np.ndarray, empty: Callable):
         ids = np.asarray(ids, np.int64)
         if self.on_error == "raise":
-            return stack([self._decoded(sample) for sample in self.reader.read(ids)])
+            return stack([self._decoded(sample) for sample in self.reader.read(ids)], empty)
         decoded = []
         for sample in self._readable(ids):
             try:
@@ -405,7 +435,7 @@ class ShardWorker:
                 self._skipped.append(str(exc))
         if not decoded:
             raise ShardError(f"every sample of the batch was left out: {'; '.join(self._skipped)}")
-        return stack(decoded)
+        return stack(decoded, empty)
 
     def _readable(self, ids: np.ndarray) -> list[dict]:
         """The samples of ``ids`` that can be read; when some cannot, the others are read one

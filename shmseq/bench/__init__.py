@@ -4,4 +4,8 @@
 loaders, started and stopped the same way), ``limit`` (building batches with no
 transport), ``runner`` (timing, round-robin), ``report`` (table, targets, JSON,
 chart). Run it with ``python -m shmseq.bench`` (``--help`` for options).
+
+``--streaming``: ``streaming`` (shmseq's ``ShardSequence`` against torch's ``DataLoader`` over
+the same tar shards, with its own limit and report) and ``shard_data`` (the JPEG and raw uint8
+shards, written once, and the decoders).
 """

@@ -4,13 +4,27 @@ Every loader delivers the same image batches (built by copying rows from memory,
 what is measured is the transport) to a consumer that checks every one. Prints a table and
 what it shows, and writes ``results.md``, ``results.json`` and ``results.png`` into
 ``--out``.
+
+``--streaming`` runs the streaming workloads instead: shmseq's ``ShardSequence`` against
+torch's ``DataLoader`` over the same WebDataset-layout tar shards with the same decode
+(photo-like JPEGs decoded and cropped to 224 x 224 in the workers, and raw uint8 images),
+and writes ``streaming.md`` and ``streaming.json``. The shards (about 80 MB of JPEGs and
+155 MB of raw images; 20 and 40 MB with ``--quick``) are made in a temporary directory and
+deleted at the end; ``--keep-shards`` keeps them for later runs in
+``$XDG_CACHE_HOME/shmseq/bench`` (``~/.cache/shmseq/bench``), ``--shards-dir`` where you say.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import shlex
+import shutil
+import signal
 import sys
+import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from shmseq.devices import torch_available
@@ -19,6 +33,7 @@ from .report import machine, markdown, summarize, write_chart, write_json
 from .runner import LIMIT, run_matrix
 from . import systems
 from .systems import OPT_IN, SYSTEMS, TORCH_SYSTEMS
+from .streaming import STREAM_SYSTEM_NAMES, STREAM_TORCH_SYSTEMS, STREAM_WORKLOADS
 from .workloads import TRANSPORT_WORKLOADS, WORKLOADS, image_pool
 
 ALL_SYSTEMS = [LIMIT, *SYSTEMS]
@@ -42,13 +57,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="one short repeat of the matrix (about a minute; no spreads)")
-    parser.add_argument("--workloads", type=_names(list(WORKLOADS)), default=TRANSPORT_WORKLOADS,
+    parser.add_argument("--workloads", type=_names([*WORKLOADS, *STREAM_WORKLOADS]),
                         help=f"comma-separated, among {', '.join(WORKLOADS)} (default: all but "
                              "augment, whose workers spend their time augmenting images with "
-                             "torch's operators)")
-    parser.add_argument("--systems", type=_names(ALL_SYSTEMS), default=DEFAULT_SYSTEMS,
+                             "torch's operators); with --streaming, among "
+                             f"{', '.join(STREAM_WORKLOADS)} (default: both)")
+    parser.add_argument("--systems", type=_names([*ALL_SYSTEMS, *STREAM_SYSTEM_NAMES[1:]]),
                         help=f"comma-separated, among {', '.join(ALL_SYSTEMS)} "
-                             f"(default: all but {', '.join(OPT_IN)})")
+                             f"(default: all but {', '.join(OPT_IN)}); with --streaming, among "
+                             f"{', '.join(STREAM_SYSTEM_NAMES)} (default: all three)")
+    parser.add_argument("--streaming", action="store_true",
+                        help="run the streaming workloads instead: ShardSequence against torch's "
+                             "DataLoader over the same tar shards (see above)")
+    parser.add_argument("--keep-shards", action="store_true",
+                        help=f"--streaming: keep the shards for later runs, in {cache_dir()} "
+                             "(reused by later runs with --keep-shards); by default they are "
+                             "made in a temporary directory and deleted at the end")
+    parser.add_argument("--shards-dir", type=Path,
+                        help="--streaming: make the shards here, or reuse those made here "
+                             "earlier, and keep them (instead of --keep-shards' place)")
     parser.add_argument("--repeats", type=int, help="rounds over the matrix (default: 3, quick: 1)")
     parser.add_argument("--seconds", type=float,
                         help="timed seconds per system and workload (default: 2, quick: 0.5)")
@@ -56,8 +83,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="batches in flight: shmseq's ring slots, the bare ring's, "
                              "DataLoader's prefetch over its workers (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
-                        help="directory for results.md, .json and .png (default: bench-results)")
-    return parser.parse_args(argv)
+                        help="directory for results.md, .json and .png, or with --streaming "
+                             "streaming.md and .json (default: bench-results)")
+    args = parser.parse_args(argv)
+    kind = "streaming" if args.streaming else "transport"
+    known = ((STREAM_WORKLOADS, STREAM_SYSTEM_NAMES) if args.streaming
+             else (WORKLOADS, ALL_SYSTEMS))
+    for option, names, among in (("workloads", args.workloads, known[0]),
+                                 ("systems", args.systems, known[1])):
+        if names is not None and any(name not in among for name in names):
+            parser.error(f"--{option}: the {kind} benchmark{'' if args.streaming else ' (no --streaming)'} "
+                         f"runs {', '.join(among)}")
+    if args.workloads is None:
+        args.workloads = list(STREAM_WORKLOADS) if args.streaming else TRANSPORT_WORKLOADS
+    if args.systems is None:
+        args.systems = list(STREAM_SYSTEM_NAMES) if args.streaming else DEFAULT_SYSTEMS
+    return args
+
+
+def cache_dir() -> Path:
+    """Where ``--keep-shards`` keeps the shards: ``$XDG_CACHE_HOME/shmseq/bench``."""
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(home) / "shmseq" / "bench"
 
 
 def _log(message: str) -> None:
@@ -69,6 +116,8 @@ def main(argv: list[str]) -> int:
     settings = dict(QUICK if args.quick else FULL)
     settings.update({k: v for k, v in (("repeats", args.repeats), ("seconds", args.seconds))
                      if v is not None})
+    if args.streaming:
+        return streaming_main(args, settings, argv)
     workloads = [WORKLOADS[name] for name in args.workloads]
     systems.IN_FLIGHT = args.buffer
     if not torch_available():
@@ -101,6 +150,93 @@ def main(argv: list[str]) -> int:
     else:
         _log("matplotlib is not installed (pip install 'shmseq[bench]'): no chart")
     _log(f"wrote results.{{{written}}} into {args.out} in {time.perf_counter() - began:.0f} s")
+    return 0
+
+
+def _stop_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds like Ctrl-C: loaders stop, the shards go
+
+
+def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) -> int:
+    """The streaming workloads: shards made (or reused), the runs, the report."""
+    from shmseq.demo import load
+
+    from .shard_data import decoder, jpeg_stats, load_index, make_shards, size_of
+    from .streaming import Prepared, markdown, measurer, quick
+
+    systems.IN_FLIGHT = args.buffer
+    if not torch_available():
+        skipped = [name for name in args.systems if name in STREAM_TORCH_SYSTEMS]
+        if skipped:
+            _log(f"torch is not installed: {', '.join(skipped)} skipped "
+                 "(pip install torch to compare with PyTorch's DataLoader)")
+        args.systems = [name for name in args.systems if name not in STREAM_TORCH_SYSTEMS]
+    if importlib.util.find_spec("simplejpeg") is None and "shards-jpeg" in args.workloads:
+        _log("simplejpeg is not installed: shards-jpeg skipped (pip install 'shmseq[vision]')")
+        args.workloads = [name for name in args.workloads if name != "shards-jpeg"]
+    if not args.workloads or not args.systems:
+        _log("nothing left to run")
+        return 1
+    workloads = {name: quick(STREAM_WORKLOADS[name]) if args.quick else STREAM_WORKLOADS[name]
+                 for name in args.workloads}
+    began = time.perf_counter()
+    scratch = args.shards_dir is None and not args.keep_shards
+    root = (Path(tempfile.mkdtemp(prefix="shmseq-bench-shards-")) if scratch
+            else args.shards_dir or cache_dir())
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        prepared, data, folders = {}, [], []
+        for name, workload in workloads.items():
+            made = time.perf_counter()
+            existed = (root / workload.folder).is_dir()
+            folder = make_shards(root / workload.folder, workload.kind, workload.images,
+                                 workload.samples_per_shard, workload.side)
+            index = load_index(folder)
+            line = (f"{name}: {len(index):,} samples in {len(index.shards)} shards, "
+                    f"{size_of(index) / 2**20:,.0f} MiB "
+                    f"({'reused' if existed else f'made in {time.perf_counter() - made:.1f} s'})")
+            if workload.kind == "jpeg":
+                stats = jpeg_stats(index)
+                line += (f", JPEGs of {stats['kB']:.0f} kB and {stats['pixels'] / 1e3:.0f} "
+                         f"kpixels on average ({stats['bits_per_pixel']:.1f} bits a pixel), "
+                         f"decoded and cropped to {workload.side} x {workload.side}")
+            else:
+                line += f", raw {workload.side} x {workload.side} x 3 uint8 images"
+            data.append(line + f", {workload.batch_size} a batch")
+            folders.append(folder)
+            prepared[name] = Prepared(workload, index, decoder(workload.kind, workload.side))
+        at_start = load.snapshot()
+        runs = run_matrix(args.systems, list(workloads.values()), log=_log,
+                          measure=measurer(prepared), **settings)
+        at_end = load.snapshot()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if scratch:
+            shutil.rmtree(root, ignore_errors=True)
+    others = load.others_cores(at_start, at_end)
+    busy = [f"{load.describe_load(at_start.load)} at the start, "
+            f"{load.describe_load(at_end.load)} at the end"]
+    if others is not None:
+        busy.append(f"other processes kept {others:.2f} of {load.usable_cores()} cores busy on "
+                    "average while the loaders ran")
+    info = machine()
+    command = shlex.join(["python", "-m", "shmseq.bench", *argv])
+    full = {**settings, "buffer": args.buffer}
+    text = markdown(runs, workloads, info, full, data, busy, command)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "streaming.md").write_text(text)
+    write_json(args.out / "streaming.json", runs, summarize(runs, workloads), info,
+               {**full, "workloads": {name: asdict(w) for name, w in workloads.items()},
+                "systems": args.systems, "shards": data, "load": busy})
+    if scratch:
+        _log("shards: made in a temporary directory and deleted; --keep-shards keeps them for "
+             f"later runs, in {cache_dir()}")
+    else:
+        _log(f"shards kept: {', '.join(map(str, folders))}, reused by later runs with "
+             f"{'--keep-shards' if args.shards_dir is None else '--shards-dir ' + shlex.quote(str(root))}"
+             f"; delete them with: rm -r {' '.join(shlex.quote(str(f)) for f in folders)}")
+    _log(f"wrote streaming.{{md, json}} into {args.out} in {time.perf_counter() - began:.0f} s")
     return 0
 
 

@@ -13,6 +13,7 @@ import platform
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
@@ -61,15 +62,16 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(runs: list[Run]) -> list[Cell]:
-    """One cell per (workload, system), in the order the runs came."""
+def summarize(runs: list[Run], workloads: Mapping = WORKLOADS) -> list[Cell]:
+    """One cell per (workload, system), in the order the runs came (``workloads``: each
+    workload by name, for its ``batch_bytes``)."""
     groups: dict[tuple[str, str], list[Run]] = {}
     for run in runs:
         groups.setdefault((run.workload, run.system), []).append(run)
     cells = []
     for (workload, system), group in groups.items():
         rates = [r.batches_per_second for r in group]
-        gigabytes = WORKLOADS[workload].batch_bytes / 1e9
+        gigabytes = workloads[workload].batch_bytes / 1e9
         cells.append(Cell(workload, system, _median(rates) * gigabytes,
                           (min(rates) * gigabytes, max(rates) * gigabytes), _median(rates),
                           _median([r.cpu_us_per_batch for r in group]),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager, Iterator
 
 from .limit import limit_rate
 from .systems import SYSTEMS, UNORDERED
@@ -32,16 +32,13 @@ class Run:
     early_batches_per_second: float | None = None  # over the EARLY_BATCHES after the first
 
 
-def _consume(batches, workload: Workload, k: int, minimum: int, seconds: float,
-             ordered: bool) -> int:
-    """Take and check batches ``k``, ``k + 1``, ... (in any order, unless ``ordered``) for at
-    least ``minimum`` batches and ``seconds``; the next ``k``."""
+def _consume(batches, check: Callable[[int, object], None], k: int, minimum: int,
+             seconds: float) -> int:
+    """Take and check batches ``k``, ``k + 1``, ... for at least ``minimum`` batches and
+    ``seconds``; the next ``k``."""
     first, since = k, time.perf_counter()
     while k - first < minimum or time.perf_counter() - since < seconds:
-        if ordered:
-            check_batch(workload, k, next(batches))
-        else:
-            check_any_batch(workload, next(batches))
+        check(k, next(batches))
         k += 1
     return k
 
@@ -55,23 +52,40 @@ def measure(name: str, workload: Workload, repeat: int, seconds: float,
     """
     if name == LIMIT:
         return Run(name, workload.name, repeat, limit_rate(workload, seconds, warmup_seconds))
-    ordered = name not in UNORDERED
+    if name in UNORDERED:
+        def check(k: int, batch) -> None:
+            check_any_batch(workload, batch)
+    else:
+        def check(k: int, batch) -> None:
+            check_batch(workload, k, batch)
+    return timed_run(name, workload.name, repeat, lambda: SYSTEMS[name](workload), check,
+                     seconds, warmup_seconds)
+
+
+def timed_run(name: str, workload: str, repeat: int, system: Callable[[], ContextManager[Iterator]],
+              check: Callable[[int, object], None], seconds: float, warmup_seconds: float,
+              early_batches: int = EARLY_BATCHES) -> Run:
+    """``measure``'s timing for any system (``system()`` makes it, on the clock: a context
+    manager giving its batches) and any ``check(k, batch)`` of the ``k``-th batch: the first
+    batch, the ``early_batches`` after it, a warm-up, then ``seconds`` of the steady state."""
     start = time.perf_counter()
-    with SYSTEMS[name](workload) as batches:
-        k = _consume(batches, workload, 0, 1, 0, ordered)
+    with system() as batches:
+        k = _consume(batches, check, 0, 1, 0)
         first_batch = time.perf_counter() - start
-        k = _consume(batches, workload, k, EARLY_BATCHES, 0, ordered)
-        early = EARLY_BATCHES / (time.perf_counter() - start - first_batch)
-        k = _consume(batches, workload, k, 0, warmup_seconds, ordered)
+        k = _consume(batches, check, k, early_batches, 0)
+        early = early_batches / (time.perf_counter() - start - first_batch)
+        k = _consume(batches, check, k, 0, warmup_seconds)
         cpu0, t0 = time.process_time(), time.perf_counter()
-        timed = _consume(batches, workload, k, MIN_BATCHES, seconds, ordered) - k
+        timed = _consume(batches, check, k, MIN_BATCHES, seconds) - k
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    return Run(name, workload.name, repeat, timed / elapsed, cpu / timed * 1e6, first_batch, early)
+    return Run(name, workload, repeat, timed / elapsed, cpu / timed * 1e6, first_batch, early)
 
 
-def run_matrix(systems: list[str], workloads: list[Workload], *, repeats: int, seconds: float,
-               warmup_seconds: float, log: Callable[[str], None]) -> list[Run]:
-    """Every system on every workload, ``repeats`` times, round-robin."""
+def run_matrix(systems: list[str], workloads: list, *, repeats: int, seconds: float,
+               warmup_seconds: float, log: Callable[[str], None],
+               measure: Callable[..., Run] = measure) -> list[Run]:
+    """Every system on every workload, ``repeats`` times, round-robin (``measure(name,
+    workload, repeat, seconds, warmup_seconds)`` times one)."""
     runs = []
     for repeat in range(repeats):
         order = systems[repeat % len(systems):] + systems[:repeat % len(systems)]

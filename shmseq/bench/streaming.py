@@ -1,0 +1,346 @@
+"""The streaming workloads: shmseq's ``ShardSequence`` against PyTorch's ``DataLoader`` over the
+same tar shards, with the same decode.
+
+Both loaders run the very same reading code: torch's is ``DataLoader(ShardWorker(index,
+decode), batch_size=None, sampler=<the ShardPlan's batches, epoch after epoch>, num_workers=2,
+persistent_workers=True, prefetch_factor=5, fork)``, so each of its workers calls
+``worker[ids]`` as shmseq's do, on the same ids in the same order; ``ShardSequence`` is given
+that plan's arguments (seed, ``shuffle_window``, ``last_batch='discard'``), 2 workers, 10 slots
+sized to the batch, fork. Both hand over torch CPU tensors. Two kinds of shards
+(``shard_data``): photo-like JPEGs decoded and random-resized-cropped to 224 x 224 in the
+workers (``shards-jpeg``: decode-bound), and raw 224 x 224 x 3 uint8 images (``shards-uint8``:
+no decoding, the transport and the reading are what is left).
+
+The consumer checks every batch: its labels (each sample's id) against the plan's, and for
+the uint8 shards each image's marker bytes. The runs interleave the systems, as the transport
+matrix's do; the report gives images/s and the trainer's CPU a batch and an image, medians
+and min-max over the repeats, shmseq's ratio to torch within each repeat, and each loader's
+rate over the limit: the same ``worker[ids]`` calls by 1 and by 2 processes with no transport
+(``limit_rate``).
+"""
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Callable, ContextManager, Iterator
+
+import numpy as np
+
+from shmseq.devices import torch_available
+from shmseq.shards import ShardIndex, ShardPlan, ShardSequence, ShardWorker
+
+from . import systems
+from .report import ABOVE_LIMIT, Cell, _fmt, above_limit, of_limit, summarize, with_spread
+from .runner import LIMIT, Run, timed_run
+from .workloads import BatchMismatch, _head, _tail
+
+SEED = 0
+SHMSEQ, TORCH = "shmseq-shards", "torch-shards"
+
+
+@dataclass(frozen=True)
+class ShardWorkload:
+    """Batches of ``batch_size`` ``side`` x ``side`` x 3 uint8 images and int64 labels, from
+    ``images`` samples of ``kind`` (``jpeg`` or ``uint8``) in shards of ``samples_per_shard``.
+    ``early_batches``: the batches after the first timed apart (``first N × steady``)."""
+
+    name: str
+    kind: str
+    batch_size: int = 64
+    images: int = 1024
+    samples_per_shard: int = 256
+    side: int = 224
+    shuffle_window: int = 1000
+    early_batches: int = 10
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return (self.side, self.side, 3)
+
+    @property
+    def batch_bytes(self) -> int:
+        return self.batch_size * (self.side * self.side * 3 + np.dtype(np.int64).itemsize)
+
+    @property
+    def folder(self) -> str:
+        """The name of its shards' folder: what they were made with."""
+        return f"{self.kind}-{self.images}-{self.samples_per_shard}-{self.side}-{SEED}"
+
+    def plan(self, index: ShardIndex) -> ShardPlan:
+        """The epochs' batches, as both loaders take them."""
+        return ShardPlan(index, self.batch_size, shuffle_window=self.shuffle_window, shuffle=True,
+                         seed=SEED, last_batch="discard")
+
+
+STREAM_WORKLOADS = {w.name: w for w in (ShardWorkload("shards-jpeg", "jpeg"),
+                                        ShardWorkload("shards-uint8", "uint8"))}
+QUICK_IMAGES = 256  # --quick: smaller sets (4 batches an epoch), made in a second or two
+
+
+def quick(workload: ShardWorkload) -> ShardWorkload:
+    return replace(workload, images=QUICK_IMAGES, samples_per_shard=QUICK_IMAGES // 4)
+
+
+@dataclass
+class Prepared:
+    """A workload's shards, as every run reads them."""
+
+    workload: ShardWorkload
+    index: ShardIndex
+    decode: Callable[[dict], object]
+
+
+# -- the loaders -------------------------------------------------------------------------------
+class EpochBatches:
+    """torch's sampler: the plan's batches (int64 id arrays), epoch 0, 1, ... without end."""
+
+    def __init__(self, plan: ShardPlan):
+        self.plan = plan
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for epoch in itertools.count():
+            yield from self.plan.batches(epoch)
+
+
+@contextmanager
+def shmseq_shards(prepared: Prepared) -> Iterator[Iterator]:
+    """``ShardSequence``, slots sized to the batch up front (as the transport matrix's)."""
+    workload = prepared.workload
+    seq = ShardSequence(prepared.index, prepared.decode, shuffle_window=workload.shuffle_window,
+                        batch_size=workload.batch_size, shuffle=True, seed=SEED,
+                        last_batch="discard",
+                        slot_bytes=workload.batch_bytes + systems.SLOT_SLACK,
+                        buffer=systems.IN_FLIGHT, num_workers=systems.NUM_WORKERS,
+                        out_type="cpu" if torch_available() else "null",
+                        start_method=systems.START_METHOD)
+    try:
+        yield systems._epochs(seq.start())
+    finally:
+        seq.finish()
+
+
+def torch_shards(prepared: Prepared) -> ContextManager[Iterator]:
+    """torch's ``DataLoader`` over a ``ShardWorker``: one ``worker[ids]`` per batch."""
+    return systems._dataloader(ShardWorker(prepared.index, prepared.decode), "file_descriptor",
+                               batch_size=None,
+                               sampler=EpochBatches(prepared.workload.plan(prepared.index)))
+
+
+STREAM_SYSTEMS: dict[str, Callable[[Prepared], ContextManager[Iterator]]] = {
+    SHMSEQ: shmseq_shards,
+    TORCH: torch_shards,
+}
+STREAM_TORCH_SYSTEMS = (TORCH,)
+STREAM_SYSTEM_NAMES = [LIMIT, *STREAM_SYSTEMS]  # the limit is timed apart (``limit_rate``)
+
+
+# -- the limit: the workers' own work, no transport --------------------------------------------
+def _build(prepared: Prepared, wid: int, processes: int, seconds: float, warmup_seconds: float,
+           barrier, rates) -> None:
+    worker = ShardWorker(prepared.index, prepared.decode)
+    expected = Expected(prepared.workload, prepared.index)
+    built, start = 0, time.perf_counter()
+    while time.perf_counter() - start < warmup_seconds:
+        worker[expected(wid + built * processes)]
+        built += 1
+    barrier.wait()
+    timed, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds or not timed:
+        worker[expected(wid + (built + timed) * processes)]
+        timed += 1
+    rates.put(timed / elapsed)
+
+
+def build_rate(prepared: Prepared, processes: int, seconds: float,
+               warmup_seconds: float = 0.0) -> float:
+    """Batches per second that ``processes`` processes build together with ``worker[ids]``,
+    taking the plan's batches in turn, each batch dropped as soon as it is built."""
+    context = multiprocessing.get_context(systems.START_METHOD)
+    barrier, rates = context.Barrier(processes), context.Queue()
+    workers = [context.Process(target=_build, daemon=True,
+                               args=(prepared, wid, processes, seconds, warmup_seconds, barrier,
+                                     rates)) for wid in range(processes)]
+    for process in workers:
+        process.start()
+    try:
+        return sum(rates.get(timeout=warmup_seconds + seconds + 60) for _ in workers)
+    finally:
+        systems.stop_processes(workers)
+        rates.close()
+        rates.join_thread()
+
+
+def limit_rate(prepared: Prepared, seconds: float, warmup_seconds: float = 0.0) -> float:
+    """The faster of 1 and ``NUM_WORKERS`` processes (as the transport matrix's limit)."""
+    return max(build_rate(prepared, processes, seconds, warmup_seconds)
+               for processes in sorted({1, systems.NUM_WORKERS}))
+
+
+# -- checking and timing -----------------------------------------------------------------------
+class Expected:
+    """The ``k``-th batch's ids in the endless stream of the plan's epochs."""
+
+    def __init__(self, workload: ShardWorkload, index: ShardIndex):
+        self.plan = workload.plan(index)
+        self.length = self.plan.length(0)
+        self._epoch, self._batches = -1, []
+
+    def __call__(self, k: int) -> np.ndarray:
+        epoch, position = divmod(k, self.length)
+        if epoch != self._epoch:
+            self._epoch, self._batches = epoch, self.plan.batches(epoch)
+        return self._batches[position]
+
+
+def checker(prepared: Prepared) -> Callable[[int, object], None]:
+    """``check(k, batch)``: raise ``BatchMismatch`` unless ``batch`` is the ``k``-th of the
+    plan's stream: its shape, its labels (the samples' ids), and for raw images their markers."""
+    workload = prepared.workload
+    expected = Expected(workload, prepared.index)
+    shape = (workload.batch_size, *workload.image_shape)
+
+    def check(k: int, batch) -> None:
+        images, labels = (np.asarray(part) for part in batch)
+        ids = expected(k)
+        if images.shape != shape or images.dtype != np.uint8:
+            raise BatchMismatch(f"{workload.name} batch {k}: images {images.dtype}{images.shape}")
+        if not np.array_equal(labels, ids):
+            raise BatchMismatch(f"{workload.name} batch {k}: labels {labels[:4]}... expected "
+                                f"{ids[:4]}...")
+        if workload.kind == "uint8" and not (np.array_equal(images[:, 0, 0, 0], _head(ids)) and
+                                             np.array_equal(images[:, -1, -1, -1], _tail(ids))):
+            raise BatchMismatch(f"{workload.name} batch {k}: image markers do not match labels "
+                                "(torn or stale batch)")
+    return check
+
+
+def measurer(prepared: dict[str, Prepared]) -> Callable[..., Run]:
+    """``run_matrix``'s ``measure`` for the streaming workloads (by name, prepared)."""
+    def measure(name: str, workload: ShardWorkload, repeat: int, seconds: float,
+                warmup_seconds: float) -> Run:
+        ready = prepared[workload.name]
+        if name == LIMIT:
+            return Run(name, workload.name, repeat, limit_rate(ready, seconds, warmup_seconds))
+        return timed_run(name, workload.name, repeat, lambda: STREAM_SYSTEMS[name](ready),
+                         checker(ready), seconds, warmup_seconds, workload.early_batches)
+    return measure
+
+
+# -- the report --------------------------------------------------------------------------------
+COLUMNS = """\
+What the columns mean:
+- images/s, batches/s: what the consumer received, every batch checked (its labels against the
+  plan; the raw images' marker bytes); median of the repeats (min-max).
+- trainer CPU µs/batch, µs/image: CPU time of the training process (all its threads) per batch
+  and per image: what the loader takes from your training step.
+- first batch s: from creating the loader (workers started) to the first batch in hand.
+- first N × steady: the rate over the N batches after the first, over the steady rate.
+- × limit: images/s over the limit's. The limit is the workers' own work: the same
+  ``worker[ids]`` calls (reading the samples at their offsets, decoding, stacking) on the same
+  batches, by 1 and by 2 processes in turn, with no transport, no consumer and no batch kept;
+  the faster of the two. Each system is timed in a window of its own: a ratio above 1.00
+  (marked †) says only that the machine ran faster in that window."""
+
+
+def images_per_s(cell: Cell, workload: ShardWorkload) -> tuple[float, tuple[float, float]]:
+    """The cell's images/s and their min-max."""
+    per_batch = workload.batch_size / (workload.batch_bytes / 1e9)  # images per GB
+    return cell.gb_per_s * per_batch, (cell.gb_per_s_spread[0] * per_batch,
+                                       cell.gb_per_s_spread[1] * per_batch)
+
+
+def table(cells: list[Cell], workloads: dict[str, ShardWorkload]) -> str:
+    spread = " (min-max)" if any(c.runs > 1 for c in cells) else ""
+    early = sorted({w.early_batches for w in workloads.values()})
+    lines = [f"| workload | system | images/s{spread} | batches/s | trainer CPU µs/batch | "
+             f"trainer CPU µs/image | first batch s | first {'/'.join(map(str, early))} × steady | "
+             "× limit |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c in cells:
+        workload = workloads[c.workload]
+        rate, rates = images_per_s(c, workload)
+        per_image = None if c.cpu_us_per_batch is None else c.cpu_us_per_batch / workload.batch_size
+        lines.append(f"| {c.workload} | {c.system} | {with_spread(rate, rates, ',.0f', c.runs)} | "
+                     f"{c.batches_per_s:.1f} | {_fmt(c.cpu_us_per_batch, ',.0f')} | "
+                     f"{_fmt(per_image, ',.1f')} | {_fmt(c.first_batch_s, '.3f')} | "
+                     f"{_fmt(c.early_of_steady, '.2f')} | {of_limit(c.of_limit)} |")
+    return "\n".join(lines)
+
+
+def drift_note(cells: list[Cell], workloads: dict[str, ShardWorkload]) -> str | None:
+    """Under the table, where a ratio shows above 1.00: which, and the limit's own rates."""
+    above = [c for c in cells if c.system != LIMIT and above_limit(c.of_limit)]
+    if not above:
+        return None
+    limits = {c.workload: c for c in cells if c.system == LIMIT}
+    named = ", ".join(f"{c.workload} {c.system} {c.of_limit:.2f}" for c in above)
+    rates = []
+    for name in dict.fromkeys(c.workload for c in above):
+        rate, spread = images_per_s(limits[name], workloads[name])
+        rates.append(f"{name} {with_spread(rate, spread, ',.0f', limits[name].runs)} images/s")
+    return (f"{ABOVE_LIMIT} Above the limit: {named}. Each system is timed in a window of its "
+            "own: the machine ran faster in these loaders' windows than in the limit's "
+            f"({', '.join(rates)}); more repeats narrow that drift. No loader does less work "
+            "than the limit.")
+
+
+def ratios(runs: list[Run], workload: str) -> dict[str, list[float]] | None:
+    """shmseq's rate over torch's and torch's CPU a batch over shmseq's, repeat by repeat (the
+    two were run side by side); None unless both ran."""
+    by = {(r.system, r.repeat): r for r in runs if r.workload == workload}
+    repeats = sorted({repeat for system, repeat in by if (SHMSEQ, repeat) in by
+                      and (TORCH, repeat) in by})
+    if not repeats:
+        return None
+    pairs = [(by[SHMSEQ, r], by[TORCH, r]) for r in repeats]
+    return {"rate": [ours.batches_per_second / theirs.batches_per_second for ours, theirs in pairs],
+            "cpu": [theirs.cpu_us_per_batch / ours.cpu_us_per_batch for ours, theirs in pairs]}
+
+
+def _ratio(values: list[float]) -> str:
+    median = statistics.median(values)
+    return (f"{median:.2f}x" if len(values) < 2
+            else f"{median:.2f}x ({min(values):.2f}-{max(values):.2f})")
+
+
+def highlights(runs: list[Run], cells: list[Cell], workloads: dict[str, ShardWorkload]) -> list[str]:
+    found = []
+    for name in dict.fromkeys(c.workload for c in cells):
+        get = {c.system: c for c in cells if c.workload == name}
+        found_ratios = ratios(runs, name)
+        if SHMSEQ not in get or found_ratios is None:
+            continue
+        ours, theirs = get[SHMSEQ], get[TORCH]
+        workload = workloads[name]
+        found.append(
+            f"{name}: {SHMSEQ} {images_per_s(ours, workload)[0]:,.0f} images/s, "
+            f"{_ratio(found_ratios['rate'])} torch's DataLoader over the same shards and decode "
+            f"({images_per_s(theirs, workload)[0]:,.0f} images/s), with "
+            f"{_ratio(found_ratios['cpu'])} less trainer CPU a batch "
+            f"({ours.cpu_us_per_batch:,.0f} against {theirs.cpu_us_per_batch:,.0f} µs); ratios "
+            "taken repeat by repeat, median (min-max)"
+            + "".join(f"; {c.system} at {c.of_limit:.2f}x the limit" for c in (ours, theirs)
+                      if c.of_limit is not None))
+    return found
+
+
+def markdown(runs: list[Run], workloads: dict[str, ShardWorkload], info: dict, settings: dict,
+             data: list[str], load: list[str], command: str) -> str:
+    """The table with its machine and load, the data, the columns, what it shows, the command."""
+    cells = summarize(runs, workloads)
+    repeats = settings["repeats"]
+    timed = (f"{repeats} interleaved repeats of {settings['seconds']:g} s, medians (min-max)"
+             if repeats > 1 else f"one run of {settings['seconds']:g} s each (no spread)")
+    head = (f"Machine: {info['nproc']} CPUs ({info['cpu']}), {info['ram']} RAM; Python "
+            f"{info['python']}, numpy {info['numpy']}, torch {info['torch']}. "
+            f"{systems.NUM_WORKERS} workers and {settings['buffer']} batches in flight for both "
+            f"loaders; {timed}.")
+    shows = "\n".join(f"- {line}" for line in highlights(runs, cells, workloads))
+    parts = [head, "Load: " + "; ".join(load), "Shards: " + "; ".join(data),
+             table(cells, workloads), drift_note(cells, workloads), COLUMNS,
+             f"What it shows:\n{shows}" if shows else None, f"Reproduce: `{command}`"]
+    return "\n\n".join(part for part in parts if part) + "\n"
