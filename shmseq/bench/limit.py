@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -51,25 +52,28 @@ def _build(workload: Workload, wid: int, processes: int, seconds: float, warmup_
     rates.put(timed / elapsed)
 
 
-def build_rate(workload: Workload, processes: int, seconds: float,
-               warmup_seconds: float = 0.0) -> float:
-    """Batches per second that ``processes`` processes build together, each into one buffer."""
+def build_rate(workload, processes: int, seconds: float, warmup_seconds: float = 0.0, *,
+               build: Callable = _build, slack: float = JOIN_SECONDS) -> float:
+    """Batches per second that ``processes`` processes build together with ``build`` (by
+    default the transport matrix's: each into one buffer); ``slack``: seconds to wait for them
+    past the timed window."""
     context = multiprocessing.get_context(START_METHOD)
     barrier, rates = context.Barrier(processes), context.Queue()
-    workers = [context.Process(target=_build, daemon=True,
+    workers = [context.Process(target=build, daemon=True,
                                args=(workload, wid, processes, seconds, warmup_seconds, barrier,
                                      rates)) for wid in range(processes)]
     for process in workers:
         process.start()
     try:
-        return sum(rates.get(timeout=warmup_seconds + seconds + JOIN_SECONDS) for _ in workers)
+        return sum(rates.get(timeout=warmup_seconds + seconds + slack) for _ in workers)
     finally:
         stop_processes(workers)
         rates.close()
         rates.join_thread()
 
 
-def limit_rate(workload: Workload, seconds: float, warmup_seconds: float = 0.0) -> float:
-    """Batches per second: the faster of one process and ``NUM_WORKERS`` building them."""
-    return max(build_rate(workload, processes, seconds, warmup_seconds)
+def limit_rate(workload, seconds: float, warmup_seconds: float = 0.0, **how) -> float:
+    """Batches per second: the faster of one process and ``NUM_WORKERS`` building them
+    (``how``: ``build_rate``'s ``build`` and ``slack``)."""
+    return max(build_rate(workload, processes, seconds, warmup_seconds, **how)
                for processes in sorted({1, NUM_WORKERS}))

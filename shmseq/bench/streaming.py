@@ -21,7 +21,6 @@ rate over the limit: the same ``worker[ids]`` calls by 1 and by 2 processes with
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import statistics
 import time
 from contextlib import contextmanager
@@ -33,7 +32,7 @@ import numpy as np
 from shmseq.devices import torch_available
 from shmseq.shards import ShardIndex, ShardPlan, ShardSequence, ShardWorker
 
-from . import systems
+from . import limit, systems
 from .report import ABOVE_LIMIT, Cell, _fmt, above_limit, of_limit, summarize, with_spread
 from .runner import LIMIT, Run, timed_run
 from .workloads import BatchMismatch, _head, _tail
@@ -155,29 +154,9 @@ def _build(prepared: Prepared, wid: int, processes: int, seconds: float, warmup_
     rates.put(timed / elapsed)
 
 
-def build_rate(prepared: Prepared, processes: int, seconds: float,
-               warmup_seconds: float = 0.0) -> float:
-    """Batches per second that ``processes`` processes build together with ``worker[ids]``,
-    taking the plan's batches in turn, each batch dropped as soon as it is built."""
-    context = multiprocessing.get_context(systems.START_METHOD)
-    barrier, rates = context.Barrier(processes), context.Queue()
-    workers = [context.Process(target=_build, daemon=True,
-                               args=(prepared, wid, processes, seconds, warmup_seconds, barrier,
-                                     rates)) for wid in range(processes)]
-    for process in workers:
-        process.start()
-    try:
-        return sum(rates.get(timeout=warmup_seconds + seconds + 60) for _ in workers)
-    finally:
-        systems.stop_processes(workers)
-        rates.close()
-        rates.join_thread()
-
-
 def limit_rate(prepared: Prepared, seconds: float, warmup_seconds: float = 0.0) -> float:
     """The faster of 1 and ``NUM_WORKERS`` processes (as the transport matrix's limit)."""
-    return max(build_rate(prepared, processes, seconds, warmup_seconds)
-               for processes in sorted({1, systems.NUM_WORKERS}))
+    return limit.limit_rate(prepared, seconds, warmup_seconds, build=_build, slack=60.0)
 
 
 # -- checking and timing -----------------------------------------------------------------------
