@@ -111,6 +111,15 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _without_torch(names: list[str], torch_systems) -> list[str]:
+    """The systems that run without torch, saying which were left out."""
+    skipped = [name for name in names if name in torch_systems]
+    if skipped:
+        _log(f"torch is not installed: {', '.join(skipped)} skipped "
+             "(pip install torch to compare with PyTorch's DataLoader)")
+    return [name for name in names if name not in torch_systems]
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     settings = dict(QUICK if args.quick else FULL)
@@ -121,11 +130,7 @@ def main(argv: list[str]) -> int:
     workloads = [WORKLOADS[name] for name in args.workloads]
     systems.IN_FLIGHT = args.buffer
     if not torch_available():
-        skipped = [name for name in args.systems if name in TORCH_SYSTEMS]
-        if skipped:
-            _log(f"torch is not installed: {', '.join(skipped)} skipped "
-                 "(pip install torch to compare with PyTorch's DataLoader)")
-        args.systems = [name for name in args.systems if name not in TORCH_SYSTEMS]
+        args.systems = _without_torch(args.systems, TORCH_SYSTEMS)
         if any(WORKLOADS[name].augment for name in args.workloads):
             _log("torch is not installed: the augment workload skipped (its augmentation runs "
                  "torch's operators)")
@@ -166,11 +171,7 @@ def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) ->
 
     systems.IN_FLIGHT = args.buffer
     if not torch_available():
-        skipped = [name for name in args.systems if name in STREAM_TORCH_SYSTEMS]
-        if skipped:
-            _log(f"torch is not installed: {', '.join(skipped)} skipped "
-                 "(pip install torch to compare with PyTorch's DataLoader)")
-        args.systems = [name for name in args.systems if name not in STREAM_TORCH_SYSTEMS]
+        args.systems = _without_torch(args.systems, STREAM_TORCH_SYSTEMS)
     if importlib.util.find_spec("simplejpeg") is None and "shards-jpeg" in args.workloads:
         _log("simplejpeg is not installed: shards-jpeg skipped (pip install 'shmseq[vision]')")
         args.workloads = [name for name in args.workloads if name != "shards-jpeg"]
