@@ -7,7 +7,9 @@ Slot format::
     [header offset..]  pickled skeleton: the batch's nesting (namedtuple types
                        kept), with every array replaced by (dtype, shape, payload
                        offset, the torch dtype its bits stand for if numpy lacks
-                       it) and every small extra (number, string) kept as is
+                       it), every ragged leaf by two such arrays (its values and
+                       int64 offsets, see ragged.py) and every small extra
+                       (number, string) kept as is
 
 Only the skeleton is pickled; payloads are written once, straight into the slot. Any other
 object in a batch (a mapping or list of another type, a dataclass, a sparse tensor, a masked
@@ -27,6 +29,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from .errors import UnsupportedBatch
+from .ragged import Ragged, is_jagged, make_leaf, map_ragged
 
 ALIGN = 64
 PAGE = 4096
@@ -36,7 +39,7 @@ _PREFIX = struct.Struct("<QQ")
 _EXTRA_TYPES = (bool, int, float, complex, str, bytes, type(None), np.generic)
 
 # Skeleton tags.
-_ARRAY, _TUPLE, _LIST, _DICT, _EXTRA, _NAMED, _PICKLED = range(7)
+_ARRAY, _TUPLE, _LIST, _DICT, _EXTRA, _NAMED, _PICKLED, _RAGGED = range(8)
 _BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}  # carries a dtype numpy lacks
 
 
@@ -194,6 +197,10 @@ class _Packer:
             return (_EXTRA, obj)
         if _plain_array(obj):
             return self.array(obj, None)  # a subclass (a memmap, say): delivered as an array
+        if kind is Ragged:
+            return self.ragged(obj)
+        if is_jagged(obj):
+            return self.ragged(Ragged(obj.values(), obj.offsets()))
         return self.pickled(obj)
 
     def children(self, items, show=str) -> tuple:
@@ -218,6 +225,28 @@ class _Packer:
             self.copies.append((array, offset))
         return (_ARRAY, described, array.shape, offset, torch_dtype)
 
+    def ragged(self, leaf: Ragged):
+        """One values array (the items back to back, each copied once) and int64 offsets."""
+        if leaf.items is None:
+            values = self.array(*_bits(leaf.values))
+            offsets = _checked_offsets(_bits(leaf.offsets)[0], values[2][0] if values[2] else 0)
+        else:
+            values, offsets = self.items(leaf.items), leaf.offsets
+        return (_RAGGED, values, self.array(offsets, None))
+
+    def items(self, items: list):
+        """A values node whose rows are ``items``, each written straight to its place."""
+        parts = [_bits(item) for item in items] or [(np.empty(0, np.uint8), None)]
+        first, torch_dtype = parts[0]
+        rows = sum(len(array) for array, _ in parts)
+        nbytes = rows * math.prod(first.shape[1:]) * first.dtype.itemsize
+        offset = at = place(self.cursor, nbytes)
+        self.cursor = offset + nbytes
+        for array, _ in parts:
+            self.copies.append((array, at))
+            at += array.nbytes
+        return (_ARRAY, first.dtype.str, (rows, *first.shape[1:]), offset, torch_dtype)
+
     def pickled(self, obj):
         """An object the skeleton has no node for: pickled whole, the plain arrays and dense
         tensors in it placed in the slot (``_SlotPickler``)."""
@@ -231,6 +260,21 @@ class _Packer:
                 "class at module level, or return arrays, tensors, tuples, lists and dicts") \
                 from None
         return (_PICKLED, pickler.getvalue(), tuple(pickler.arrays))
+
+
+def _bits(obj) -> tuple[np.ndarray, str | None]:
+    """An array or dense tensor as numpy (see ``tensor_bits``)."""
+    return tensor_bits(obj) if is_tensor(obj) else (np.asarray(obj), None)
+
+
+def _checked_offsets(offsets: np.ndarray, rows: int) -> np.ndarray:
+    offsets = np.asarray(offsets, np.int64)
+    if offsets.ndim != 1 or len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != rows or \
+            np.any(np.diff(offsets) < 0):
+        raise _Unplaceable(f"{{where}} is a ragged leaf whose offsets {offsets[:8].tolist()}"
+                           f"{'...' if len(offsets) > 8 else ''} do not run from 0 up to its "
+                           f"{rows} values: build it with Ragged.from_items(items)")
+    return offsets
 
 
 class _SlotPickler(pickle.Pickler):
@@ -372,6 +416,8 @@ def _arrays_of(node) -> list:
         return [node]
     if tag == _PICKLED:
         return list(node[2])
+    if tag == _RAGGED:
+        return [node[1], node[2]]
     if tag in (_TUPLE, _LIST, _NAMED):
         return [leaf for child in node[2 if tag == _NAMED else 1] for leaf in _arrays_of(child)]
     if tag == _DICT:
@@ -398,6 +444,9 @@ def _compile(node, wrap: Wrap | None) -> Callable:
     if tag == _PICKLED:
         data = node[1]
         return lambda region: _SlotUnpickler(data, region, wrap).load()
+    if tag == _RAGGED:
+        values, offsets = _compile(node[1], wrap), _compile(node[2], wrap)
+        return lambda region: make_leaf(values(region), offsets(region))
     value = node[1]
     return lambda region: value
 
@@ -424,7 +473,10 @@ def _is_namedtuple(obj) -> bool:
 
 
 def map_arrays(batch, function, leaf_type=np.ndarray):
-    """Apply ``function`` to every array (``leaf_type``) of a batch, keeping its nesting."""
+    """Apply ``function`` to every array (``leaf_type``) of a batch, keeping its nesting; a
+    ragged leaf's values and offsets are two such arrays."""
+    if isinstance(batch, Ragged) or is_jagged(batch):
+        return map_ragged(batch, lambda part: map_arrays(part, function, leaf_type))
     if isinstance(batch, leaf_type):
         return function(batch)
     if isinstance(batch, tuple):
