@@ -41,6 +41,7 @@ import numpy as np
 
 from .checks import check_int
 from .plan import EpochPlan
+from .ragged import Ragged
 from .sequence import ShmSequence
 
 INDEX_VERSION = 1
@@ -315,13 +316,16 @@ class ShardReader:
         return file
 
     def read(self, ids: np.ndarray) -> list[dict]:
-        """The samples of ``ids``, in that order, each with ``__key__``, ``__url__`` and
-        ``__offset__``. Samples next to each other in a shard are read in one request."""
-        shards, ordinals = self.index.locate(np.asarray(ids, np.int64))
+        """The samples of ``ids``, in that order, each with ``__key__``, ``__url__``,
+        ``__offset__`` and its global ``__id__``. Samples next to each other in a shard are
+        read in one request."""
+        ids = np.asarray(ids, np.int64)
+        shards, ordinals = self.index.locate(ids)
         found: dict[tuple[int, int], dict] = {}
         for shard, run in _runs(sorted(set(zip(shards.tolist(), ordinals.tolist())))):
             found.update(self._read_run(shard, run))
-        return [found[pair] for pair in zip(shards.tolist(), ordinals.tolist())]
+        pairs = zip(shards.tolist(), ordinals.tolist())
+        return [{**found[pair], "__id__": sample_id} for pair, sample_id in zip(pairs, ids.tolist())]
 
     def _read_run(self, number: int, ordinals: list[int]) -> Iterator[tuple[tuple[int, int], dict]]:
         shard = self.index.shards[number]
@@ -381,12 +385,15 @@ def _runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, list[int]]]:
 
 def stack(samples: list, empty: Callable = np.empty) -> object:
     """Decoded samples as one batch: arrays stacked into ``empty(shape, dtype)`` (a slot's
-    allocator, in a worker), tuples and dicts field by field."""
+    allocator, in a worker), ``bytes`` gathered into a ``Ragged`` leaf, tuples and dicts field
+    by field."""
     first = samples[0]
     if isinstance(first, tuple):
         return tuple(stack([sample[i] for sample in samples], empty) for i in range(len(first)))
     if isinstance(first, dict):
         return {field: stack([sample[field] for sample in samples], empty) for field in first}
+    if isinstance(first, bytes):
+        return Ragged.from_items(samples)  # encoded images, say: each written once into the slot
     arrays = [np.asarray(sample) for sample in samples]
     if any(array.shape != arrays[0].shape for array in arrays):
         raise ValueError(f"decoded samples of shapes {sorted({a.shape for a in arrays})} cannot be "
@@ -543,7 +550,8 @@ def as_shard_index(shards, storage_options: dict | None = None) -> ShardIndex:
 class ShardSequence(ShmSequence):
     """A ``ShmSequence`` over tar shards: ``decode(sample)`` turns each sample (a dict of its
     members' bytes by field, e.g. ``sample["jpg"]``, plus ``__key__``, ``__url__`` and
-    ``__offset__``) into an array or a tuple/dict of arrays, stacked into the batch.
+    ``__offset__``, ``__id__``) into an array or a tuple/dict of arrays (or ``bytes``), stacked
+    into the batch (``bytes`` as one ragged leaf, see ``shmseq.ragged``).
 
     Args:
         shards: an index file (``shards.json`` from ``write_shards`` or ``ShardIndex.save``),
