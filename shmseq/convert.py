@@ -19,11 +19,12 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from .errors import PipelineClosed, ShmSeqError, warn_user
+from .errors import PipelineClosed, ShmSeqError, add_note, warn_user
 from .layout import batch_reader, map_arrays, slot_bytes_for
 from .pool import Reply
 from .ring import Ring
 from .stats import LoaderStats
+from .workers import skipped_by
 
 
 class Delivery(NamedTuple):
@@ -146,7 +147,18 @@ class Converter:
             held = self.ring.leased - self.output.waiting_in_slots  # this one included
             if held >= self.ring.spec.n_slots:
                 return self._copied_out(delivery.batch, held - 1)
-        return self.device.hand_over(delivery.batch, delivery.copy)
+        return self._from_device(number, delivery)
+
+    def _from_device(self, number: int, delivery: Delivery):
+        """The device's hand-over; a consumer-side stage that decodes (``shmseq.decode``) may
+        fail here, named with the batch, or leave samples out (its ``pop_skipped``)."""
+        try:
+            batch = self.device.hand_over(delivery.batch, delivery.copy)
+        except Exception as exc:
+            add_note(exc, f"shmseq: handing over {self.name(number)}")
+            raise
+        self.stats.report_skipped(skipped_by(self.device), self.name(number))
+        return batch
 
     def _copied_out(self, batch, held: int):
         self._warn_once("copy-out", (

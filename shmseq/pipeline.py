@@ -343,10 +343,12 @@ class Inline:
             if indices is None:
                 return
             batch, _ = build_batch(self.worker_obj, indices, None)
-            self.stats.report_skipped(skipped_by(self.worker_obj), f"batch {position} of epoch {epoch}")
+            name = f"batch {position} of epoch {epoch}"
+            self.stats.report_skipped(skipped_by(self.worker_obj), name)
             if self.test_mode != "numpy":
                 views = read_batch(encode_batch(batch), self.device.wrap)
                 batch = self.device.hand_over(*self.device.convert(views))
+                self.stats.report_skipped(skipped_by(self.device), name)
             self.plan.release(epoch, position + 1)
             yield batch
 
