@@ -7,6 +7,9 @@ Fake devices (see ``shmseq.devices.Device``), given to ``ShmSequence(..., device
   too early shows up as a torn batch.
 * ``FakePinnedDevice``: host views of page-locked slots, the consumer's own ``non_blocking``
   copies made on a ``FakeStream``.
+* ``FakeGpuDecoder``: a ``shmseq.decode`` stage as the CUDA decoder is, the encoded bytes read
+  from the slot late, by address, on a ``FakeStream`` (as nvJPEG reads a page-locked slot),
+  then decoded on the CPU.
 
 And what a test may ask of a sequence or loader while it runs: ``ring_of``, ``worker_pids``,
 ``planned_batches``.
@@ -21,9 +24,11 @@ import time
 
 import numpy as np
 
+from .decode import Decoding, HostDecoder, source_batch
 from .devices import HostDevice
 from .errors import ShmSeqError
 from .layout import map_arrays
+from .ragged import Ragged
 
 
 class FakeEvent:
@@ -152,6 +157,37 @@ class FakePinnedDevice(HostDevice):
 
     def fence(self):
         return self.stream.record().wait
+
+
+class FakeGpuDecoder(HostDecoder):
+    """A decode stage that reads the slot as the CUDA decoder does: by address, late (the
+    ``FakeStream``'s copies of the encoded bytes and labels), held by no view of it, so only the
+    event after those reads keeps the slot from being rewritten; the copies are then decoded by
+    the CPU decoder. Give ``ShmSequence(..., device=lambda: FakeGpuDecoder(stage))``."""
+
+    def __init__(self, stage, max_delay: float = 0.01, seed: int = 0):
+        super().__init__(stage)
+        self.stream = FakeStream(max_delay, seed)
+
+    def attach(self, ring) -> None:
+        self.stream.register(ring.address, ring.spec.total_bytes)
+
+    def convert(self, views):
+        encoded, labels, ids = source_batch(views)
+        copied = (Ragged(self.stream.copy(encoded.values), encoded.offsets.copy()),
+                  self.stream.copy(labels), ids.copy())
+        return copied, self.stream.record()
+
+    def wait(self, event) -> None:
+        event.wait()
+
+    def hand_over(self, copied, event) -> Decoding:
+        event.done.wait()
+        return super().hand_over(*super().convert(copied))
+
+    def close(self) -> None:
+        self.stream.close()
+        super().close()
 
 
 # -- looking inside a running sequence or loader ---------------------------------------------------

@@ -1,0 +1,270 @@
+"""The decode stage (shmseq.decode): encoded JPEGs through the ring, decoded in the trainer.
+
+Images are flat colours drawn from their sample id, so whatever crop a batch gets, each row's
+colour tells which sample it was: a slot rewritten before the stage had read it shows up as a
+row of the wrong colour (a torn batch)."""
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+simplejpeg = pytest.importorskip("simplejpeg")
+
+from shmseq import ShmSequence, SkippedSamplesWarning  # noqa: E402
+from shmseq.decode import (CudaDecoder, DecodeStage, EncodedImageWorker,  # noqa: E402
+                           encoded_sample, transform)
+from shmseq.layout import read_batch, write_batch  # noqa: E402
+from shmseq.ragged import Ragged  # noqa: E402
+from shmseq.shards import ShardSequence, image_folder_samples, write_shards  # noqa: E402
+from shmseq.testing import FakeGpuDecoder, planned_batches  # noqa: E402
+from shmseq.vision import IMAGENET_MEAN, IMAGENET_STD, ImageDecodeError  # noqa: E402
+
+SIZE = 24
+COUNT = 60
+
+
+def colour(sample_id: int) -> np.ndarray:
+    return np.array([(sample_id * 53) % 200 + 28, (sample_id * 97) % 200 + 28,
+                     (sample_id * 31) % 200 + 28], np.float64)
+
+
+def write_folder(root, count: int = COUNT) -> None:
+    """Flat images of 40-90 px a side, their colour a function of their place in the folder's
+    sorted order (class folders c0, c1, c2; names sorted within)."""
+    rng = np.random.default_rng(1)
+    for number in range(count):
+        folder = os.path.join(root, f"c{number * 3 // count}")
+        os.makedirs(folder, exist_ok=True)
+        height, width = rng.integers(40, 90, 2)
+        image = np.broadcast_to(colour(number).astype(np.uint8), (height, width, 3))
+        with open(os.path.join(folder, f"{number:04d}.jpg"), "wb") as file:
+            file.write(simplejpeg.encode_jpeg(np.ascontiguousarray(image), quality=95))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("jpegs")
+    write_folder(str(root))
+    return str(root)
+
+
+def pixels(images) -> np.ndarray:
+    """Normalized images back to 0-255 levels, as (N, H, W, 3) float64."""
+    mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    return ((images.float() * std + mean) * 255).permute(0, 2, 3, 1).double().numpy()
+
+
+def assert_rows_are(images, ids) -> None:
+    means = pixels(images).mean(axis=(1, 2))
+    expected = np.stack([colour(int(sample_id)) for sample_id in ids])
+    assert np.abs(means - expected).max() < 3, "a row holds another sample's image (torn batch)"
+
+
+def decoded_epochs(worker, stage, epochs: int = 2, **options):
+    options = {"batch_size": 8, "num_workers": 2, "out_type": "cpu", "seed": 3, **options}
+    seq = ShmSequence(worker, len(worker), device=stage, **options)
+    with seq.start():
+        for epoch in range(epochs):
+            for (images, labels), ids in zip(seq, planned_batches(seq, epoch), strict=True):
+                yield images, labels, ids
+
+
+def test_the_encoded_worker_reads_bytes_only(folder):
+    worker = EncodedImageWorker(folder)
+    encoded, labels, ids = worker[np.array([5, 0, 59])]
+    assert isinstance(encoded, Ragged) and ids.tolist() == [5, 0, 59]
+    assert [bytes(item) for item in encoded] == [open(worker.name_of(i), "rb").read() for i in ids]
+    assert labels.tolist() == [0, 0, 2] and labels.dtype == np.int64
+
+
+def test_every_batch_decoded_in_order_and_intact_through_worker_processes(folder):
+    worker = EncodedImageWorker(folder)
+    stage = DecodeStage(SIZE, device="cpu", names=worker.name_of, threads=2)
+    for images, labels, ids in decoded_epochs(worker, stage):
+        assert images.shape == (len(ids), 3, SIZE, SIZE) and images.dtype == torch.float32
+        assert labels.tolist() == worker.labels[ids].tolist()
+        assert_rows_are(images, ids)
+
+
+def test_a_slot_is_not_reused_before_late_reads_by_address_are_done(folder):
+    """The CUDA decoder's protocol through a fake GPU: the encoded bytes are read from the slot
+    late, by address (no view keeps the slot), on a ring of two slots."""
+    worker = EncodedImageWorker(folder)
+    stage = DecodeStage(SIZE, device="cpu", threads=2)
+    for images, _, ids in decoded_epochs(worker, lambda: FakeGpuDecoder(stage, max_delay=0.01),
+                                         epochs=3, buffer=3, batch_size=4):
+        assert_rows_are(images, ids)
+        time.sleep(0.01)  # replies pile up meanwhile, and are converted together
+
+
+def test_boxes_depend_on_the_seed_and_the_ids_only(folder):
+    stage = DecodeStage(SIZE, device="cpu", seed=5)
+    sizes = [(375, 500), (500, 333), (300, 300)]
+    ids = np.array([9, 4, 7])
+    boxes = stage.boxes(sizes, ids)
+    assert np.array_equal(boxes, DecodeStage(SIZE, device="cpu", seed=5).boxes(sizes, ids))
+    assert not np.array_equal(boxes, DecodeStage(SIZE, seed=6, device="cpu").boxes(sizes, ids))
+    failed_middle = stage.boxes([sizes[0], None, sizes[2]], ids)
+    assert np.array_equal(failed_middle[[0, 2]], boxes[[0, 2]])  # a failure moves no other box
+    for (height, width), (top, left, crop_h, crop_w, flipped) in zip(sizes, boxes):
+        assert 0 <= top and top + crop_h <= height and 0 <= left and left + crop_w <= width
+        assert flipped in (0, 1)
+    centre = DecodeStage(SIZE, device="cpu", augment=False).boxes([(300, 400)], ids[:1])
+    assert centre.tolist() == [[18, 68, 262, 262, 0]]
+
+
+def test_the_gpu_paths_transform_agrees_with_the_cpu_stage_within_one_level(tmp_path):
+    """The CUDA decoder's resize code, run here on CPU tensors decoded by simplejpeg, against
+    the CPU stage: they differ by the CPU stage's rounding to uint8, at most one level."""
+    rng = np.random.default_rng(0)
+    y, x = np.mgrid[0:120, 0:160]
+    texture = np.stack([x * 255 // 160, y * 255 // 120, (x * y) % 256], -1) + \
+        rng.normal(0, 10, (120, 160, 3))
+    data = simplejpeg.encode_jpeg(np.clip(texture, 0, 255).astype(np.uint8), quality=90)
+    encoded, ids = Ragged.from_items([data, data, data]), np.array([1, 2, 3])
+    region = np.zeros(1 << 20, np.uint8)
+    write_batch((encoded, np.zeros(3, np.int64), ids), region)
+    stage = DecodeStage(48, device="cpu", seed=1)
+    device = stage()
+    try:
+        images, _ = device.hand_over(*device.convert(read_batch(region)))
+    finally:
+        device.close()
+    decoded = torch.from_numpy(simplejpeg.decode_jpeg(data, colorspace="RGB")).permute(2, 0, 1)
+    reference = stage.empty_images(3, "cpu")
+    transform([decoded] * 3, stage.boxes([(120, 160)] * 3, ids), reference, 48)
+    scale, shift = stage.normalizer("cpu")
+    reference.mul_(scale).sub_(shift)
+    assert np.abs(pixels(images) - pixels(reference)).max() <= 1.0 + 1e-3
+
+
+def test_dtype_and_channels_last(folder):
+    worker = EncodedImageWorker(folder)
+    stage = DecodeStage(SIZE, device="cpu", dtype="bfloat16", channels_last=True)
+    images, _, ids = next(decoded_epochs(worker, stage, epochs=1, num_workers=0))
+    assert images.dtype == torch.bfloat16
+    assert images.is_contiguous(memory_format=torch.channels_last)
+    means = pixels(images).mean(axis=(1, 2))
+    assert np.abs(means - np.stack([colour(int(i)) for i in ids])).max() < 4
+
+
+def test_start_test_decodes_in_the_calling_thread(folder):
+    worker = EncodedImageWorker(folder)
+    seq = ShmSequence(worker, len(worker), batch_size=16, out_type="cpu", seed=3,
+                      device=DecodeStage(SIZE, device="cpu"))
+    with seq.start_test():
+        for (images, _), ids in zip(seq, planned_batches(seq, 0), strict=True):
+            assert_rows_are(images, ids)
+
+
+@pytest.fixture
+def damaged(tmp_path):
+    root = str(tmp_path / "damaged")
+    write_folder(root, 12)
+    bad = os.path.join(root, "c1", "0005.jpg")
+    with open(bad, "r+b") as file:
+        file.truncate(os.path.getsize(bad) // 2)  # the header survives, the image does not
+    with open(os.path.join(root, "c2", "0010.jpg"), "wb") as file:
+        file.write(b"not a jpeg at all")
+    return root
+
+
+def test_an_image_that_does_not_decode_is_named_with_its_batch(damaged):
+    worker = EncodedImageWorker(damaged)
+    seq = ShmSequence(worker, len(worker), batch_size=4, num_workers=2, out_type="cpu",
+                      shuffle=False, device=DecodeStage(SIZE, device="cpu", names=worker.name_of))
+    with seq.start(), pytest.raises(ImageDecodeError) as info:
+        for _ in seq:
+            pass
+    assert "0005.jpg" in str(info.value) and "sample 5" in str(info.value)
+    assert any("batch 1 of epoch 0" in note for note in info.value.__notes__)
+
+
+def test_skipped_images_leave_smaller_batches_with_a_warning(damaged):
+    worker = EncodedImageWorker(damaged)
+    stage = DecodeStage(SIZE, device="cpu", names=worker.name_of, on_error="skip")
+    seq = ShmSequence(worker, len(worker), batch_size=4, num_workers=2, out_type="cpu",
+                      shuffle=False, device=stage)
+    with seq.start(), pytest.warns(SkippedSamplesWarning, match="0010.jpg"):
+        sizes = [len(labels) for _, labels in seq]
+    assert sizes == [4, 3, 3] and seq.stats.skipped_samples == 2
+
+
+def test_shards_of_encoded_images_decode_in_the_trainer(folder, tmp_path):
+    index = write_shards(image_folder_samples(folder), str(tmp_path / "s-%03d.tar"),
+                         samples_per_shard=25)
+    seq = ShardSequence(index, encoded_sample(), batch_size=8, num_workers=2, out_type="cpu",
+                        shuffle=False, device=DecodeStage(SIZE, device="cpu"))
+    with seq.start():
+        seen = [(images, labels) for images, labels in seq]
+    ids = np.arange(COUNT)
+    assert np.concatenate([labels.numpy() for _, labels in seen]).tolist() == \
+        [number * 3 // COUNT for number in ids]
+    assert_rows_are(torch.cat([images for images, _ in seen]), ids)
+
+
+def test_a_worker_of_another_shape_is_told_what_the_stage_takes(folder):
+    class Dense:
+        def __getitem__(self, indices):
+            return np.zeros((len(indices), 4), np.uint8), indices
+
+    seq = ShmSequence(Dense(), 8, batch_size=4, num_workers=0, out_type="cpu",
+                      device=DecodeStage(SIZE, device="cpu"))
+    with seq.start(), pytest.raises(TypeError, match="EncodedImageWorker"):
+        next(iter(seq))
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="dtype"):
+        DecodeStage(dtype="int8")
+    with pytest.raises(ValueError, match="on_error"):
+        DecodeStage(on_error="ignore")
+    with pytest.raises(ValueError, match="device"):
+        DecodeStage(device="tpu")
+
+
+def test_a_folder_with_other_formats_is_refused(tmp_path):
+    root = tmp_path / "mixed" / "a"
+    root.mkdir(parents=True)
+    (root / "x.png").write_bytes(b"\x89PNG")
+    with pytest.raises(ValueError, match="ImageFolderWorker"):
+        EncodedImageWorker(str(tmp_path / "mixed"))
+
+
+def test_the_decode_threads_end_with_the_sequence(folder):
+    worker = EncodedImageWorker(folder)
+    list(decoded_epochs(worker, DecodeStage(SIZE, device="cpu", threads=2), epochs=1))
+    assert not [thread for thread in threading.enumerate() if "shmseq-decode" in thread.name]
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+def test_gpu_decode_agrees_with_the_cpu_stage(folder):
+    pytest.importorskip("torchvision")
+    worker = EncodedImageWorker(folder)
+    cpu = [(images, ids) for images, _, ids in
+           decoded_epochs(worker, DecodeStage(SIZE, device="cpu"), epochs=1)]
+    gpu = decoded_epochs(worker, DecodeStage(SIZE, device="cuda", streams=2), epochs=1,
+                         out_type="cuda")
+    for (reference, ids), (images, labels, gpu_ids) in zip(cpu, gpu, strict=True):
+        assert images.is_cuda and labels.is_cuda and np.array_equal(ids, gpu_ids)
+        assert np.abs(pixels(images.cpu()) - pixels(reference)).max() <= 4  # two decoders' IDCTs
+        assert_rows_are(images.cpu(), ids)
+
+
+@needs_cuda
+def test_gpu_decode_keeps_slots_until_the_decode_has_read_them(folder):
+    pytest.importorskip("torchvision")
+    worker = EncodedImageWorker(folder)
+    stage = DecodeStage(SIZE, device="cuda")
+    assert isinstance(stage(), CudaDecoder)
+    for images, _, ids in decoded_epochs(worker, stage, epochs=3, buffer=2, batch_size=4,
+                                         out_type="cuda"):
+        torch.cuda._sleep(2_000_000)  # the consumer's stream is busy: hand-overs wait
+        assert_rows_are(images.cpu(), ids)
