@@ -165,9 +165,10 @@ def test_start_test_decodes_in_the_calling_thread(folder):
 def damaged(tmp_path):
     root = str(tmp_path / "damaged")
     write_folder(root, 12)
-    bad = os.path.join(root, "c1", "0005.jpg")
-    with open(bad, "r+b") as file:
-        file.truncate(os.path.getsize(bad) // 2)  # the header survives, the image does not
+    texture = np.random.default_rng(0).integers(0, 256, (80, 90, 3), np.uint8)
+    data = simplejpeg.encode_jpeg(texture, quality=90)
+    with open(os.path.join(root, "c1", "0005.jpg"), "wb") as file:
+        file.write(data[:len(data) * 2 // 3])  # the header survives, the image does not
     with open(os.path.join(root, "c2", "0010.jpg"), "wb") as file:
         file.write(b"not a jpeg at all")
     return root
@@ -176,7 +177,8 @@ def damaged(tmp_path):
 def test_an_image_that_does_not_decode_is_named_with_its_batch(damaged):
     worker = EncodedImageWorker(damaged)
     seq = ShmSequence(worker, len(worker), batch_size=4, num_workers=2, out_type="cpu",
-                      shuffle=False, device=DecodeStage(SIZE, device="cpu", names=worker.name_of))
+                      shuffle=False, slot_bytes=1 << 16,
+                      device=DecodeStage(SIZE, device="cpu", names=worker.name_of))
     with seq.start(), pytest.raises(ImageDecodeError) as info:
         for _ in seq:
             pass
@@ -188,7 +190,7 @@ def test_skipped_images_leave_smaller_batches_with_a_warning(damaged):
     worker = EncodedImageWorker(damaged)
     stage = DecodeStage(SIZE, device="cpu", names=worker.name_of, on_error="skip")
     seq = ShmSequence(worker, len(worker), batch_size=4, num_workers=2, out_type="cpu",
-                      shuffle=False, device=stage)
+                      shuffle=False, slot_bytes=1 << 16, device=stage)
     with seq.start(), pytest.warns(SkippedSamplesWarning, match="0010.jpg"):
         sizes = [len(labels) for _, labels in seq]
     assert sizes == [4, 3, 3] and seq.stats.skipped_samples == 2
