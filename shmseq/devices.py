@@ -52,7 +52,10 @@ class Device(Protocol):
         """Block until ``copy`` no longer reads the slot (on the releaser's thread)."""
 
     def close(self) -> None:
-        """After the last copy completed, before the ring is unmapped."""
+        """After the last copy completed, before the ring is unmapped.
+
+        A device may also have ``pop_skipped()``: the samples it left out of the batch it just
+        handed over (a decode stage's bad images), reported as a worker's skips are."""
 
 
 def torch_available() -> bool:

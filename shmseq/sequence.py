@@ -53,8 +53,9 @@ class ShmSequence:
             ``torch.distributed`` when an epoch starts.
         worker_init_fn: called with the worker id in each worker before its first batch.
         worker_restarts: how many worker processes that die may be replaced in a run.
-        device: makes the ``Device`` each start uses instead of the one ``out_type`` makes
-            (``shmseq.testing``'s fakes, to test a pipeline's copies without a GPU).
+        device: makes the ``Device`` each start uses instead of the one ``out_type`` makes:
+            a consumer-side stage (``shmseq.decode.DecodeStage``: JPEG decode in the trainer),
+            or ``shmseq.testing``'s fakes, to test a pipeline's copies without a GPU.
 
     Raises:
         ValueError, TypeError: an argument out of its range or of the wrong type (the message
