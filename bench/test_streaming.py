@@ -2,7 +2,8 @@
 
 What a worker spends on one batch (reading the samples at their offsets, decoding, stacking),
 split where it can be: the reading alone, and one JPEG's decode and crop; then a whole batch's
-trip through ``ShardSequence`` and through torch's ``DataLoader`` over the same ``ShardWorker``
+trip through ``ShardSequence`` and through torch's ``DataLoader`` over the same ``ShardWorker``,
+and on the JPEGs through the ``ShardSequence`` whose trainer decodes them (``DecodeStage``)
 (2 workers, 10 batches in flight, as ``python -m shmseq.bench --streaming`` runs them), on
 small sets of both kinds of shards (``--quick``'s: 256 samples, 4 batches of 64 an epoch).
 """
@@ -14,8 +15,10 @@ import pytest
 from shmseq.bench.report import Cell
 from shmseq.bench.runner import LIMIT, Run
 from shmseq.bench.shard_data import decoder, load_index, make_shards
-from shmseq.bench.streaming import (SHMSEQ, STREAM_SYSTEMS, STREAM_WORKLOADS, TORCH, Prepared,
-                                    checker, markdown, quick, ratios, table)
+from shmseq.bench.systems import IN_FLIGHT
+from shmseq.bench.streaming import (SHMSEQ, STAGE, STREAM_SYSTEMS, STREAM_WORKLOADS, TORCH,
+                                    Prepared, checker, markdown, quick, ratios, runs_on, shown,
+                                    table)
 from shmseq.shards import ShardReader, ShardWorker
 
 WORKLOADS = {name: quick(workload) for name, workload in STREAM_WORKLOADS.items()}
@@ -67,18 +70,26 @@ def test_decode_one_jpeg(benchmark, shards):
     assert image.shape == (224, 224, 3) and label == 0
 
 
-@pytest.fixture(params=list(STREAM_SYSTEMS))
-def system(request):
-    if request.param == TORCH:
+TRIP_ROUNDS = 4 * IN_FLIGHT  # fixed: calibrating on a batch already waiting in the ring would
+                             # ask for thousands of decode-bound rounds
+TRIPS = [(system, name) for name, workload in WORKLOADS.items() for system in STREAM_SYSTEMS
+         if runs_on(system, workload)]
+
+
+@pytest.fixture(params=TRIPS, ids=["-".join(trip) for trip in TRIPS])
+def trip(request, shards) -> tuple[str, Prepared]:
+    system, name = request.param
+    if system != SHMSEQ:
         pytest.importorskip("torch")
-    return request.param
+    return system, shards[name]
 
 
-def test_batch_trip(benchmark, shards, system):
-    """A raw-image batch as the consumer takes it, steady state: the loader's own cost on top
-    of what its two workers read and stack (every batch checked, as the bench does)."""
-    prepared = shards["shards-uint8"]
-    check = checker(prepared)
+def test_batch_trip(benchmark, trip):
+    """A batch as the consumer takes it, steady state (every batch checked, as the bench does):
+    raw images, the loader's own cost on top of what its two workers read and stack; JPEGs, the
+    decode's pace, in the workers or, for the decode stage, in the trainer."""
+    system, prepared = trip
+    check = checker(prepared, system)
     taken = [0]
 
     def take(batches):
@@ -88,7 +99,22 @@ def test_batch_trip(benchmark, shards, system):
     with STREAM_SYSTEMS[system](prepared) as batches:
         for _ in range(8):
             take(batches)
-        benchmark(take, batches)
+        benchmark.pedantic(take, args=(batches,), rounds=TRIP_ROUNDS)
+
+
+def test_the_decode_stage_delivers_the_plans_images(shards):
+    """Across an epoch's end: each batch the plan's samples, decoded to normalized floats, and
+    batches that differ (no stale slot read twice)."""
+    pytest.importorskip("torch")
+    prepared = shards["shards-jpeg"]
+    check = checker(prepared, STAGE)
+    with STREAM_SYSTEMS[STAGE](prepared) as batches:
+        delivered = []
+        for k in range(6):
+            batch = next(batches)
+            check(k, batch)
+            delivered.append(batch[0].cpu().clone())
+    assert all(not a.equal(b) for a, b in zip(delivered, delivered[1:]))
 
 
 def test_both_loaders_deliver_the_same_batches(shards):
@@ -123,6 +149,20 @@ def test_the_report_takes_ratios_repeat_by_repeat():
     assert "| shards-uint8 | limit | 25,600 (19,200-32,000) | 400.0 | — | — | — | — | 1.00 |" in text
     assert "5.00x (4.00-6.00) torch's DataLoader" in text and "10.00x (10.00-10.00) less" in text
     assert "shmseq-shards at 0.88x the limit; torch-shards at 0.19x the limit" in text
+
+
+def test_the_decode_stage_is_compared_with_both_loaders_and_not_with_their_limit():
+    runs = [Run(LIMIT, "shards-jpeg", 0, 20.0), Run(SHMSEQ, "shards-jpeg", 0, 20.0, 500.0, 0.1, 20.0),
+            Run(TORCH, "shards-jpeg", 0, 16.0, 2500.0, 0.1, 16.0),
+            Run(STAGE, "shards-jpeg", 0, 40.0, 50_000.0, 0.1, 40.0)]
+    text = markdown(runs, WORKLOADS, {"nproc": 2, "cpu": "x", "ram": "1 GiB", "python": "3",
+                                      "numpy": "2", "torch": "2"},
+                    {"repeats": 1, "seconds": 1.0, "buffer": 10}, ["shards"], ["idle"], "cmd")
+    assert f"| shards-jpeg | {shown(STAGE)} | 2,560 | 40.0 | 50,000 | 781.2 | 0.100 | 1.00 | — |" in text
+    assert "Above the limit" not in text
+    assert "2.50x the images/s of torch's DataLoader with 20.00x more trainer CPU" in text
+    assert "2.00x the images/s of shmseq-shards with 100.00x more trainer CPU" in text
+    assert f"{STAGE}: the workers only read each JPEG's encoded bytes" in text
 
 
 def test_a_single_run_has_no_spread():

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from shmseq.bench import limit, report
-from shmseq.bench.runner import LIMIT, Run
+from shmseq.bench.runner import LIMIT, Run, run_matrix
 from shmseq.bench.workloads import WORKLOADS
 
 GB = WORKLOADS["imagenet64"].batch_bytes / 1e9
@@ -85,3 +85,21 @@ def test_the_limit_is_the_faster_of_one_and_two_processes(monkeypatch, one, two,
     monkeypatch.setattr(limit, "build_rate", build_rate)
     assert limit.limit_rate(WORKLOADS["cifar"], 0.5, 0.1) == expected
     assert asked == [(1, 0.5, 0.1), (2, 0.5, 0.1)]
+
+
+def test_the_matrix_runs_each_system_only_on_the_workloads_it_runs_on():
+    measured = []
+
+    def measure(name, workload, repeat, seconds, warmup_seconds):
+        measured.append((repeat, workload.name, name))
+        return Run(name, workload.name, repeat, 1.0)
+
+    def runs_on(name, workload):
+        return name != "jpeg-only" or workload.name == "imagenet64"
+
+    run_matrix(["serial", "jpeg-only"], [WORKLOADS["imagenet64"], WORKLOADS["cifar"]], repeats=2,
+               seconds=0.1, warmup_seconds=0.0, log=lambda line: None, measure=measure,
+               runs_on=runs_on)
+    assert measured == [(0, "imagenet64", "serial"), (0, "imagenet64", "jpeg-only"),
+                        (0, "cifar", "serial"), (1, "imagenet64", "jpeg-only"),
+                        (1, "imagenet64", "serial"), (1, "cifar", "serial")]

@@ -8,7 +8,10 @@ what it shows, and writes ``results.md``, ``results.json`` and ``results.png`` i
 ``--streaming`` runs the streaming workloads instead: shmseq's ``ShardSequence`` against
 torch's ``DataLoader`` over the same WebDataset-layout tar shards with the same decode
 (photo-like JPEGs decoded and cropped to 224 x 224 in the workers, and raw uint8 images),
-and writes ``streaming.md`` and ``streaming.json``. The shards (about 80 MB of JPEGs and
+and on the JPEGs a third system, whose workers only read the encoded bytes and whose trainer
+decodes them with ``shmseq.decode.DecodeStage`` (on the GPU where there is CUDA:
+``shmseq-gpu-decode``; else in the trainer's threads: ``shmseq-trainer-decode``), and writes
+``streaming.md`` and ``streaming.json``. The shards (about 80 MB of JPEGs and
 155 MB of raw images; 20 and 40 MB with ``--quick``) are made in a temporary directory and
 deleted at the end; ``--keep-shards`` keeps them for later runs in
 ``$XDG_CACHE_HOME/shmseq/bench`` (``~/.cache/shmseq/bench``), ``--shards-dir`` where you say.
@@ -33,7 +36,8 @@ from .report import machine, markdown, summarize, write_chart, write_json
 from .runner import LIMIT, run_matrix
 from . import systems
 from .systems import OPT_IN, SYSTEMS, TORCH_SYSTEMS
-from .streaming import STREAM_SYSTEM_NAMES, STREAM_TORCH_SYSTEMS, STREAM_WORKLOADS
+from .streaming import (STAGE, STAGE_DEVICE, STREAM_SYSTEM_NAMES, STREAM_TORCH_SYSTEMS,
+                        STREAM_WORKLOADS)
 from .workloads import TRANSPORT_WORKLOADS, WORKLOADS, image_pool
 
 ALL_SYSTEMS = [LIMIT, *SYSTEMS]
@@ -65,7 +69,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--systems", type=_names([*ALL_SYSTEMS, *STREAM_SYSTEM_NAMES[1:]]),
                         help=f"comma-separated, among {', '.join(ALL_SYSTEMS)} "
                              f"(default: all but {', '.join(OPT_IN)}); with --streaming, among "
-                             f"{', '.join(STREAM_SYSTEM_NAMES)} (default: all three)")
+                             f"{', '.join(STREAM_SYSTEM_NAMES)} (default: all; {STAGE} runs on shards-jpeg "
+                             "only)")
     parser.add_argument("--streaming", action="store_true",
                         help="run the streaming workloads instead: ShardSequence against torch's "
                              "DataLoader over the same tar shards (see above)")
@@ -167,7 +172,7 @@ def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) ->
     from shmseq.demo import load
 
     from .shard_data import decoder, jpeg_stats, load_index, make_shards, size_of
-    from .streaming import Prepared, markdown, measurer, quick
+    from .streaming import Prepared, cells_of, markdown, measurer, quick, runs_on
 
     systems.IN_FLIGHT = args.buffer
     if not torch_available():
@@ -175,6 +180,11 @@ def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) ->
     if importlib.util.find_spec("simplejpeg") is None and "shards-jpeg" in args.workloads:
         _log("simplejpeg is not installed: shards-jpeg skipped (pip install 'shmseq[vision]')")
         args.workloads = [name for name in args.workloads if name != "shards-jpeg"]
+    if (STAGE in args.systems and STAGE_DEVICE == "cuda"
+            and importlib.util.find_spec("torchvision") is None):
+        _log(f"torchvision is not installed: {STAGE} skipped (its decode is torchvision's "
+             "decode_jpeg: install the torchvision that matches your torch)")
+        args.systems = [name for name in args.systems if name != STAGE]
     if not args.workloads or not args.systems:
         _log("nothing left to run")
         return 1
@@ -208,7 +218,7 @@ def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) ->
             prepared[name] = Prepared(workload, index, decoder(workload.kind, workload.side))
         at_start = load.snapshot()
         runs = run_matrix(args.systems, list(workloads.values()), log=_log,
-                          measure=measurer(prepared), **settings)
+                          measure=measurer(prepared), runs_on=runs_on, **settings)
         at_end = load.snapshot()
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -227,9 +237,10 @@ def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) ->
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "streaming.md").write_text(text)
-    write_json(args.out / "streaming.json", runs, summarize(runs, workloads), info,
+    write_json(args.out / "streaming.json", runs, cells_of(runs, workloads), info,
                {**full, "workloads": {name: asdict(w) for name, w in workloads.items()},
-                "systems": args.systems, "shards": data, "load": busy})
+                "systems": args.systems, "decode_stage_device": STAGE_DEVICE, "shards": data,
+                "load": busy})
     if scratch:
         _log("shards: made in a temporary directory and deleted; --keep-shards keeps them for "
              f"later runs, in {cache_dir()}")

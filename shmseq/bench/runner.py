@@ -81,19 +81,24 @@ def timed_run(name: str, workload: str, repeat: int, system: Callable[[], Contex
     return Run(name, workload, repeat, timed / elapsed, cpu / timed * 1e6, first_batch, early)
 
 
+def _everywhere(name: str, workload) -> bool:
+    return True
+
+
 def run_matrix(systems: list[str], workloads: list, *, repeats: int, seconds: float,
                warmup_seconds: float, log: Callable[[str], None],
-               measure: Callable[..., Run] = measure) -> list[Run]:
-    """Every system on every workload, ``repeats`` times, round-robin (``measure(name,
-    workload, repeat, seconds, warmup_seconds)`` times one)."""
+               measure: Callable[..., Run] = measure,
+               runs_on: Callable[[str, object], bool] = _everywhere) -> list[Run]:
+    """Every system on every workload it ``runs_on``, ``repeats`` times, round-robin
+    (``measure(name, workload, repeat, seconds, warmup_seconds)`` times one)."""
     runs = []
     for repeat in range(repeats):
         order = systems[repeat % len(systems):] + systems[:repeat % len(systems)]
         for workload in workloads:
-            for name in order:
+            for name in (name for name in order if runs_on(name, workload)):
                 run = measure(name, workload, repeat, seconds, warmup_seconds)
                 gc.collect()
-                log(f"repeat {repeat + 1}/{repeats} {workload.name:<12} {name:<15} "
+                log(f"repeat {repeat + 1}/{repeats} {workload.name:<12} {name:<21} "
                     f"{run.batches_per_second:9.1f} batches/s")
                 runs.append(run)
     return runs

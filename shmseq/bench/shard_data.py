@@ -168,6 +168,12 @@ def decoder(kind: str, side: int = 224, seed: int = 0):
     return JpegCrop(side, seed) if kind == "jpeg" else RawImage(side)
 
 
+def largest_sample(index: ShardIndex) -> int:
+    """Bytes of the largest sample, its members' tar headers included: more than any member
+    of it, so that ``batch_size`` of them size a slot of encoded images that none overflows."""
+    return max(int(np.diff(np.append(shard.offsets, shard.end)).max()) for shard in index.shards)
+
+
 def jpeg_stats(index: ShardIndex, samples: int = 64) -> dict:
     """Mean file size, pixels and bits a pixel of the first ``samples`` JPEGs (for the report)."""
     from shmseq.shards import ShardReader

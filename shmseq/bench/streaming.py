@@ -1,5 +1,5 @@
 """The streaming workloads: shmseq's ``ShardSequence`` against PyTorch's ``DataLoader`` over the
-same tar shards, with the same decode.
+same tar shards, with the same decode; and, on the JPEG shards, the decode moved into the trainer.
 
 Both loaders run the very same reading code: torch's is ``DataLoader(ShardWorker(index,
 decode), batch_size=None, sampler=<the ShardPlan's batches, epoch after epoch>, num_workers=2,
@@ -11,11 +11,19 @@ sized to the batch, fork. Both hand over torch CPU tensors. Two kinds of shards
 workers (``shards-jpeg``: decode-bound), and raw 224 x 224 x 3 uint8 images (``shards-uint8``:
 no decoding, the transport and the reading are what is left).
 
+The third system (``STAGE``, JPEG shards only) is what ``shmseq.decode`` is for: the workers
+read each JPEG's encoded bytes (``encoded_sample()``) and a ``DecodeStage`` decodes, crops and
+normalizes every batch in the trainer's process, with nvJPEG where there is CUDA
+(``shmseq-gpu-decode``), or else in the trainer's own threads with simplejpeg
+(``shmseq-trainer-decode``: the stage's CPU path, which spends the trainer's CPU by design).
+
 The consumer checks every batch: its labels (each sample's id) against the plan's, and for
-the uint8 shards each image's marker bytes. The runs interleave the systems, as the transport
-matrix's do; the report gives images/s and the trainer's CPU a batch and an image, medians
-and min-max over the repeats, shmseq's ratio to torch within each repeat, and each loader's
-rate over the limit: the same ``worker[ids]`` calls by 1 and by 2 processes with no transport
+the uint8 shards each image's marker bytes; the stage's images are read whole, as a trainer's
+first layer reads them (a mean per image, which on a GPU also waits for the decode). The runs
+interleave the systems, as the transport matrix's do; the report gives images/s and the
+trainer's CPU a batch and an image, medians and min-max over the repeats, shmseq's ratio to
+torch (and the stage's to both) within each repeat, and each worker-decoding loader's rate
+over the limit: the same ``worker[ids]`` calls by 1 and by 2 processes with no transport
 (``limit_rate``).
 """
 from __future__ import annotations
@@ -29,16 +37,21 @@ from typing import Callable, ContextManager, Iterator
 
 import numpy as np
 
-from shmseq.devices import torch_available
+from shmseq.decode import DecodeStage, encoded_sample
+from shmseq.devices import cuda_available, torch_available
 from shmseq.shards import ShardIndex, ShardPlan, ShardSequence, ShardWorker
+from shmseq.vision import IMAGENET_MEAN, IMAGENET_STD
 
 from . import limit, systems
 from .report import ABOVE_LIMIT, Cell, _fmt, above_limit, of_limit, summarize, with_spread
 from .runner import LIMIT, Run, timed_run
+from .shard_data import largest_sample
 from .workloads import BatchMismatch, _head, _tail
 
 SEED = 0
 SHMSEQ, TORCH = "shmseq-shards", "torch-shards"
+STAGE_DEVICE = "cuda" if cuda_available() else "cpu"
+STAGE = "shmseq-gpu-decode" if STAGE_DEVICE == "cuda" else "shmseq-trainer-decode"
 
 
 @dataclass(frozen=True)
@@ -106,20 +119,40 @@ class EpochBatches:
 
 
 @contextmanager
-def shmseq_shards(prepared: Prepared) -> Iterator[Iterator]:
-    """``ShardSequence``, slots sized to the batch up front (as the transport matrix's)."""
+def _shard_sequence(prepared: Prepared, decode: Callable[[dict], object], batch_bytes: int,
+                    **options) -> Iterator[Iterator]:
+    """``ShardSequence`` over the plan's batches, slots sized to ``batch_bytes`` up front (as
+    the transport matrix's), so that no batch takes the overflow path."""
     workload = prepared.workload
-    seq = ShardSequence(prepared.index, prepared.decode, shuffle_window=workload.shuffle_window,
+    seq = ShardSequence(prepared.index, decode, shuffle_window=workload.shuffle_window,
                         batch_size=workload.batch_size, shuffle=True, seed=SEED,
-                        last_batch="discard",
-                        slot_bytes=workload.batch_bytes + systems.SLOT_SLACK,
+                        last_batch="discard", slot_bytes=batch_bytes + systems.SLOT_SLACK,
                         buffer=systems.IN_FLIGHT, num_workers=systems.NUM_WORKERS,
-                        out_type="cpu" if torch_available() else "null",
-                        start_method=systems.START_METHOD)
+                        start_method=systems.START_METHOD, **options)
     try:
         yield systems._epochs(seq.start())
     finally:
         seq.finish()
+
+
+def shmseq_shards(prepared: Prepared) -> ContextManager[Iterator]:
+    """``ShardSequence`` decoding in its workers."""
+    return _shard_sequence(prepared, prepared.decode, prepared.workload.batch_bytes,
+                           out_type="cpu" if torch_available() else "null")
+
+
+def decode_stage(side: int) -> DecodeStage:
+    """The stage the third system decodes with: CUDA's where there is one, else the CPU's."""
+    return DecodeStage(side, device=STAGE_DEVICE, seed=SEED)
+
+
+def shmseq_decode_stage(prepared: Prepared) -> ContextManager[Iterator]:
+    """``ShardSequence`` whose workers only read the encoded JPEGs, decoded in the trainer by a
+    ``DecodeStage`` on ``STAGE_DEVICE`` into normalized float ``(N, 3, side, side)``."""
+    workload = prepared.workload
+    return _shard_sequence(prepared, encoded_sample(),
+                           workload.batch_size * largest_sample(prepared.index),
+                           out_type=STAGE_DEVICE, device=decode_stage(workload.side))
 
 
 def torch_shards(prepared: Prepared) -> ContextManager[Iterator]:
@@ -132,9 +165,15 @@ def torch_shards(prepared: Prepared) -> ContextManager[Iterator]:
 STREAM_SYSTEMS: dict[str, Callable[[Prepared], ContextManager[Iterator]]] = {
     SHMSEQ: shmseq_shards,
     TORCH: torch_shards,
+    STAGE: shmseq_decode_stage,
 }
-STREAM_TORCH_SYSTEMS = (TORCH,)
+STREAM_TORCH_SYSTEMS = (TORCH, STAGE)
 STREAM_SYSTEM_NAMES = [LIMIT, *STREAM_SYSTEMS]  # the limit is timed apart (``limit_rate``)
+
+
+def runs_on(name: str, workload: ShardWorkload) -> bool:
+    """Whether a system runs on a workload: the decode stage decodes JPEGs only."""
+    return name != STAGE or workload.kind == "jpeg"
 
 
 # -- the limit: the workers' own work, no transport --------------------------------------------
@@ -175,9 +214,18 @@ class Expected:
         return self._batches[position]
 
 
-def checker(prepared: Prepared) -> Callable[[int, object], None]:
+def _check_labels(workload: ShardWorkload, k: int, labels: np.ndarray, ids: np.ndarray) -> None:
+    if not np.array_equal(labels, ids):
+        raise BatchMismatch(f"{workload.name} batch {k}: labels {labels[:4]}... expected "
+                            f"{ids[:4]}...")
+
+
+def checker(prepared: Prepared, system: str = SHMSEQ) -> Callable[[int, object], None]:
     """``check(k, batch)``: raise ``BatchMismatch`` unless ``batch`` is the ``k``-th of the
-    plan's stream: its shape, its labels (the samples' ids), and for raw images their markers."""
+    plan's stream: its shape, its labels (the samples' ids), and for raw images their markers
+    (the decode stage's batches: ``stage_checker``)."""
+    if system == STAGE:
+        return stage_checker(prepared)
     workload = prepared.workload
     expected = Expected(workload, prepared.index)
     shape = (workload.batch_size, *workload.image_shape)
@@ -187,13 +235,39 @@ def checker(prepared: Prepared) -> Callable[[int, object], None]:
         ids = expected(k)
         if images.shape != shape or images.dtype != np.uint8:
             raise BatchMismatch(f"{workload.name} batch {k}: images {images.dtype}{images.shape}")
-        if not np.array_equal(labels, ids):
-            raise BatchMismatch(f"{workload.name} batch {k}: labels {labels[:4]}... expected "
-                                f"{ids[:4]}...")
+        _check_labels(workload, k, labels, ids)
         if workload.kind == "uint8" and not (np.array_equal(images[:, 0, 0, 0], _head(ids)) and
                                              np.array_equal(images[:, -1, -1, -1], _tail(ids))):
             raise BatchMismatch(f"{workload.name} batch {k}: image markers do not match labels "
                                 "(torn or stale batch)")
+    return check
+
+
+NORMALIZED = (min(-m / s for m, s in zip(IMAGENET_MEAN, IMAGENET_STD)),
+              max((1 - m) / s for m, s in zip(IMAGENET_MEAN, IMAGENET_STD)))
+
+
+def stage_checker(prepared: Prepared) -> Callable[[int, object], None]:
+    """``check(k, batch)`` for the decode stage's float ``(N, 3, side, side)`` batches: their
+    shape, their labels, and every pixel read, as a trainer's first layer reads them (one mean
+    per image, which on a GPU waits for the batch's decode: no work is left pending), each
+    within what normalizing ``[0, 1]`` can give."""
+    workload = prepared.workload
+    expected = Expected(workload, prepared.index)
+    shape = (workload.batch_size, 3, workload.side, workload.side)
+
+    def check(k: int, batch) -> None:
+        images, labels = batch
+        means = images.mean(dim=(1, 2, 3)).cpu().numpy()
+        if tuple(images.shape) != shape or not images.is_floating_point():
+            raise BatchMismatch(f"{workload.name} batch {k}: images {images.dtype}"
+                                f"{tuple(images.shape)}, expected floats of {shape}")
+        _check_labels(workload, k, labels.cpu().numpy(), expected(k))
+        if not (np.isfinite(means).all() and NORMALIZED[0] <= means.min() <= means.max()
+                <= NORMALIZED[1]):
+            raise BatchMismatch(f"{workload.name} batch {k}: image means {means.min():.2f} to "
+                                f"{means.max():.2f}, outside the normalized range "
+                                f"{NORMALIZED[0]:.2f} to {NORMALIZED[1]:.2f}")
     return check
 
 
@@ -205,7 +279,8 @@ def measurer(prepared: dict[str, Prepared]) -> Callable[..., Run]:
         if name == LIMIT:
             return Run(name, workload.name, repeat, limit_rate(ready, seconds, warmup_seconds))
         return timed_run(name, workload.name, repeat, lambda: STREAM_SYSTEMS[name](ready),
-                         checker(ready), seconds, warmup_seconds, workload.early_batches)
+                         checker(ready, name), seconds, warmup_seconds,
+                         workload.early_batches)
     return measure
 
 
@@ -213,16 +288,33 @@ def measurer(prepared: dict[str, Prepared]) -> Callable[..., Run]:
 COLUMNS = """\
 What the columns mean:
 - images/s, batches/s: what the consumer received, every batch checked (its labels against the
-  plan; the raw images' marker bytes); median of the repeats (min-max).
+  plan; the raw images' marker bytes; the decode stage's images read whole, a mean per image
+  within the normalized range); median of the repeats (min-max).
 - trainer CPU µs/batch, µs/image: CPU time of the training process (all its threads) per batch
-  and per image: what the loader takes from your training step.
+  and per image: what the loader takes from your training step (for the decode stage, the
+  decode it runs there).
 - first batch s: from creating the loader (workers started) to the first batch in hand.
 - first N × steady: the rate over the N batches after the first, over the steady rate.
 - × limit: images/s over the limit's. The limit is the workers' own work: the same
   ``worker[ids]`` calls (reading the samples at their offsets, decoding, stacking) on the same
   batches, by 1 and by 2 processes in turn, with no transport, no consumer and no batch kept;
   the faster of the two. Each system is timed in a window of its own: a ratio above 1.00
-  (marked †) says only that the machine ran faster in that window."""
+  (marked †) says only that the machine ran faster in that window. The decode stage has none:
+  its workers decode nothing, so that limit does not bound it."""
+
+
+def shown(system: str) -> str:
+    """A system's name in the table; the decode stage's says where it decoded."""
+    return f"{system} (decoded on {STAGE_DEVICE})" if system == STAGE else system
+
+
+def cells_of(runs: list[Run], workloads: dict[str, ShardWorkload]) -> list[Cell]:
+    """``summarize``'s cells, the decode stage's without a ratio to a limit that is not its own."""
+    cells = summarize(runs, workloads)
+    for cell in cells:
+        if cell.system == STAGE:
+            cell.of_limit = None
+    return cells
 
 
 def images_per_s(cell: Cell, workload: ShardWorkload) -> tuple[float, tuple[float, float]]:
@@ -230,6 +322,10 @@ def images_per_s(cell: Cell, workload: ShardWorkload) -> tuple[float, tuple[floa
     per_batch = workload.batch_size / (workload.batch_bytes / 1e9)  # images per GB
     return cell.gb_per_s * per_batch, (cell.gb_per_s_spread[0] * per_batch,
                                        cell.gb_per_s_spread[1] * per_batch)
+
+
+def _per_image(cell: Cell, workload: ShardWorkload) -> float | None:
+    return None if cell.cpu_us_per_batch is None else cell.cpu_us_per_batch / workload.batch_size
 
 
 def table(cells: list[Cell], workloads: dict[str, ShardWorkload]) -> str:
@@ -242,10 +338,10 @@ def table(cells: list[Cell], workloads: dict[str, ShardWorkload]) -> str:
     for c in cells:
         workload = workloads[c.workload]
         rate, rates = images_per_s(c, workload)
-        per_image = None if c.cpu_us_per_batch is None else c.cpu_us_per_batch / workload.batch_size
-        lines.append(f"| {c.workload} | {c.system} | {with_spread(rate, rates, ',.0f', c.runs)} | "
+        lines.append(f"| {c.workload} | {shown(c.system)} | "
+                     f"{with_spread(rate, rates, ',.0f', c.runs)} | "
                      f"{c.batches_per_s:.1f} | {_fmt(c.cpu_us_per_batch, ',.0f')} | "
-                     f"{_fmt(per_image, ',.1f')} | {_fmt(c.first_batch_s, '.3f')} | "
+                     f"{_fmt(_per_image(c, workload), ',.1f')} | {_fmt(c.first_batch_s, '.3f')} | "
                      f"{_fmt(c.early_of_steady, '.2f')} | {of_limit(c.of_limit)} |")
     return "\n".join(lines)
 
@@ -267,17 +363,18 @@ def drift_note(cells: list[Cell], workloads: dict[str, ShardWorkload]) -> str | 
             "than the limit.")
 
 
-def ratios(runs: list[Run], workload: str) -> dict[str, list[float]] | None:
-    """shmseq's rate over torch's and torch's CPU a batch over shmseq's, repeat by repeat (the
+def ratios(runs: list[Run], workload: str, ours: str = SHMSEQ,
+           theirs: str = TORCH) -> dict[str, list[float]] | None:
+    """``ours``' rate over ``theirs``' and their CPU a batch over ours, repeat by repeat (the
     two were run side by side); None unless both ran."""
     by = {(r.system, r.repeat): r for r in runs if r.workload == workload}
-    repeats = sorted({repeat for system, repeat in by if (SHMSEQ, repeat) in by
-                      and (TORCH, repeat) in by})
+    repeats = sorted({repeat for system, repeat in by if (ours, repeat) in by
+                      and (theirs, repeat) in by})
     if not repeats:
         return None
-    pairs = [(by[SHMSEQ, r], by[TORCH, r]) for r in repeats]
-    return {"rate": [ours.batches_per_second / theirs.batches_per_second for ours, theirs in pairs],
-            "cpu": [theirs.cpu_us_per_batch / ours.cpu_us_per_batch for ours, theirs in pairs]}
+    pairs = [(by[ours, r], by[theirs, r]) for r in repeats]
+    return {"rate": [mine.batches_per_second / other.batches_per_second for mine, other in pairs],
+            "cpu": [other.cpu_us_per_batch / mine.cpu_us_per_batch for mine, other in pairs]}
 
 
 def _ratio(values: list[float]) -> str:
@@ -286,40 +383,90 @@ def _ratio(values: list[float]) -> str:
             else f"{median:.2f}x ({min(values):.2f}-{max(values):.2f})")
 
 
-def highlights(runs: list[Run], cells: list[Cell], workloads: dict[str, ShardWorkload]) -> list[str]:
-    found = []
-    for name in dict.fromkeys(c.workload for c in cells):
-        get = {c.system: c for c in cells if c.workload == name}
-        found_ratios = ratios(runs, name)
-        if SHMSEQ not in get or found_ratios is None:
-            continue
-        ours, theirs = get[SHMSEQ], get[TORCH]
-        workload = workloads[name]
-        found.append(
-            f"{name}: {SHMSEQ} {images_per_s(ours, workload)[0]:,.0f} images/s, "
-            f"{_ratio(found_ratios['rate'])} torch's DataLoader over the same shards and decode "
+def _less_or_more(less: list[float]) -> str:
+    """``Nx less`` where ours took less CPU than theirs (the median of ``less``), else ``Nx more``."""
+    if statistics.median(less) >= 1:
+        return f"{_ratio(less)} less"
+    return f"{_ratio([1 / value for value in less])} more"
+
+
+def _workers_line(runs: list[Run], get: dict[str, Cell], workload: ShardWorkload) -> str | None:
+    """Decoding in shmseq's workers against torch's, on one workload."""
+    found = ratios(runs, workload.name)
+    if found is None:
+        return None
+    ours, theirs = get[SHMSEQ], get[TORCH]
+    return (f"{workload.name}: {SHMSEQ} {images_per_s(ours, workload)[0]:,.0f} images/s, "
+            f"{_ratio(found['rate'])} torch's DataLoader over the same shards and decode "
             f"({images_per_s(theirs, workload)[0]:,.0f} images/s), with "
-            f"{_ratio(found_ratios['cpu'])} less trainer CPU a batch "
+            f"{_less_or_more(found['cpu'])} trainer CPU a batch "
             f"({ours.cpu_us_per_batch:,.0f} against {theirs.cpu_us_per_batch:,.0f} µs); ratios "
             "taken repeat by repeat, median (min-max)"
             + "".join(f"; {c.system} at {c.of_limit:.2f}x the limit" for c in (ours, theirs)
                       if c.of_limit is not None))
+
+
+STAGE_ON_CPU = (
+    "without CUDA the stage decodes with its CPU path, in the trainer's own threads (decoding, "
+    "cropping and normalizing to float), so its trainer CPU is the decode itself, "
+    "by design: the stage is meant for a GPU, whose nvJPEG takes the decode off the trainer's CPU "
+    "(a CUDA machine runs shmseq-gpu-decode); without one, decode in the workers")
+
+
+def _stage_line(runs: list[Run], get: dict[str, Cell], workload: ShardWorkload) -> str | None:
+    """The decode stage against each loader that decodes in its workers, on one workload."""
+    if STAGE not in get:
+        return None
+    stage = get[STAGE]
+    against = []
+    for other, called in ((TORCH, "torch's DataLoader"), (SHMSEQ, SHMSEQ)):
+        found = ratios(runs, workload.name, STAGE, other)
+        if found is not None:
+            against.append(f"{_ratio(found['rate'])} the images/s of {called} with "
+                           f"{_less_or_more(found['cpu'])} trainer CPU")
+    return (f"{workload.name}: {STAGE}, decoded on {STAGE_DEVICE} in the trainer's process, "
+            f"{images_per_s(stage, workload)[0]:,.0f} images/s, {_per_image(stage, workload):,.0f} "
+            "µs of trainer CPU an image" + "".join(f"; {line}" for line in against)
+            + ("; " + STAGE_ON_CPU if STAGE_DEVICE == "cpu" else ""))
+
+
+def highlights(runs: list[Run], cells: list[Cell], workloads: dict[str, ShardWorkload]) -> list[str]:
+    found = []
+    for name in dict.fromkeys(c.workload for c in cells):
+        get = {c.system: c for c in cells if c.workload == name}
+        found += [line for line in (_workers_line(runs, get, workloads[name]),
+                                    _stage_line(runs, get, workloads[name])) if line]
     return found
 
 
 def markdown(runs: list[Run], workloads: dict[str, ShardWorkload], info: dict, settings: dict,
              data: list[str], load: list[str], command: str) -> str:
     """The table with its machine and load, the data, the columns, what it shows, the command."""
-    cells = summarize(runs, workloads)
+    cells = cells_of(runs, workloads)
     repeats = settings["repeats"]
     timed = (f"{repeats} interleaved repeats of {settings['seconds']:g} s, medians (min-max)"
              if repeats > 1 else f"one run of {settings['seconds']:g} s each (no spread)")
     head = (f"Machine: {info['nproc']} CPUs ({info['cpu']}), {info['ram']} RAM; Python "
             f"{info['python']}, numpy {info['numpy']}, torch {info['torch']}. "
-            f"{systems.NUM_WORKERS} workers and {settings['buffer']} batches in flight for both "
-            f"loaders; {timed}.")
+            f"{systems.NUM_WORKERS} workers and {settings['buffer']} batches in flight for every "
+            f"loader; {timed}.")
     shows = "\n".join(f"- {line}" for line in highlights(runs, cells, workloads))
+    decoded = [workloads[c.workload] for c in cells if c.system == STAGE]
     parts = [head, "Load: " + "; ".join(load), "Shards: " + "; ".join(data),
-             table(cells, workloads), drift_note(cells, workloads), COLUMNS,
+             table(cells, workloads), drift_note(cells, workloads),
+             stage_note(decoded[0].side) if decoded else None, COLUMNS,
              f"What it shows:\n{shows}" if shows else None, f"Reproduce: `{command}`"]
     return "\n\n".join(part for part in parts if part) + "\n"
+
+
+def stage_note(side: int) -> str:
+    """What the decode stage's row is, and on which device it ran."""
+    where = ("torchvision's batched nvJPEG decode on the GPU" if STAGE_DEVICE == "cuda" else
+             f"simplejpeg in {decode_stage(side).threads} threads of the trainer's process, no GPU here")
+    return (f"{STAGE}: the workers only read each JPEG's encoded bytes (`encoded_sample()`); "
+            f"a `DecodeStage` decodes every batch in the trainer ({where}), random-resized-crops "
+            f"it to {side}, flips and normalizes it into float32 (N, 3, {side}, {side}); "
+            f"{SHMSEQ} and torch's DataLoader deliver uint8 (N, {side}, {side}, 3) "
+            "crops, decoded in their workers. The stage is meant for GPUs"
+            + ("." if STAGE_DEVICE == "cuda" else
+               ": on this CPU-only machine it spends the trainer's own CPU on the decode, by design."))
