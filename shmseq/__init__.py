@@ -18,13 +18,15 @@ Where to look: ``plan.py`` (which indices), ``pool.py`` (dispatch and replies),
 ``ring.py`` (the slot state machine: when a slot is freed), ``convert.py`` (where a batch
 is read), ``devices.py`` (numpy, torch, CUDA), ``pipeline.py`` (the running pipeline and its
 closing), ``sequence.py`` (the public API and its epochs), ``torch.py`` (torch's DataLoader),
-``shards.py`` (tar shards streamed by member offset).
+``shards.py`` (tar shards streamed by member offset), ``ragged.py`` (variable-size items),
+``decode.py`` (JPEG decode in the trainer).
 """
 from .compat import MPSequence, MSequence, MTSequence
 from .dataloader import DataLoader, default_batchify
 from .errors import (BatchTimeout, PipelineClosed, SharedMemoryFull, ShmSeqError,
                      SkippedSamplesWarning, UnsupportedBatch, WorkerDied, WorkerError)
 from .layout import SlotAllocator
+from .ragged import Ragged
 from .samplers import BatchSampler, RandomSampler, SequentialSampler
 from .sequence import ShmSequence
 from .stats import LoaderStats
@@ -33,6 +35,6 @@ from .workers import WorkerInfo, get_worker_info
 __version__ = "0.1.0"
 __all__ = ["ShmSequence", "MSequence", "MPSequence", "MTSequence", "DataLoader", "default_batchify",
            "SequentialSampler", "RandomSampler", "BatchSampler", "get_worker_info", "WorkerInfo",
-           "SlotAllocator", "LoaderStats",
+           "SlotAllocator", "Ragged", "LoaderStats",
            "ShmSeqError", "WorkerError", "WorkerDied", "BatchTimeout", "UnsupportedBatch",
            "SharedMemoryFull", "PipelineClosed", "SkippedSamplesWarning"]

@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from .errors import UnsupportedBatch
-from .ragged import Ragged, is_jagged, make_leaf, map_ragged
+from .ragged import Ragged, copied, is_jagged, make_leaf, map_ragged
 
 ALIGN = 64
 PAGE = 4096
@@ -444,9 +444,9 @@ def _compile(node, wrap: Wrap | None) -> Callable:
     if tag == _PICKLED:
         data = node[1]
         return lambda region: _SlotUnpickler(data, region, wrap).load()
-    if tag == _RAGGED:
+    if tag == _RAGGED:  # offsets copied (a few bytes): a jagged tensor's clone() shares them
         values, offsets = _compile(node[1], wrap), _compile(node[2], wrap)
-        return lambda region: make_leaf(values(region), offsets(region))
+        return lambda region: make_leaf(values(region), copied(offsets(region)))
     value = node[1]
     return lambda region: value
 

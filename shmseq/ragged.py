@@ -5,7 +5,9 @@ token sequences) cannot be stacked. A worker returns it as ``Ragged.from_items(i
 slot then holds it as one values array (the items one after the other) and ``len + 1`` int64
 offsets, written once, and the consumer gets views of both: a ``Ragged`` of numpy views
 (``out_type='null'``), or a ``torch.nested`` jagged tensor over tensor views of the slot
-(``'cpu'``, ``'cuda'``). A torch jagged tensor returned by a worker travels the same way.
+(``'cpu'``, ``'cuda'``). A torch jagged tensor returned by a worker travels the same way. The
+offsets are delivered as a copy (a few bytes), so that ``clone()`` of a jagged tensor (which
+shares its offsets) or ``copy()`` of a ``Ragged`` holds nothing of the slot.
 
 Item ``i`` is ``values[offsets[i]:offsets[i + 1]]``; every item has the trailing shape
 ``values.shape[1:]``. ``bytes`` items are ``uint8`` arrays of one dimension.
@@ -66,6 +68,10 @@ class Ragged:
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
+    def copy(self) -> "Ragged":
+        """A ragged leaf of its own memory (a delivered one is views of its slot)."""
+        return Ragged(copied(self.values), copied(self.offsets))
+
     def __getitem__(self, number: int):
         count = len(self)
         if not -count <= number < count:
@@ -114,6 +120,11 @@ def _concatenated(items: list):
     if not items:
         return np.empty(0, np.uint8)
     return np.concatenate(items)
+
+
+def copied(array):
+    """A copy of an array or tensor."""
+    return array.clone() if _is_tensor(array) else array.copy()
 
 
 def _is_tensor(obj) -> bool:

@@ -35,6 +35,7 @@ from .errors import BatchTimeout, PipelineClosed, ShmSeqError, WorkerDied
 from .layout import SlotAllocator, as_ndarray
 from .pipeline import Pipeline, PipelineSpec
 from .plan import SamplerPlan
+from .ragged import Ragged, make_leaf
 from .workers import StreamEnded
 from .stats import LoaderStats
 
@@ -329,10 +330,60 @@ def on_ring(loader, like: DataLoader | None = None):
     return loader
 
 
+class RaggedCollate:
+    """``collate_fn`` that keeps the named fields of the samples ragged, where torch's
+    ``default_collate`` fails on tensors whose first dimensions differ (detection boxes, token
+    sequences, encoded images as ``bytes``).
+
+    ``RaggedCollate("boxes")`` for dict samples, ``RaggedCollate(1)`` for tuple samples (by
+    position): each named field becomes one ``torch.nested`` jagged tensor, its items back to
+    back in ``values()`` with ``offsets()``; every other field is collated by
+    ``default_collate``. Naming the fields, rather than going ragged wherever lengths differ,
+    keeps each field's type the same in every batch, even one whose items happen to be equal.
+    The result is a torch object, so torch's own ``DataLoader`` gives the same batches; through
+    ``shmseq.torch.DataLoader`` the jagged tensor is written into the slot once and delivered as
+    views of it."""
+
+    def __init__(self, *fields: str | int):
+        if not fields:
+            raise ValueError("RaggedCollate needs the fields to keep ragged: keys of dict samples "
+                             "(RaggedCollate('boxes')) or positions of tuple samples (RaggedCollate(1))")
+        self.fields = fields
+
+    def __call__(self, samples: list):
+        first = samples[0]
+        if isinstance(first, dict):
+            self._check_fields(list(first), "keys", first)
+            return {key: self._column(key, [sample[key] for sample in samples]) for key in first}
+        if isinstance(first, (tuple, list)):
+            self._check_fields(range(len(first)), "positions", first)
+            columns = [self._column(place, list(column)) for place, column in
+                       enumerate(zip(*samples))]
+            return type(first)(*columns) if hasattr(type(first), "_fields") else columns
+        raise TypeError(f"RaggedCollate names fields of dict or tuple samples, got a "
+                        f"{type(first).__name__}: return a dict or tuple from the dataset")
+
+    def _check_fields(self, known, kind: str, sample) -> None:
+        missing = [field for field in self.fields if field not in known]
+        if missing:
+            raise ValueError(f"RaggedCollate{self.fields!r}: the samples have no field "
+                             f"{missing[0]!r} (their {kind}: {list(known)}); name one of those")
+
+    def _column(self, field, items: list):
+        if field not in self.fields:
+            return default_collate(items)
+        try:
+            ragged = Ragged.from_items(items)
+        except ValueError as exc:
+            raise ValueError(f"RaggedCollate: field {field!r}: {exc}") from None
+        values = ragged.values
+        return make_leaf(torch.as_tensor(values), torch.from_numpy(ragged.offsets))
+
+
 def _close_in_owner(pipeline: Pipeline, owner_pid: int) -> None:
     """The finalizer of an iterator: a forked child that inherited it does nothing."""
     if os.getpid() == owner_pid:
         pipeline.close()
 
 
-__all__ = ["DataLoader", "on_ring", "slot_collate"]
+__all__ = ["DataLoader", "RaggedCollate", "on_ring", "slot_collate"]

@@ -1,0 +1,286 @@
+"""Ragged leaves (shmseq.ragged): variable-size items as one values array plus int64 offsets.
+
+Property tests explore: batches nesting tuples, lists and dicts (up to 3 levels, up to 4
+children) of ragged and dense leaves; items of every numpy numeric dtype (bool, signed and
+unsigned ints, float16/32/64, complex64/128), 0 to 3 trailing dimensions of 0 to 3, 0 to 6
+items of 0 to 5 rows each (so empty items and empty batches); bytes items; torch bfloat16
+items. Each batch is written into a slot and read back as numpy (a ``Ragged``) and as torch (a
+jagged tensor): values and offsets byte for byte, values views of the slot."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from shmseq import Ragged, ShmSequence, UnsupportedBatch
+from shmseq.layout import read_batch, write_batch
+from shmseq.testing import FakeDevice, planned_batches, ring_of
+
+DTYPES = [np.dtype(code) for code in "?bhilBHILefdFD"]
+
+
+def items_of(sample: int) -> list:
+    """Sample ``sample``'s variable-length rows: ``sample % 5`` rows of 3 int32 values."""
+    return np.arange(sample % 5 * 3, dtype=np.int32).reshape(-1, 3) + sample
+
+
+class RaggedWorker:
+    def __getitem__(self, indices):
+        return {"rows": Ragged.from_items([items_of(i) for i in indices]),
+                "raw": Ragged.from_items([bytes([i % 256]) * (i % 7) for i in indices]),
+                "label": indices.astype(np.int64)}
+
+
+def in_region(array, region) -> bool:
+    return np.shares_memory(np.asarray(array), region)
+
+
+def roundtrip(batch, wrap=None, size=1 << 18):
+    region = np.zeros(size, np.uint8)
+    write_batch(batch, region)
+    return read_batch(region, wrap), region
+
+
+# -- the type ---------------------------------------------------------------------------------
+def test_items_lengths_and_iteration():
+    ragged = Ragged(np.arange(10), np.array([0, 3, 3, 10]))
+    assert len(ragged) == 3 and ragged.lengths.tolist() == [3, 0, 7]
+    assert ragged[0].tolist() == [0, 1, 2] and ragged[1].size == 0 and ragged[-1][0] == 3
+    assert [item.tolist() for item in ragged] == [[0, 1, 2], [], [3, 4, 5, 6, 7, 8, 9]]
+    with pytest.raises(IndexError):
+        ragged[3]
+    assert "3 items of int64" in repr(ragged)
+
+
+def test_from_items_keeps_the_items_until_values_are_asked_for():
+    torch = pytest.importorskip("torch")
+    ragged = Ragged.from_items([b"ab", b"", b"cde"])
+    assert ragged.offsets.tolist() == [0, 2, 2, 5] and ragged.items is not None
+    assert bytes(ragged.values) == b"abcde" and bytes(ragged[2]) == b"cde"
+    tensors = Ragged.from_items([torch.ones(2, 2), torch.zeros(1, 2)])
+    assert isinstance(tensors.values, torch.Tensor) and tensors.values.shape == (3, 2)
+
+
+@pytest.mark.parametrize("items, message", [
+    ([np.zeros(2, np.int32), np.zeros(2, np.int64)], "dtype"),
+    ([np.zeros((2, 3)), np.zeros((2, 4))], "trailing shape"),
+    ([np.zeros(2), np.float64(1.0)], "scalar"),
+])
+def test_items_that_do_not_match_are_refused(items, message):
+    with pytest.raises(ValueError, match=message):
+        Ragged.from_items(items)
+
+
+@pytest.mark.parametrize("offsets", [[1, 2, 4], [0, 3, 2, 4], [0, 2, 3]])
+def test_offsets_that_do_not_fit_the_values_are_refused_naming_the_leaf(offsets):
+    with pytest.raises(UnsupportedBatch, match=r"batch\['boxes'\]"):
+        write_batch({"boxes": Ragged(np.zeros(4), np.array(offsets))}, np.zeros(4096, np.uint8))
+
+
+# -- through a slot ---------------------------------------------------------------------------
+@st.composite
+def ragged_leaves(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    trailing = draw(st.lists(st.integers(0, 3), max_size=3))
+    lengths = draw(st.lists(st.integers(0, 5), max_size=6))
+    return Ragged.from_items([draw(hnp.arrays(dtype, (length, *trailing))) for length in lengths])
+
+
+def dense_leaves():
+    return hnp.arrays(st.sampled_from(DTYPES), hnp.array_shapes(min_dims=0, max_dims=3, min_side=0,
+                                                                 max_side=4))
+
+
+def batches():
+    leaves = st.one_of(ragged_leaves(), dense_leaves(),
+                       st.lists(st.binary(max_size=9), max_size=5).map(Ragged.from_items))
+    return st.recursive(leaves, lambda children: st.one_of(
+        st.tuples(children, children), st.lists(children, max_size=4),
+        st.dictionaries(st.sampled_from("abcd"), children, max_size=4)), max_leaves=8)
+
+
+def assert_same(sent, got, region, torch_output: bool) -> None:
+    if isinstance(sent, Ragged):
+        values, offsets = (got.values(), got.offsets()) if torch_output and \
+            not isinstance(got, Ragged) else (got.values, got.offsets)
+        values, offsets = np.asarray(values), np.asarray(offsets)
+        expected = np.asarray(sent.values)
+        assert values.dtype == expected.dtype and values.shape == expected.shape
+        assert values.tobytes() == expected.tobytes() and offsets.tolist() == sent.offsets.tolist()
+        assert offsets.dtype == np.int64 and (values.size == 0 or in_region(values, region))
+    elif isinstance(sent, dict):
+        assert list(got) == list(sent)
+        for key in sent:
+            assert_same(sent[key], got[key], region, torch_output)
+    elif isinstance(sent, (tuple, list)):
+        assert type(got) is type(sent) and len(got) == len(sent)
+        for part, back in zip(sent, got):
+            assert_same(part, back, region, torch_output)
+    else:
+        assert np.asarray(got).tobytes() == sent.tobytes() and np.asarray(got).shape == sent.shape
+
+
+@settings(max_examples=80, deadline=None)
+@given(batches())
+def test_any_nesting_of_ragged_and_dense_leaves_survives_the_slot_as_numpy(batch):
+    got, region = roundtrip(batch)
+    assert_same(batch, got, region, torch_output=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches())
+def test_any_nesting_survives_the_slot_as_torch_jagged_tensors(batch):
+    pytest.importorskip("torch")
+    from shmseq.devices import torch_wrap
+    got, region = roundtrip(batch, torch_wrap)
+    assert_same(batch, got, region, torch_output=True)
+
+
+def test_bfloat16_items_come_back_as_a_jagged_tensor_of_their_dtype():
+    torch = pytest.importorskip("torch")
+    from shmseq.devices import torch_wrap
+    items = [torch.randn(3, 2).to(torch.bfloat16), torch.randn(1, 2).to(torch.bfloat16)]
+    got, _ = roundtrip(Ragged.from_items(items), torch_wrap)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.values(), torch.cat(items))
+
+
+def test_a_torch_jagged_tensor_from_a_worker_travels_as_one():
+    torch = pytest.importorskip("torch")
+    from shmseq.devices import torch_wrap
+    sent = torch.nested.nested_tensor_from_jagged(torch.arange(7.0), torch.tensor([0, 2, 7]))
+    got, region = roundtrip(sent, torch_wrap)
+    assert got.is_nested and torch.equal(got.values(), sent.values())
+    assert in_region(got.values().numpy(), region)
+
+
+def test_strings_torch_cannot_hold_stay_a_ragged_of_numpy_views():
+    pytest.importorskip("torch")
+    from shmseq.devices import torch_wrap
+    got, region = roundtrip(Ragged(np.array(["ab", "c", "def"]), np.array([0, 1, 3])), torch_wrap)
+    assert isinstance(got, Ragged) and got[1].tolist() == ["c", "def"]
+
+
+# -- end to end -------------------------------------------------------------------------------
+def expected_batch(indices) -> tuple[list, list]:
+    return [items_of(i) for i in indices], [bytes([i % 256]) * (i % 7) for i in indices]
+
+
+@pytest.mark.parametrize("thread_type", ["proc", "thread"])
+@pytest.mark.parametrize("out_type", ["null", "cpu"])
+def test_every_item_arrives_in_order_as_views_of_the_ring(thread_type, out_type):
+    if out_type == "cpu":
+        pytest.importorskip("torch")
+    seq = ShmSequence(RaggedWorker, 50, batch_size=6, num_workers=2, thread_type=thread_type,
+                      out_type=out_type, seed=1)
+    with seq.start():
+        for batch, indices in zip(seq, planned_batches(seq, 0), strict=True):
+            rows, raw = expected_batch(indices)
+            got_rows = batch["rows"] if out_type == "null" else batch["rows"].unbind()
+            got_raw = batch["raw"] if out_type == "null" else batch["raw"].unbind()
+            assert [np.asarray(item).tolist() for item in got_rows] == [r.tolist() for r in rows]
+            assert [bytes(np.asarray(item)) for item in got_raw] == raw
+            values = batch["rows"].values if out_type == "null" else batch["rows"].values().numpy()
+            assert ring_of(seq).contains(values)
+
+
+def test_keeping_every_batch_copies_out_and_stays_correct():
+    seq = ShmSequence(RaggedWorker, 60, batch_size=4, num_workers=2, buffer=3, out_type="null",
+                      seed=2)
+    with seq.start(), pytest.warns(RuntimeWarning, match="copied out"):
+        kept = list(seq)
+    for batch, indices in zip(kept, planned_batches(seq, 0), strict=True):
+        rows, raw = expected_batch(indices)
+        assert [item.tolist() for item in batch["rows"]] == [r.tolist() for r in rows]
+        assert [bytes(item) for item in batch["raw"]] == raw
+    assert seq.stats.copy_out_count > 0
+
+
+def test_a_late_copying_device_delivers_ragged_batches_intact():
+    seq = ShmSequence(RaggedWorker, 60, batch_size=4, num_workers=2, buffer=2, out_type="null",
+                      seed=3, device=lambda: FakeDevice(max_delay=0.005))
+    with seq.start():
+        for batch, indices in zip(seq, planned_batches(seq, 0), strict=True):
+            rows, _ = expected_batch(indices)
+            assert [item.tolist() for item in batch["rows"]] == [r.tolist() for r in rows]
+
+
+# -- shmseq.torch.DataLoader's collate --------------------------------------------------------
+class Detections:
+    """Dict samples: an image, 0-4 boxes, encoded bytes and a label."""
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, index: int) -> dict:
+        import torch
+        boxes = torch.rand(index % 5, 4, generator=torch.Generator().manual_seed(index))
+        return {"image": torch.full((3, 4, 4), index, dtype=torch.uint8), "boxes": boxes,
+                "jpg": bytes([index % 256]) * (index % 7), "label": index}
+
+
+def assert_batches_equal(ours, theirs) -> None:
+    import torch
+    assert len(ours) == len(theirs)
+    for mine, reference in zip(ours, theirs):
+        assert list(mine) == list(reference)
+        for key, value in reference.items():
+            if value.is_nested:
+                assert mine[key].is_nested
+                assert torch.equal(mine[key].values(), value.values())
+                assert torch.equal(mine[key].offsets(), value.offsets())
+            else:
+                assert torch.equal(mine[key], value)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_ragged_collate_gives_torchs_loader_and_ours_the_same_batches(num_workers):
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader as TorchDataLoader
+
+    from shmseq.torch import DataLoader, RaggedCollate
+    options = dict(batch_size=6, shuffle=True, num_workers=num_workers,
+                   collate_fn=RaggedCollate("boxes", "jpg"))
+    theirs = list(TorchDataLoader(Detections(), generator=torch.Generator().manual_seed(5),
+                                  **options))
+    ours = [{key: value.clone() for key, value in batch.items()} for batch in
+            DataLoader(Detections(), generator=torch.Generator().manual_seed(5), **options)]
+    assert_batches_equal(ours, theirs)
+    assert theirs[0]["boxes"].is_nested and theirs[0]["image"].shape == (6, 3, 4, 4)
+
+
+def test_ragged_collate_delivers_views_of_the_ring():
+    pytest.importorskip("torch")
+    from shmseq.torch import DataLoader, RaggedCollate
+    batches = iter(DataLoader(Detections(), batch_size=8, num_workers=2,
+                              collate_fn=RaggedCollate("boxes")))
+    for batch in batches:
+        assert ring_of(batches).contains(batch["boxes"].values().numpy())
+    del batch, batches  # the iterator, its pipeline and the last batch's slot go at once
+
+
+def test_ragged_collate_by_position_and_its_errors():
+    torch = pytest.importorskip("torch")
+    from shmseq.torch import RaggedCollate
+    samples = [(torch.ones(n), n) for n in (2, 0, 3)]
+    tokens, labels = RaggedCollate(0)(samples)
+    assert tokens.offsets().tolist() == [0, 2, 2, 5] and labels.tolist() == [2, 0, 3]
+    with pytest.raises(ValueError, match="no field 'boxes'"):
+        RaggedCollate("boxes")([{"box": torch.ones(1)}])
+    with pytest.raises(ValueError, match="field 0"):
+        RaggedCollate(0)([(torch.ones(2, 2), 1), (torch.ones(2, 3), 1)])
+    with pytest.raises(ValueError, match="fields to keep ragged"):
+        RaggedCollate()
+
+
+def test_a_clone_of_a_delivered_jagged_tensor_or_a_copy_of_a_ragged_holds_no_slot():
+    torch = pytest.importorskip("torch")
+    from shmseq.devices import torch_wrap
+    leaf = Ragged.from_items([np.ones(3), np.zeros(2)])
+    delivered, region = roundtrip(leaf, torch_wrap)
+    clone = delivered.clone()
+    assert not in_region(clone.values().numpy(), region)
+    assert not in_region(clone.offsets().numpy(), region)
+    numpy_leaf, numpy_region = roundtrip(leaf)
+    kept = numpy_leaf.copy()
+    assert in_region(numpy_leaf.values, numpy_region)
+    assert not in_region(kept.values, numpy_region) and not in_region(kept.offsets, numpy_region)
