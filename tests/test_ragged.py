@@ -284,3 +284,18 @@ def test_a_clone_of_a_delivered_jagged_tensor_or_a_copy_of_a_ragged_holds_no_slo
     kept = numpy_leaf.copy()
     assert in_region(numpy_leaf.values, numpy_region)
     assert not in_region(kept.values, numpy_region) and not in_region(kept.offsets, numpy_region)
+
+
+def test_ragged_batches_arrive_as_jagged_cuda_tensors():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    seq = ShmSequence(RaggedWorker, 40, batch_size=4, num_workers=2, buffer=2, out_type="cuda",
+                      seed=4)
+    with seq.start():
+        for batch, indices in zip(seq, planned_batches(seq, 0), strict=True):
+            torch.cuda._sleep(1_000_000)  # the consumer's stream is busy while copies run
+            assert batch["rows"].is_cuda and batch["rows"].is_nested
+            rows, _ = expected_batch(indices)
+            assert [item.cpu().tolist() for item in batch["rows"].unbind()] == \
+                [r.tolist() for r in rows]
