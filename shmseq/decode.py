@@ -144,13 +144,19 @@ class DecodeStage:
         self.scale, self.ratio, self.crop_fraction = scale, ratio, float(crop_fraction)
         self.mean, self.std = tuple(mean), tuple(std)
         self.dtype, self.channels_last, self.on_error = dtype, bool(channels_last), on_error
-        self.names = names or (lambda sample_id: f"sample {sample_id}")
+        self.names = names
         self.threads = threads or os.cpu_count() or 1
         self.streams = int(streams)
 
     def __call__(self):
         """A device for one run of a pipeline (``ShmSequence`` makes one at each start)."""
         return CudaDecoder(self) if self.device.startswith("cuda") else HostDecoder(self)
+
+    def describe(self, sample_id: int) -> str:
+        """A sample as messages name it: its file (``names``) and its id."""
+        if self.names is None:
+            return f"sample {sample_id}"
+        return f"{self.names(sample_id)} (sample {sample_id})"
 
     def boxes(self, sizes: list[tuple[int, int] | None], ids: np.ndarray) -> np.ndarray:
         """``(top, left, height, width, flip)`` per image of ``(height, width)`` (None: an image
@@ -229,8 +235,8 @@ class _DecodingDevice:
         failures = [(row, why) for row, why in enumerate(batch.failed) if why is not None]
         if not failures:
             return batch.images, batch.labels
-        described = [f"cannot decode {self.stage.names(int(batch.ids[row]))} (sample "
-                     f"{int(batch.ids[row])}) as a JPEG: {why}" for row, why in failures]
+        described = [f"cannot decode {self.stage.describe(int(batch.ids[row]))} as a JPEG: {why}"
+                     for row, why in failures]
         if self.stage.on_error == "raise" or len(failures) == len(batch.failed):
             raise ImageDecodeError("; ".join(described) if self.stage.on_error == "skip"
                                    else described[0])

@@ -110,6 +110,11 @@ class ShardIndex:
         shard = np.searchsorted(self.starts, ids, side="right") - 1
         return shard, ids - self.starts[shard]
 
+    def name_of(self, sample_id: int) -> str:
+        """Where a sample is, for messages (a ``DecodeStage``'s ``names``)."""
+        shard, ordinal = (int(part[0]) for part in self.locate(np.array([sample_id], np.int64)))
+        return f"shard {self.shards[shard].url}, sample at byte {self.shards[shard].span(ordinal)[0]}"
+
     @classmethod
     def scan(cls, urls: Iterable[str], storage_options: dict | None = None) -> "ShardIndex":
         """Read the member headers of each shard (its data is skipped where the file seeks)."""

@@ -208,6 +208,9 @@ def test_shards_of_encoded_images_decode_in_the_trainer(folder, tmp_path):
     assert np.concatenate([labels.numpy() for _, labels in seen]).tolist() == \
         [number * 3 // COUNT for number in ids]
     assert_rows_are(torch.cat([images for images, _ in seen]), ids)
+    named = DecodeStage(SIZE, device="cpu", names=index.name_of).describe(26)
+    assert named == f"shard {tmp_path / 's-001.tar'}, sample at byte {index.shards[1].span(1)[0]} " \
+        "(sample 26)"
 
 
 def test_a_worker_of_another_shape_is_told_what_the_stage_takes(folder):
