@@ -198,7 +198,7 @@ class _Packer:
         if _plain_array(obj):
             return self.array(obj, None)  # a subclass (a memmap, say): delivered as an array
         if kind is Ragged:
-            return self.ragged(obj)
+            return self.pickled(obj) if _holds_objects(obj) else self.ragged(obj)
         if is_jagged(obj):
             return self.ragged(Ragged(obj.values(), obj.offsets()))
         return self.pickled(obj)
@@ -214,8 +214,6 @@ class _Packer:
         return tuple(skeletons)
 
     def array(self, array: np.ndarray, torch_dtype: str | None):
-        dtype = array.dtype
-        described = dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
         placed = self.placed.get(id(array))
         offset = placed[1] if placed is not None and placed[0] is array else \
             _in_place_offset(array, self.region)
@@ -223,7 +221,7 @@ class _Packer:
             offset = place(self.cursor, array.nbytes)
             self.cursor = offset + array.nbytes
             self.copies.append((array, offset))
-        return (_ARRAY, described, array.shape, offset, torch_dtype)
+        return (_ARRAY, _described(array.dtype), array.shape, offset, torch_dtype)
 
     def ragged(self, leaf: Ragged):
         """One values array (the items back to back, each copied once) and int64 offsets."""
@@ -245,7 +243,7 @@ class _Packer:
         for array, _ in parts:
             self.copies.append((array, at))
             at += array.nbytes
-        return (_ARRAY, first.dtype.str, (rows, *first.shape[1:]), offset, torch_dtype)
+        return (_ARRAY, _described(first.dtype), (rows, *first.shape[1:]), offset, torch_dtype)
 
     def pickled(self, obj):
         """An object the skeleton has no node for: pickled whole, the plain arrays and dense
@@ -260,6 +258,18 @@ class _Packer:
                 "class at module level, or return arrays, tensors, tuples, lists and dicts") \
                 from None
         return (_PICKLED, pickler.getvalue(), tuple(pickler.arrays))
+
+
+def _described(dtype: np.dtype):
+    """A dtype as the skeleton keeps it: its short string, or the dtype itself where that
+    string would lose its fields (records) or subarray shape."""
+    return dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
+
+
+def _holds_objects(leaf: Ragged) -> bool:
+    """A ragged leaf of Python objects, whose pointers cannot travel in a slot: pickled whole."""
+    first = leaf.items[0] if leaf.items else leaf.values
+    return not is_tensor(first) and np.asarray(first).dtype.hasobject
 
 
 def _bits(obj) -> tuple[np.ndarray, str | None]:

@@ -1,11 +1,16 @@
 """Ragged leaves (shmseq.ragged): variable-size items as one values array plus int64 offsets.
 
-Property tests explore: batches nesting tuples, lists and dicts (up to 3 levels, up to 4
-children) of ragged and dense leaves; items of every numpy numeric dtype (bool, signed and
-unsigned ints, float16/32/64, complex64/128), 0 to 3 trailing dimensions of 0 to 3, 0 to 6
-items of 0 to 5 rows each (so empty items and empty batches); bytes items; torch bfloat16
-items. Each batch is written into a slot and read back as numpy (a ``Ragged``) and as torch (a
-jagged tensor): values and offsets byte for byte, values views of the slot."""
+Property tests explore: batches of up to 8 leaves, a leaf alone or nested at any depth in
+pairs (tuples), lists of up to 4 and dicts of up to 4 keys; ragged leaves of every numpy
+numeric dtype (bool, signed and unsigned ints of 8 to 64 bits, float16/32/64, complex64/128),
+0 to 3 trailing dimensions of 0 to 3, 0 to 6 items of 0 to 5 rows each (so empty items, and
+empty leaves of no item at all); ragged leaves of 0 to 5 ``bytes`` items of 0 to 9 bytes;
+dense leaves of the same dtypes, 0 to 3 dimensions of 0 to 4; with torch output, also ragged
+leaves of torch bfloat16 items. Each batch is written into a slot and read back as numpy (a
+``Ragged``) and as torch (jagged tensors, ``devices.torch_wrap``): values (dtype, shape,
+bytes) and offsets exactly, dense leaves exactly, values views of the slot."""
+import importlib.util
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -17,6 +22,7 @@ from shmseq.layout import read_batch, write_batch
 from shmseq.testing import FakeDevice, planned_batches, ring_of
 
 DTYPES = [np.dtype(code) for code in "?bhilBHILefdFD"]
+NO_TORCH = importlib.util.find_spec("torch") is None
 
 
 def items_of(sample: int) -> list:
@@ -46,6 +52,7 @@ def test_items_lengths_and_iteration():
     ragged = Ragged(np.arange(10), np.array([0, 3, 3, 10]))
     assert len(ragged) == 3 and ragged.lengths.tolist() == [3, 0, 7]
     assert ragged[0].tolist() == [0, 1, 2] and ragged[1].size == 0 and ragged[-1][0] == 3
+    assert all(np.shares_memory(item, ragged.values) for item in (ragged[0], ragged[-1]))
     assert [item.tolist() for item in ragged] == [[0, 1, 2], [], [3, 4, 5, 6, 7, 8, 9]]
     with pytest.raises(IndexError):
         ragged[3]
@@ -57,6 +64,10 @@ def test_from_items_keeps_the_items_until_values_are_asked_for():
     ragged = Ragged.from_items([b"ab", b"", b"cde"])
     assert ragged.offsets.tolist() == [0, 2, 2, 5] and ragged.items is not None
     assert bytes(ragged.values) == b"abcde" and bytes(ragged[2]) == b"cde"
+    arrays = [np.ones((2, 3), np.float32), np.zeros((0, 3), np.float32)]
+    from_arrays = Ragged.from_items(arrays)
+    assert from_arrays[0] is arrays[0] and from_arrays.values.shape == (2, 3)
+    assert "2 items of float32, trailing shape (3,), 2 rows" in repr(from_arrays)
     tensors = Ragged.from_items([torch.ones(2, 2), torch.zeros(1, 2)])
     assert isinstance(tensors.values, torch.Tensor) and tensors.values.shape == (3, 2)
 
@@ -91,23 +102,54 @@ def dense_leaves():
                                                                  max_side=4))
 
 
-def batches():
+@st.composite
+def bfloat16_leaves(draw):
+    """Ragged leaves of torch bfloat16 items (a dtype numpy lacks), rounded from drawn floats."""
+    import torch
+    trailing = draw(st.integers(0, 3))
+    lengths = draw(st.lists(st.integers(0, 5), max_size=6))
+    return Ragged.from_items([torch.from_numpy(draw(hnp.arrays(np.float32, (length, trailing))))
+                              .to(torch.bfloat16) for length in lengths])
+
+
+def batches(with_torch: bool = False):
     leaves = st.one_of(ragged_leaves(), dense_leaves(),
-                       st.lists(st.binary(max_size=9), max_size=5).map(Ragged.from_items))
+                       st.lists(st.binary(max_size=9), max_size=5).map(Ragged.from_items),
+                       *([bfloat16_leaves()] if with_torch else []))
     return st.recursive(leaves, lambda children: st.one_of(
         st.tuples(children, children), st.lists(children, max_size=4),
         st.dictionaries(st.sampled_from("abcd"), children, max_size=4)), max_leaves=8)
 
 
+def as_numpy(array) -> np.ndarray:
+    """An array, or a CPU tensor as numpy without a copy (bfloat16 as its int16 bits)."""
+    if isinstance(array, np.ndarray):
+        return array
+    import torch
+    return (array.view(torch.int16) if array.dtype == torch.bfloat16 else array).numpy()
+
+
+def parts_of(leaf) -> tuple:
+    """A delivered ragged leaf's values and offsets, a ``Ragged``'s or a jagged tensor's."""
+    return (leaf.values, leaf.offsets) if isinstance(leaf, Ragged) else \
+        (leaf.values(), leaf.offsets())
+
+
+def assert_same_array(sent: np.ndarray, got: np.ndarray, region) -> None:
+    assert got.dtype == sent.dtype and got.shape == sent.shape and got.tobytes() == sent.tobytes()
+    assert got.size == 0 or in_region(got, region)
+
+
 def assert_same(sent, got, region, torch_output: bool) -> None:
+    """``got`` is ``sent`` read back from ``region``, exactly, its arrays views of it."""
     if isinstance(sent, Ragged):
-        values, offsets = (got.values(), got.offsets()) if torch_output and \
-            not isinstance(got, Ragged) else (got.values, got.offsets)
-        values, offsets = np.asarray(values), np.asarray(offsets)
-        expected = np.asarray(sent.values)
-        assert values.dtype == expected.dtype and values.shape == expected.shape
-        assert values.tobytes() == expected.tobytes() and offsets.tolist() == sent.offsets.tolist()
-        assert offsets.dtype == np.int64 and (values.size == 0 or in_region(values, region))
+        assert isinstance(got, Ragged) is not torch_output  # jagged for every dtype here
+        values, offsets = parts_of(got)
+        if not isinstance(sent.values, np.ndarray):
+            assert values.dtype == sent.values.dtype
+        assert_same_array(as_numpy(sent.values), as_numpy(values), region)
+        assert as_numpy(offsets).dtype == np.int64
+        assert as_numpy(offsets).tolist() == sent.offsets.tolist()
     elif isinstance(sent, dict):
         assert list(got) == list(sent)
         for key in sent:
@@ -117,7 +159,7 @@ def assert_same(sent, got, region, torch_output: bool) -> None:
         for part, back in zip(sent, got):
             assert_same(part, back, region, torch_output)
     else:
-        assert np.asarray(got).tobytes() == sent.tobytes() and np.asarray(got).shape == sent.shape
+        assert_same_array(sent, as_numpy(got), region)
 
 
 @settings(max_examples=80, deadline=None)
@@ -127,10 +169,10 @@ def test_any_nesting_of_ragged_and_dense_leaves_survives_the_slot_as_numpy(batch
     assert_same(batch, got, region, torch_output=False)
 
 
+@pytest.mark.skipif(NO_TORCH, reason="needs torch")
 @settings(max_examples=60, deadline=None)
-@given(batches())
+@given(batches(with_torch=True))
 def test_any_nesting_survives_the_slot_as_torch_jagged_tensors(batch):
-    pytest.importorskip("torch")
     from shmseq.devices import torch_wrap
     got, region = roundtrip(batch, torch_wrap)
     assert_same(batch, got, region, torch_output=True)
@@ -151,6 +193,24 @@ def test_a_torch_jagged_tensor_from_a_worker_travels_as_one():
     got, region = roundtrip(sent, torch_wrap)
     assert got.is_nested and torch.equal(got.values(), sent.values())
     assert in_region(got.values().numpy(), region)
+
+
+def test_record_items_keep_their_fields():
+    record = np.dtype([("x", np.int32), ("score", np.float32)])
+    items = [np.array([(1, 0.5), (2, 1.5)], record), np.array([(3, 2.5)], record)]
+    got, region = roundtrip({"boxes": Ragged.from_items(items)})
+    assert got["boxes"].values.dtype == record and in_region(got["boxes"].values, region)
+    assert got["boxes"][1]["score"].tolist() == [2.5] and got["boxes"].offsets.tolist() == [0, 2, 3]
+
+
+def test_items_of_python_objects_travel_pickled_not_as_pointers():
+    items = [np.array([{"id": 1}, "a"], object), np.array([None], object)]
+    got, _ = roundtrip((Ragged.from_items(items), Ragged(np.array([[1], "b"], object),
+                                                         np.array([0, 0, 2]))))
+    assert isinstance(got[0], Ragged) and [item.tolist() for item in got[0]] == [[{"id": 1}, "a"],
+                                                                                 [None]]
+    assert [item.tolist() for item in got[1]] == [[], [[1], "b"]]
+    assert got[0][0][0] is not items[0][0]  # a copy by pickle, not the object's address
 
 
 def test_strings_torch_cannot_hold_stay_a_ragged_of_numpy_views():
@@ -200,8 +260,10 @@ def test_a_late_copying_device_delivers_ragged_batches_intact():
                       seed=3, device=lambda: FakeDevice(max_delay=0.005))
     with seq.start():
         for batch, indices in zip(seq, planned_batches(seq, 0), strict=True):
-            rows, _ = expected_batch(indices)
+            rows, raw = expected_batch(indices)
             assert [item.tolist() for item in batch["rows"]] == [r.tolist() for r in rows]
+            assert [bytes(item) for item in batch["raw"]] == raw
+            assert batch["label"].tolist() == indices.tolist()
 
 
 # -- shmseq.torch.DataLoader's collate --------------------------------------------------------
