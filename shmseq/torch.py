@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Hashable
 from typing import TypeVar
 
 import numpy as np
@@ -340,7 +341,9 @@ class RaggedCollate:
     back in ``values()`` with ``offsets()``; every other field is collated by
     ``default_collate``. Naming the fields, rather than going ragged wherever lengths differ,
     keeps each field's type the same in every batch, even one whose items happen to be equal.
-    The result is a torch object, so torch's own ``DataLoader`` gives the same batches; through
+    Items of a dtype torch lacks (numpy strings, records) become a ``shmseq.Ragged`` of numpy
+    arrays instead. The result is a torch object, so torch's own ``DataLoader`` gives the same
+    batches (its workers pickle a jagged tensor through its queues as any tensor); through
     ``shmseq.torch.DataLoader`` the jagged tensor is written into the slot once and delivered as
     views of it."""
 
@@ -348,22 +351,27 @@ class RaggedCollate:
         if not fields:
             raise ValueError("RaggedCollate needs the fields to keep ragged: keys of dict samples "
                              "(RaggedCollate('boxes')) or positions of tuple samples (RaggedCollate(1))")
+        unhashable = [field for field in fields if not isinstance(field, Hashable)]
+        if unhashable:
+            raise TypeError(f"RaggedCollate takes each field as an argument of its own, got "
+                            f"{unhashable[0]!r}: write RaggedCollate('boxes', 'jpg'), not "
+                            "RaggedCollate(['boxes', 'jpg'])")
         self.fields = fields
 
     def __call__(self, samples: list):
         first = samples[0]
         if isinstance(first, dict):
-            self._check_fields(list(first), "keys", first)
+            self._check_fields(list(first), "keys")
             return {key: self._column(key, [sample[key] for sample in samples]) for key in first}
         if isinstance(first, (tuple, list)):
-            self._check_fields(range(len(first)), "positions", first)
+            self._check_fields(range(len(first)), "positions")
             columns = [self._column(place, list(column)) for place, column in
                        enumerate(zip(*samples))]
             return type(first)(*columns) if hasattr(type(first), "_fields") else columns
         raise TypeError(f"RaggedCollate names fields of dict or tuple samples, got a "
                         f"{type(first).__name__}: return a dict or tuple from the dataset")
 
-    def _check_fields(self, known, kind: str, sample) -> None:
+    def _check_fields(self, known, kind: str) -> None:
         missing = [field for field in self.fields if field not in known]
         if missing:
             raise ValueError(f"RaggedCollate{self.fields!r}: the samples have no field "
@@ -376,8 +384,19 @@ class RaggedCollate:
             ragged = Ragged.from_items(items)
         except ValueError as exc:
             raise ValueError(f"RaggedCollate: field {field!r}: {exc}") from None
-        values = ragged.values
-        return make_leaf(torch.as_tensor(values), torch.from_numpy(ragged.offsets))
+        return _jagged(ragged)
+
+
+def _jagged(ragged: Ragged):
+    """The items as a jagged tensor; a ``Ragged`` of numpy arrays where torch has no dtype for
+    them (strings, records), as the ring delivers such a leaf."""
+    values = ragged.values
+    if isinstance(values, np.ndarray):
+        try:
+            values = torch.as_tensor(values)
+        except TypeError:
+            return ragged
+    return make_leaf(values, torch.from_numpy(ragged.offsets))
 
 
 def _close_in_owner(pipeline: Pipeline, owner_pid: int) -> None:

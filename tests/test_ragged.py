@@ -10,6 +10,7 @@ leaves of torch bfloat16 items. Each batch is written into a slot and read back 
 ``Ragged``) and as torch (jagged tensors, ``devices.torch_wrap``): values (dtype, shape,
 bytes) and offsets exactly, dense leaves exactly, values views of the slot."""
 import importlib.util
+import pickle
 
 import numpy as np
 import pytest
@@ -286,6 +287,7 @@ def assert_batches_equal(ours, theirs) -> None:
     for mine, reference in zip(ours, theirs):
         assert list(mine) == list(reference)
         for key, value in reference.items():
+            assert mine[key].dtype == value.dtype
             if value.is_nested:
                 assert mine[key].is_nested
                 assert torch.equal(mine[key].values(), value.values())
@@ -308,6 +310,7 @@ def test_ragged_collate_gives_torchs_loader_and_ours_the_same_batches(num_worker
             DataLoader(Detections(), generator=torch.Generator().manual_seed(5), **options)]
     assert_batches_equal(ours, theirs)
     assert theirs[0]["boxes"].is_nested and theirs[0]["image"].shape == (6, 3, 4, 4)
+    assert theirs[0]["jpg"].is_nested and theirs[0]["jpg"].dtype == torch.uint8
 
 
 def test_ragged_collate_delivers_views_of_the_ring():
@@ -326,12 +329,26 @@ def test_ragged_collate_by_position_and_its_errors():
     samples = [(torch.ones(n), n) for n in (2, 0, 3)]
     tokens, labels = RaggedCollate(0)(samples)
     assert tokens.offsets().tolist() == [0, 2, 2, 5] and labels.tolist() == [2, 0, 3]
+    equal_lengths, _ = RaggedCollate(0)([(torch.ones(2), 0), (torch.zeros(2), 1)])
+    assert equal_lengths.is_nested  # the field's type does not depend on the batch
     with pytest.raises(ValueError, match="no field 'boxes'"):
         RaggedCollate("boxes")([{"box": torch.ones(1)}])
     with pytest.raises(ValueError, match="field 0"):
         RaggedCollate(0)([(torch.ones(2, 2), 1), (torch.ones(2, 3), 1)])
     with pytest.raises(ValueError, match="fields to keep ragged"):
         RaggedCollate()
+    with pytest.raises(TypeError, match=r"not RaggedCollate\(\['boxes', 'jpg'\]\)"):
+        RaggedCollate(["boxes", "jpg"])
+    assert pickle.loads(pickle.dumps(RaggedCollate("boxes", 1))).fields == ("boxes", 1)
+
+
+def test_ragged_collate_keeps_strings_torch_cannot_hold_as_a_ragged_of_numpy():
+    pytest.importorskip("torch")
+    from shmseq.torch import RaggedCollate
+    samples = [{"words": np.array(["ab"] * count, "<U2")} for count in (1, 0, 2)]
+    words = RaggedCollate("words")(samples)["words"]
+    assert isinstance(words, Ragged)
+    assert [item.tolist() for item in words] == [["ab"], [], ["ab", "ab"]]
 
 
 def test_a_clone_of_a_delivered_jagged_tensor_or_a_copy_of_a_ragged_holds_no_slot():
