@@ -30,6 +30,7 @@ from typing import Callable
 
 import numpy as np
 
+from .checks import check_choice
 from .devices import PageLock, cuda_available
 from .ragged import Ragged
 from .vision import (IMAGENET_MEAN, IMAGENET_STD, JPEG_EXTENSIONS, ImageDecodeError, ImageFolder,
@@ -128,8 +129,8 @@ class DecodeStage:
                  channels_last: bool = False, on_error: str = "raise",
                  names: Callable[[int], str] | None = None, threads: int | None = None,
                  streams: int = 1):
-        _check_choice("dtype", dtype, DTYPES)
-        _check_choice("on_error", on_error, ON_ERROR)
+        check_choice("dtype", dtype, DTYPES)
+        check_choice("on_error", on_error, ON_ERROR)
         if int(size) < 1:
             raise ValueError(f"size must be a positive number of pixels, got {size!r}")
         if len(mean) != 3 or len(std) != 3:
@@ -192,11 +193,6 @@ class DecodeStage:
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
         return torch.empty((count, 3, self.size, self.size), dtype=getattr(torch, self.dtype),
                            device=torch_device, memory_format=memory_format)
-
-
-def _check_choice(name: str, value, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
 def source_batch(views) -> tuple[Ragged, np.ndarray, np.ndarray]:
@@ -301,13 +297,9 @@ class HostDecoder(_DecodingDevice):
                 failed[row] = str(exc) or type(exc).__name__
 
     def _decode_row(self, data: np.ndarray, box: np.ndarray, out) -> None:
-        import torch.nn.functional as functional
-        top, left, height, width, flipped = box.tolist()
+        """Decoded, then resized as ``uint8`` (torch's fast CPU path), rounded, then normalized."""
         image = self.torch.from_numpy(self.simplejpeg.decode_jpeg(data, colorspace="RGB"))
-        crop = image.permute(2, 0, 1)[None, :, top:top + height, left:left + width]
-        resized = functional.interpolate(crop, size=(self.stage.size,) * 2, mode="bilinear",
-                                         antialias=True, align_corners=False)[0]
-        out.copy_(resized.flip(-1) if flipped else resized)
+        out.copy_(crop_resized(image.permute(2, 0, 1), box.tolist(), self.stage.size))
         out.mul_(self.scale).sub_(self.shift)
 
     def wait(self, jobs) -> None:
@@ -401,12 +393,19 @@ def transform(decoded: list, boxes: np.ndarray, images, size: int) -> None:
     """Each decoded ``(3, H, W)`` ``uint8`` image cropped to its box, resized bilinearly (with
     antialiasing) to ``size``, maybe flipped, into its row of ``images`` (any device); rows
     of images that did not decode (None) are left as they are."""
-    import torch.nn.functional as functional
     for image, box, row in zip(decoded, boxes.tolist(), images):
-        if image is None:
-            continue
-        top, left, height, width, flipped = box
-        crop = image[None, :, top:top + height, left:left + width].float()
-        resized = functional.interpolate(crop, size=(size, size), mode="bilinear", antialias=True,
-                                         align_corners=False)[0]
-        row.copy_(resized.flip(-1) if flipped else resized)
+        if image is not None:
+            row.copy_(crop_resized(image, box, size, float_crop=True))
+
+
+def crop_resized(image, box: list, size: int, float_crop: bool = False):
+    """``image`` (3, H, W) cropped to ``box`` (``top, left, height, width, flip``), resized
+    bilinearly with antialiasing to ``size`` x ``size``, maybe flipped; in the image's dtype,
+    or (``float_crop``: only the crop converted) in float32."""
+    import torch.nn.functional as functional
+    top, left, height, width, flipped = box
+    crop = image[None, :, top:top + height, left:left + width]
+    crop = crop.float() if float_crop else crop
+    resized = functional.interpolate(crop, size=(size, size), mode="bilinear", antialias=True,
+                                     align_corners=False)[0]
+    return resized.flip(-1) if flipped else resized

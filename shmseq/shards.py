@@ -324,13 +324,11 @@ class ShardReader:
         """The samples of ``ids``, in that order, each with ``__key__``, ``__url__``,
         ``__offset__`` and its global ``__id__``. Samples next to each other in a shard are
         read in one request."""
-        ids = np.asarray(ids, np.int64)
-        shards, ordinals = self.index.locate(ids)
+        shards, ordinals = self.index.locate(np.asarray(ids, np.int64))
         found: dict[tuple[int, int], dict] = {}
         for shard, run in _runs(sorted(set(zip(shards.tolist(), ordinals.tolist())))):
             found.update(self._read_run(shard, run))
-        pairs = zip(shards.tolist(), ordinals.tolist())
-        return [{**found[pair], "__id__": sample_id} for pair, sample_id in zip(pairs, ids.tolist())]
+        return [found[pair] for pair in zip(shards.tolist(), ordinals.tolist())]
 
     def _read_run(self, number: int, ordinals: list[int]) -> Iterator[tuple[tuple[int, int], dict]]:
         shard = self.index.shards[number]
@@ -339,7 +337,8 @@ class ShardReader:
         for ordinal in ordinals:
             start, stop = shard.span(ordinal)
             sample = _parse_members(data[start - begin:stop - begin], shard.url, start)
-            sample.update(__url__=shard.url, __offset__=start)
+            sample.update(__url__=shard.url, __offset__=start,
+                          __id__=int(self.index.starts[number]) + ordinal)
             yield (number, ordinal), sample
 
     def _read(self, number: int, begin: int, end: int) -> bytes:
