@@ -1,3 +1,5 @@
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -5,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from shmseq import (BatchSampler, DataLoader, RandomSampler, SequentialSampler, ShmSequence,
                     default_batchify)
 from shmseq.testing import ring_of
-from workers import IndexWorker, InitReporter, PairDataset, SeedReporter, record_init
+from workers import IndexWorker, InitReporter, PairDataset, SeedReporter, record_init, record_seed
 
 TEN = np.arange(10)
 
@@ -198,15 +200,20 @@ def test_set_epoch_goes_back_and_forth():
 
 
 @pytest.mark.parametrize("backend", ["proc", "thread"])
-def test_each_worker_has_its_own_reproducible_seed(backend):
-    def draws():
-        seq = ShmSequence(SeedReporter, 64, batch_size=1, seed=11, num_workers=2, shuffle=False,
-                          thread_type=backend, out_type="null")
+def test_each_worker_has_its_own_reproducible_seed(backend, tmp_path):
+    """Read where every worker starts: which worker builds which batch depends on the pace."""
+    def seeds(run):
+        directory = tmp_path / run
+        directory.mkdir()
+        seq = ShmSequence(SeedReporter, 8, batch_size=1, seed=11, num_workers=2, shuffle=False,
+                          thread_type=backend, out_type="null",
+                          worker_init_fn=functools.partial(record_seed, str(directory)))
         with seq.start():
-            return {int(info[0]): int(info[1]) for info, _ in seq}
+            assert sum(1 for _ in seq) == 8
+        return {int(p.name): int(p.read_text()) for p in directory.iterdir()}
 
-    first, second = draws(), draws()
-    assert first == second and len(set(first.values())) == 2
+    first, second = seeds("first"), seeds("second")
+    assert first == second and sorted(first) == [0, 1] and len(set(first.values())) == 2
 
 
 def test_worker_processes_seed_their_global_generators_and_run_the_init_hook():

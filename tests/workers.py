@@ -110,6 +110,14 @@ class SeedReporter:
         return np.array([info.id, info.seed % 2**31, np.random.randint(2**31)]), indices
 
 
+def record_seed(directory, worker_id):
+    """Writes the worker's seed to ``directory/<worker_id>``: every worker runs it, whichever
+    batches it is given."""
+    import pathlib
+    import shmseq
+    pathlib.Path(directory, str(worker_id)).write_text(str(shmseq.get_worker_info().seed))
+
+
 def record_init(worker_id):
     import os
     os.environ["SHMSEQ_TEST_INIT"] = str(worker_id)
