@@ -35,6 +35,13 @@ pytestmark = [pytest.mark.filterwarnings("ignore:The PyTorch API of nested tenso
               pytest.mark.filterwarnings("ignore:the consumer holds")]
 
 
+@pytest.fixture(autouse=True)
+def torchs_shutdown_polls_quickly(monkeypatch):
+    """torch's iterator, collected after an error, joins each worker for up to its status
+    interval (5 s) before it terminates it: 10 s per test spent waiting on torch's side."""
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 0.5)
+
+
 @dataclasses.dataclass
 class Raised:
     """What a call raised, as the pair is compared: the type (shmseq's may be a subclass of
