@@ -1,11 +1,11 @@
 """Lightning DDP on 2 CPU ranks (gloo): the same training run fed by torch's DataLoader and by
 shmseq.torch's, for a side-by-side record of what each rank trained and validated on.
 
-    python examples/lightning_ddp.py OUT --loader shmseq
+    python examples/lightning_ddp.py OUT --loader torch shmseq
 
 A default Trainer (sanity check included), validating twice an epoch (``val_check_interval=0.5``),
 checkpointing mid-epoch after step ``--save-at``; then a second Trainer resumes from that
-checkpoint. Both loaders are built before the process group, as plain torch code builds them:
+checkpoint; each loader named runs so in turn, in the same two processes. Both loaders are built before the process group, as plain torch code builds them:
 Lightning replaces their sampler with its ``DistributedSampler`` by building them again, so a
 shmseq loader is rebuilt as a shmseq loader (the report says how many batches came through its
 ring). Each rank writes ``LOADER-rankN.json``. Lightning's ``ddp`` strategy starts rank 1 by
@@ -83,17 +83,17 @@ def fit(Loader, args, checkpoint: Path, resume: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser)
-    parser.add_argument("--loader", choices=sorted(LOADERS), required=True)
+    parser.add_argument("--loader", choices=sorted(LOADERS), nargs="+", required=True)
     parser.add_argument("--val-samples", type=int, default=21)
     args = parser.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)  # no banners, no advice
-    checkpoint = args.out / f"{args.loader}-step{args.save_at}.ckpt"
-    Loader = LOADERS[args.loader]
-    report = {"full": fit(Loader, args, checkpoint, resume=False),
-              "resumed": fit(Loader, args, checkpoint, resume=True)}
-    rank = torch.distributed.get_rank()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.loader}-rank{rank}.json").write_text(json.dumps(report))
+    for name in args.loader:
+        checkpoint = args.out / f"{name}-step{args.save_at}.ckpt"
+        report = {"full": fit(LOADERS[name], args, checkpoint, resume=False),
+                  "resumed": fit(LOADERS[name], args, checkpoint, resume=True)}
+        rank = torch.distributed.get_rank()
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}-rank{rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
