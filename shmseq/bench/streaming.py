@@ -46,7 +46,7 @@ from . import limit, systems
 from .report import ABOVE_LIMIT, Cell, _fmt, above_limit, of_limit, summarize, with_spread
 from .runner import LIMIT, Run, timed_run
 from .shard_data import largest_sample
-from .workloads import BatchMismatch, _head, _tail
+from .workloads import BatchMismatch, ImageBatches, _head, _tail
 
 SEED = 0
 SHMSEQ, TORCH = "shmseq-shards", "torch-shards"
@@ -55,7 +55,7 @@ STAGE = "shmseq-gpu-decode" if STAGE_DEVICE == "cuda" else "shmseq-trainer-decod
 
 
 @dataclass(frozen=True)
-class ShardWorkload:
+class ShardWorkload(ImageBatches):
     """Batches of ``batch_size`` ``side`` x ``side`` x 3 uint8 images and int64 labels, from
     ``images`` samples of ``kind`` (``jpeg`` or ``uint8``) in shards of ``samples_per_shard``.
     ``early_batches``: the batches after the first timed apart (``first N × steady``)."""
@@ -68,14 +68,6 @@ class ShardWorkload:
     side: int = 224
     shuffle_window: int = 1000
     early_batches: int = 10
-
-    @property
-    def image_shape(self) -> tuple[int, int, int]:
-        return (self.side, self.side, 3)
-
-    @property
-    def batch_bytes(self) -> int:
-        return self.batch_size * (self.side * self.side * 3 + np.dtype(np.int64).itemsize)
 
     @property
     def folder(self) -> str:

@@ -28,15 +28,12 @@ class BatchMismatch(AssertionError):
     """A delivered batch is not the one expected at its position in the stream."""
 
 
-@dataclass(frozen=True)
-class Workload:
-    """A batch of ``batch_size`` uint8 ``side`` x ``side`` x 3 images and their int64 labels;
-    ``augment``: each image augmented on its way (see ``augmented``)."""
+class ImageBatches:
+    """What every workload delivers: batches of ``batch_size`` uint8 ``side`` x ``side`` x 3
+    images and their int64 labels (the fields are the dataclasses' own)."""
 
-    name: str
     batch_size: int
     side: int
-    augment: bool = False
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -45,6 +42,17 @@ class Workload:
     @property
     def batch_bytes(self) -> int:
         return self.batch_size * (self.side * self.side * 3 + np.dtype(np.int64).itemsize)
+
+
+@dataclass(frozen=True)
+class Workload(ImageBatches):
+    """Images copied from the pool; ``augment``: each image augmented on its way (see
+    ``augmented``)."""
+
+    name: str
+    batch_size: int
+    side: int
+    augment: bool = False
 
     @property
     def epoch_samples(self) -> int:
