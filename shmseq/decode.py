@@ -8,9 +8,9 @@ shards) into the slot, as one ragged leaf, with the labels and the sample ids; a
 dense, augmented input a CNN takes, in the trainer's process:
 
 * with CUDA, torchvision's batched ``decode_jpeg(list, device=...)`` reads the encoded bytes
-  from the page-locked slot, on one of the stage's streams; random-resized-crop, flip and
-  normalize follow as GPU operations on that stream, and the slot is free again once an event
-  recorded after the decode has completed (the ring's tracked copies);
+  from the page-locked slot; random-resized-crop, flip and normalize follow as GPU operations
+  on one of the stage's streams, which waits for the decode, and the slot is free again once
+  an event recorded after the decode has completed (the ring's tracked copies);
 * without CUDA, a pool of threads decodes with simplejpeg (which releases the GIL), crops
   and resizes with torch, and the slot is free again once every image of it is decoded.
 
@@ -335,6 +335,7 @@ class CudaDecoder(_DecodingDevice):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._streams = itertools.cycle([torch.cuda.Stream(self.device)
                                          for _ in range(stage.streams)])
+        self._decoding = torch.cuda.Stream(self.device)  # runs nothing: owns the decodes' memory
         self.scale, self.shift = stage.normalizer(self.device)
         self._lock: PageLock | None = None
 
@@ -342,11 +343,22 @@ class CudaDecoder(_DecodingDevice):
         self._lock = PageLock(ring, self.device.index)
 
     def convert(self, views):
+        """The decode is called on a stream that runs no kernel: torchvision allocates its
+        output on the current stream but writes it from a stream of its own without waiting
+        (pytorch/vision#9606), so on the transform's stream it could be handed the blocks of
+        the previous batch's decoded images while that batch's crops, still queued, have yet
+        to read them. The decoded images are marked as used by the transform's stream: their
+        blocks come back to the decoding stream only once its crops are done."""
         torch = self.torch
         encoded, labels, ids = source_batch(views)
         stream = next(self._streams)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(self._decoding):
             decoded, failed = self._decoded([torch.from_numpy(item) for item in encoded])
+        with torch.cuda.stream(stream):
+            stream.wait_stream(self._decoding)
+            for image in decoded:
+                if image is not None:
+                    image.record_stream(stream)
             labels = torch.from_numpy(labels.astype(np.int64)).to(self.device, non_blocking=True)
             read = torch.cuda.Event()
             read.record(stream)

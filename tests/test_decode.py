@@ -274,3 +274,35 @@ def test_gpu_decode_keeps_slots_until_the_decode_has_read_them(folder):
                                          out_type="cuda"):
         torch.cuda._sleep(2_000_000)  # the consumer's stream is busy: hand-overs wait
         assert_rows_are(images.cpu(), ids)
+
+
+def same_size_batch(ids) -> tuple:
+    """A batch of 64 x 64 images of ``ids``' colours: one batch's decoded images fit exactly in
+    the memory another's leave."""
+    images = [simplejpeg.encode_jpeg(np.ascontiguousarray(np.broadcast_to(
+        colour(i).astype(np.uint8), (64, 64, 3))), quality=95) for i in ids]
+    return Ragged.from_items(images), np.zeros(len(ids), np.int64), np.asarray(ids, np.int64)
+
+
+@needs_cuda
+def test_gpu_decode_never_writes_over_images_a_queued_crop_still_reads(monkeypatch):
+    """torchvision's decode allocates its output on the current stream and writes it from a
+    stream of its own (pytorch/vision#9606): called on the crops' stream, batch 2's decode could
+    be handed batch 1's decoded images, freed while the crops that read them are still queued
+    (held back here by a sleep on that stream), and overwrite them."""
+    pytest.importorskip("torchvision")
+    import shmseq.decode as decode
+    queued = decode.transform
+
+    def late_transform(*args):
+        torch.cuda._sleep(100_000_000)
+        queued(*args)
+
+    monkeypatch.setattr(decode, "transform", late_transform)
+    decoder = DecodeStage(SIZE, device="cuda", augment=False)()
+    batches = [same_size_batch(range(start, start + 8)) for start in (0, 8)]
+    converted = [decoder.convert(batch) for batch in batches]
+    for batch, pending in zip(batches, converted):
+        images, _ = decoder.hand_over(*pending)
+        assert_rows_are(images.cpu(), batch[2])
+    decoder.close()
