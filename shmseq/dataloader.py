@@ -11,8 +11,9 @@ import sys
 
 import numpy as np
 
-from .layout import SlotAllocator, as_ndarray, is_tensor
+from .layout import SlotAllocator, as_ndarray
 from .plan import SamplerPlan
+from .ragged import is_tensor
 from .samplers import BatchSampler, RandomSampler, SequentialSampler
 from .sequence import ShmSequence
 

@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from .errors import UnsupportedBatch
-from .ragged import Ragged, copied, is_jagged, make_leaf, map_ragged
+from .ragged import Ragged, copied, is_jagged, is_tensor, make_leaf, map_ragged
 
 ALIGN = 64
 PAGE = 4096
@@ -117,11 +117,6 @@ def _in_place_offset(array: np.ndarray, region: np.ndarray | None) -> int | None
     if start + PAYLOAD_START <= pointer and pointer + array.nbytes <= start + len(region):
         return pointer - start
     return None
-
-
-def is_tensor(obj) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def _is_dense_tensor(obj) -> bool:

@@ -94,7 +94,7 @@ def as_item(item, number: int = 0):
     """An item as an array or tensor of at least one dimension (``bytes`` as ``uint8``)."""
     if isinstance(item, (bytes, bytearray, memoryview)):
         return np.frombuffer(item, np.uint8)
-    if not isinstance(item, np.ndarray) and not _is_tensor(item):
+    if not isinstance(item, np.ndarray) and not is_tensor(item):
         item = np.asarray(item)
     if item.ndim == 0:
         raise ValueError(f"item {number} of a ragged leaf is a scalar: items need a first "
@@ -115,7 +115,7 @@ def _check_alike(arrays: list) -> None:
 
 
 def _concatenated(items: list):
-    if items and _is_tensor(items[0]):
+    if items and is_tensor(items[0]):
         return sys.modules["torch"].cat(items)
     if not items:
         return np.empty(0, np.uint8)
@@ -124,17 +124,18 @@ def _concatenated(items: list):
 
 def copied(array):
     """A copy of an array or tensor."""
-    return array.clone() if _is_tensor(array) else array.copy()
+    return array.clone() if is_tensor(array) else array.copy()
 
 
-def _is_tensor(obj) -> bool:
+def is_tensor(obj) -> bool:
+    """A torch tensor, asked without importing torch (numpy-only runs never load it)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
 def is_jagged(obj) -> bool:
     """A torch nested tensor of the jagged layout, its items back to back in ``values()``."""
-    if not _is_tensor(obj) or not obj.is_nested:
+    if not is_tensor(obj) or not obj.is_nested:
         return False
     torch = sys.modules["torch"]
     return obj.layout is torch.jagged and obj.lengths() is None
@@ -143,7 +144,7 @@ def is_jagged(obj) -> bool:
 def make_leaf(values, offsets):
     """What the consumer gets for a ragged leaf: a jagged tensor over tensors, else a
     ``Ragged`` (numpy views, or tensors of a dtype torch cannot nest)."""
-    if _is_tensor(values) and _is_tensor(offsets):
+    if is_tensor(values) and is_tensor(offsets):
         torch = sys.modules["torch"]
         try:
             return torch.nested.nested_tensor_from_jagged(values, offsets)
