@@ -93,6 +93,19 @@ class OrderedOutput:
         self.drop_below(float("inf"))
 
 
+def handed_over(device, batch, copy, name: str, stats: LoaderStats):
+    """The device's hand-over of the batch called ``name``; a consumer-side stage that decodes
+    (``shmseq.decode``) may fail here, named with the batch, or leave samples out (its
+    ``pop_skipped``)."""
+    try:
+        delivered = device.hand_over(batch, copy)
+    except Exception as exc:
+        add_note(exc, f"shmseq: handing over {name}")
+        raise
+    stats.report_skipped(skipped_by(device), name)
+    return delivered
+
+
 class Converter:
     """Replies -> deliveries through the device; deliveries -> the consumer. ``name`` says
     how messages call a batch ("batch 3 of epoch 1")."""
@@ -147,18 +160,8 @@ class Converter:
             held = self.ring.leased - self.output.waiting_in_slots  # this one included
             if held >= self.ring.spec.n_slots:
                 return self._copied_out(delivery.batch, held - 1)
-        return self._from_device(number, delivery)
-
-    def _from_device(self, number: int, delivery: Delivery):
-        """The device's hand-over; a consumer-side stage that decodes (``shmseq.decode``) may
-        fail here, named with the batch, or leave samples out (its ``pop_skipped``)."""
-        try:
-            batch = self.device.hand_over(delivery.batch, delivery.copy)
-        except Exception as exc:
-            add_note(exc, f"shmseq: handing over {self.name(number)}")
-            raise
-        self.stats.report_skipped(skipped_by(self.device), self.name(number))
-        return batch
+        return handed_over(self.device, delivery.batch, delivery.copy, self.name(number),
+                           self.stats)
 
     def _copied_out(self, batch, held: int):
         self._warn_once("copy-out", (

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from .convert import Converter, Delivery, OrderedOutput
+from .convert import Converter, Delivery, OrderedOutput, handed_over
 from .devices import Device, make_device
 from .errors import BatchTimeout, PipelineClosed, ShmSeqError
 from .layout import encode_batch, read_batch, slot_bytes_for
@@ -347,8 +347,7 @@ class Inline:
             self.stats.report_skipped(skipped_by(self.worker_obj), name)
             if self.test_mode != "numpy":
                 views = read_batch(encode_batch(batch), self.device.wrap)
-                batch = self.device.hand_over(*self.device.convert(views))
-                self.stats.report_skipped(skipped_by(self.device), name)
+                batch = handed_over(self.device, *self.device.convert(views), name, self.stats)
             self.plan.release(epoch, position + 1)
             yield batch
 

@@ -174,9 +174,10 @@ def damaged(tmp_path):
     return root
 
 
-def test_an_image_that_does_not_decode_is_named_with_its_batch(damaged):
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_image_that_does_not_decode_is_named_with_its_batch(damaged, num_workers):
     worker = EncodedImageWorker(damaged)
-    seq = ShmSequence(worker, len(worker), batch_size=4, num_workers=2, out_type="cpu",
+    seq = ShmSequence(worker, len(worker), batch_size=4, num_workers=num_workers, out_type="cpu",
                       shuffle=False, slot_bytes=1 << 16,
                       device=DecodeStage(SIZE, device="cpu", names=worker.name_of))
     with seq.start(), pytest.raises(ImageDecodeError) as info:
