@@ -245,10 +245,10 @@ class WorkerPool:
         self._dispatch(waiting)
         if not waits:
             return received
-        if self.ring is not None and self.ring.has_news():
-            timeout = 0  # freed before we said we wait: the consumer collects it first
-        self._waker.waiting = True
+        self._waker.waiting = True  # first: what another thread reports after the look wakes us
         try:
+            if self.ring is not None:
+                timeout = self.ring.wait_bound(timeout)
             return self._handle_ready(self._events.wait(timeout))
         finally:
             self._waker.waiting = False

@@ -14,8 +14,10 @@ slot, may still read it. Every transition happens here, in the consumer's thread
 transition the machine does not allow raises ``IllegalTransition``.
 
 Events from other threads (the last view of a lease dies wherever it is dropped; copies
-complete on the releaser thread) are queued and applied by the consumer's thread at its
-next ``collect()``, so no lock is ever taken inside a weakref callback.
+complete on the releaser thread) are recorded and applied by the consumer's thread at its
+next ``collect()``. A lease's death runs no Python code at all: its weakref callback is a C
+call that records the slot (``dict.__setitem__``). Python code in a weakref callback is where a
+Ctrl-C would be lost: the ``KeyboardInterrupt`` raised there is printed and dropped.
 
 The ring's memory (the segment, its reservation, each process's mapping) is segments.py's.
 """
@@ -45,25 +47,15 @@ class SlotState(enum.Enum):
 FREE, DISPATCHED, WRITTEN, LEASED, COPYING = SlotState
 
 
+LEASE_POLL_SECONDS = 0.002
+
+
 class IllegalTransition(ShmSeqError):
     """A slot was asked to move in a way that could rewrite it while in use, or lose it."""
 
 
-_DIED, _COPIED, _FAILED = "died", "copied", "failed"
+_COPIED, _FAILED = "copied", "failed"
 Completion = Callable[[], None]  # blocks until a copy reading the slot is done; may raise
-
-
-def _lease_died(events: queue.SimpleQueue, wake: Callable[[], None], fence, slot: int,
-                _lease: weakref.ref) -> None:
-    """The last view of a lease is gone (in whatever thread dropped it): no lock here.
-
-    ``fence`` (a page-locking device's) returns a completion for copies the consumer may have
-    enqueued from the slot (a ``non_blocking`` copy from page-locked memory)."""
-    try:
-        events.put((_DIED, slot, fence() if fence is not None else None))
-    except BaseException as exc:  # noqa: BLE001 - reported at the next batch, not swallowed
-        events.put((_FAILED, slot, exc))
-    wake()
 
 
 class Ring:
@@ -77,10 +69,12 @@ class Ring:
         self.leased = 0  # slots LEASED, kept with the states
         self._leases: list[weakref.ref | None] = [None] * self.spec.n_slots
         self._copies: list[list[Completion]] = [[] for _ in range(self.spec.n_slots)]
-        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._died: dict[int, weakref.ref] = {}  # slot -> its lease, dead, not collected yet
+        self._on_death = [functools.partial(self._died.__setitem__, slot)
+                          for slot in range(self.spec.n_slots)]  # a C call: see the docstring
+        self._events: queue.SimpleQueue = queue.SimpleQueue()  # from the releaser's thread
         self._wake = wake
-        self._fence: Callable[[], Completion] | None = None
-        self._on_death: list[Callable] | None = None  # each slot's lease callback
+        self.fence: Callable[[], Completion] | None = None
         self._releaser: Releaser | None = None
 
     @classmethod
@@ -89,15 +83,6 @@ class Ring:
         ``SharedMemoryFull`` when /dev/shm has not the room for it now. ``wake`` is called
         (from any thread) when a slot's lease dies or its copies complete."""
         return cls(RingSegment(n_slots, slot_bytes), wake=wake)
-
-    @property
-    def fence(self) -> Callable[[], Completion] | None:
-        """Set by a device that page-locks the ring (see devices.py)."""
-        return self._fence
-
-    @fence.setter
-    def fence(self, fence: Callable[[], Completion] | None) -> None:
-        self._fence, self._on_death = fence, None
 
     @property
     def address(self) -> int:
@@ -136,7 +121,7 @@ class Ring:
         return slot
 
     def has_free(self) -> bool:
-        return bool(self._free) or not self._events.empty()
+        return bool(self._free) or self.has_news()
 
     def free_count(self) -> int:
         """Slots free now (after applying what other threads reported, if none was)."""
@@ -146,7 +131,17 @@ class Ring:
 
     def has_news(self) -> bool:
         """Whether other threads reported something ``collect()`` has not applied yet."""
-        return not self._events.empty()
+        return bool(self._died) or not self._events.empty()
+
+    def wait_bound(self, timeout: float | None) -> float | None:
+        """How long the consumer may wait for its workers now: not at all when something is
+        to collect; at most ``LEASE_POLL_SECONDS`` when only a lease's death can free a slot
+        (a death in another thread announces itself to nobody); else ``timeout``."""
+        if self.has_news():
+            return 0
+        if self.leased and not self._free:
+            return LEASE_POLL_SECONDS if timeout is None else min(timeout, LEASE_POLL_SECONDS)
+        return timeout
 
     def written(self, slot: int) -> None:
         """The writer filled the slot."""
@@ -173,9 +168,6 @@ class Ring:
         """The slot's bytes for the consumer: leased until this array and every view of it die."""
         self._move(slot, WRITTEN, LEASED)
         self.leased += 1
-        if self._on_death is None:
-            self._on_death = [functools.partial(_lease_died, self._events, self._wake, self._fence,
-                                                each) for each in range(self.spec.n_slots)]
         lease = self.segment.slot_bytes_of(slot)
         self._leases[slot] = weakref.ref(lease, self._on_death[slot])
         return lease
@@ -188,22 +180,38 @@ class Ring:
         self._copies[slot].append(completion)
 
     def collect(self) -> None:
-        """Apply what happened in other threads: leases that died, copies that completed.
+        """Apply what happened since: leases that died, copies that completed.
 
         Raises ``ShmSeqError`` (with the cause) when a copy or a fence failed, and
         ``SharedMemoryFull`` when the ring's memory could not be reserved."""
+        self._apply_reports()
         self.segment.reservation.check()
+
+    def _apply_reports(self) -> None:
+        """Each report is applied before it is forgotten, so that one interrupted between the
+        two (a Ctrl-C) is seen again, and then found stale, at the next call."""
+        while self._died:
+            slot = next(iter(self._died))
+            if self._leases[slot] is self._died[slot]:
+                self._lease_ended(slot)
+            del self._died[slot]
         while not self._events.empty():
             kind, slot, detail = self._events.get()
-            if kind == _DIED:
-                self._lease_ended(slot, detail)
-            elif kind == _COPIED:
+            if kind == _COPIED:
                 self._move(slot, COPYING, FREE)
             else:
                 raise ShmSeqError(f"waiting for a copy out of slot {slot} failed: "
                                   f"{type(detail).__name__}: {detail}") from detail
 
-    def _lease_ended(self, slot: int, fence: Completion | None) -> None:
+    def _lease_ended(self, slot: int) -> None:
+        """The fence (a page-locking device's) is taken here, in the consumer's thread, on its
+        current stream: it covers the ``non_blocking`` copies enqueued there from the slot."""
+        try:
+            fence = self.fence() if self.fence is not None else None
+        except BaseException as exc:  # noqa: BLE001 - the slot stays leased: it may be read
+            self._leases[slot] = None
+            raise ShmSeqError(f"fencing the copies out of slot {slot} failed: "
+                              f"{type(exc).__name__}: {exc}") from exc
         self._leases[slot] = None
         self.leased -= 1
         pending, self._copies[slot] = self._copies[slot], []
@@ -227,7 +235,7 @@ class Ring:
         closing, the failure no longer matters)."""
         while self.has_news():
             try:
-                self.collect()
+                self._apply_reports()
             except ShmSeqError:
                 pass
         if self._releaser is not None:
@@ -242,8 +250,8 @@ class Ring:
 
         Leases still alive stop reporting back: nothing is left to free their slots to."""
         self.finish_copies()
-        self._leases = [None] * self.spec.n_slots
-        self._on_death = None
+        self._leases = [None] * self.spec.n_slots  # their callbacks go with them
+        self._died.clear()
         self.segment.close()
 
 

@@ -64,13 +64,15 @@ def shm_free_bytes() -> int:
 
 # -- what holds /dev/shm, for the user who finds it full ----------------------------------------
 _held_here: dict[str, tuple] = {}  # ring name -> (bytes, what it is, [its mapping's weakref])
+# The weakref's callback is ``_held_here.pop(name, the_weakref)``: a C call, so that no Ctrl-C can
+# be raised, and lost, inside it (see ring.py).
 
 
 def _hold(name: str, size: int, what: str, *watch: weakref.ref) -> None:
     _held_here[name] = (size, what, *watch)
 
 
-def _let_go(name: str, *_) -> None:
+def _let_go(name: str) -> None:
     _held_here.pop(name, None)
 
 
@@ -316,6 +318,6 @@ class RingSegment(SlotPages):
         except BufferError:  # views alive: the mapping goes with the last of them
             _hold(self.spec.name, self.spec.total_bytes,
                   "a finished sequence's ring, kept by batches of it still referenced",
-                  weakref.ref(memory, functools.partial(_let_go, self.spec.name)))
+                  weakref.ref(memory, functools.partial(_held_here.pop, self.spec.name)))
         else:
             _let_go(self.spec.name)

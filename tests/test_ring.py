@@ -69,7 +69,9 @@ def test_a_copy_keeps_the_slot_until_it_completes(ring):
     assert states(ring)[slot] is FREE
 
 
-def test_a_fence_is_taken_when_the_last_view_dies_in_its_thread(ring):
+def test_a_fence_is_taken_by_the_consumers_next_collect_after_the_last_view_died(ring):
+    """The consumer's thread takes it (on its current stream), not the thread that dropped the
+    view: a lease's death runs no Python code, where a Ctrl-C would be lost."""
     taken, done = [], threading.Event()
 
     def fence():
@@ -82,10 +84,75 @@ def test_a_fence_is_taken_when_the_last_view_dies_in_its_thread(ring):
     dropper = threading.Thread(target=holder.clear, name="dropper")
     dropper.start()
     dropper.join()
-    assert taken == ["dropper"] and states(ring)[slot] is COPYING
+    assert taken == [] and ring.has_news()
+    assert states(ring)[slot] is COPYING and taken == [threading.current_thread().name]
     done.set()
     ring.finish_copies()
     assert states(ring)[slot] is FREE
+
+
+def test_a_lease_dies_without_running_python_code(ring):
+    """A KeyboardInterrupt can only be raised where Python code runs: none may run when the
+    last view of a batch dies, or the interrupt is printed as "Exception ignored" and lost."""
+    import sys
+    slot = written(ring)
+    lease = ring.lease(slot)
+    calls = []
+    sys.setprofile(lambda frame, event, arg: calls.append((event, frame.f_code.co_name))
+                   if event == "call" else None)
+    try:
+        del lease
+    finally:
+        sys.setprofile(None)
+    assert calls == [] and states(ring)[slot] is FREE
+
+
+def test_a_failed_fence_is_raised_once_and_the_slot_stays_leased(ring):
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    ring.fence = broken
+    slot = written(ring)
+    lease = ring.lease(slot)
+    del lease
+    with pytest.raises(ShmSeqError, match=f"fencing the copies out of slot {slot} failed") as info:
+        ring.collect()
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert states(ring)[slot] is LEASED and not ring.has_news()
+
+
+def test_a_report_interrupted_before_it_is_forgotten_is_not_applied_twice(ring):
+    """A Ctrl-C between applying a lease's death and forgetting the report leaves the report
+    behind: the next collect finds it stale instead of freeing the slot a second time."""
+    slot = written(ring)
+    lease = ring.lease(slot)
+    del lease
+    stale = dict(ring._died)
+    ring.collect()
+    again = ring.acquire()
+    assert again == slot
+    ring.written(slot)
+    lease = ring.lease(slot)
+    ring._died.update(stale)  # the report an interrupt left behind
+    assert states(ring)[slot] is LEASED
+    del lease
+    assert states(ring)[slot] is FREE and ring.count(FREE) == 3
+
+
+def test_closing_with_reports_pending_after_a_failed_reservation_returns(monkeypatch):
+    """/dev/shm taken by another program after the up-front check: the reservation fails, and
+    closing the ring with leases' deaths still to collect must not spin on that failure."""
+    stride = 1 << 20
+    monkeypatch.setattr(os, "posix_fallocate", fallocate_refusing_from(2 * stride))
+    ring = Ring.create(4, stride, wake=lambda: None)
+    with pytest.raises(SharedMemoryFull):
+        ring.wait_reserved()
+    lease = ring.lease(written(ring))
+    del lease
+    closer = threading.Thread(target=ring.close, daemon=True)
+    closer.start()
+    closer.join(5)
+    assert not closer.is_alive(), "close() spins on the reservation's failure"
 
 
 def test_a_failed_copy_is_raised_with_its_cause(ring):
