@@ -342,9 +342,14 @@ class ShardReader:
             yield (number, ordinal), sample
 
     def _read(self, number: int, begin: int, end: int) -> bytes:
+        """Bytes ``begin`` to ``end`` of shard ``number``, checked against the shard's size
+        first: an index that runs past the end would otherwise size the read (and its memory)."""
         url = self.index.shards[number].url
         try:
             file = self._file(number)
+            size = file.seek(0, os.SEEK_END)
+            if end > size:
+                raise self._past_the_end(number, begin, end, size)
             file.seek(begin)
             data = file.read(end - begin)
         except FileNotFoundError as exc:
@@ -353,12 +358,16 @@ class ShardReader:
             self._local.files.pop(number, None)
             raise ShardError(f"shard {url}: reading bytes {begin}-{end} failed: "
                              f"{type(exc).__name__}: {exc}") from exc
-        if len(data) < end - begin:
-            size = begin + len(data) if data else file.seek(0, os.SEEK_END)  # may end before begin
-            raise ShardError(f"shard {url} ends at byte {size}, before the sample "
-                             f"at byte {self._sample_at(number, begin + len(data))} ends (byte "
-                             f"{end}): the shard is truncated, or its index is stale")
+        if len(data) < end - begin:  # the file was cut since it was opened
+            raise self._past_the_end(number, begin, end, begin + len(data))
         return data
+
+    def _past_the_end(self, number: int, begin: int, end: int, size: int) -> ShardError:
+        """The error for a read of bytes ``begin`` to ``end`` of a shard of ``size`` bytes,
+        naming the first sample of the read that the shard ends in (or before)."""
+        return ShardError(f"shard {self.index.shards[number].url} ends at byte {size}, before "
+                          f"the sample at byte {self._sample_at(number, max(begin, size))} ends "
+                          f"(byte {end}): the shard is truncated, or its index is stale")
 
     def _sample_at(self, number: int, byte: int) -> int:
         offsets = self.index.shards[number].offsets

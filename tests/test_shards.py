@@ -19,7 +19,7 @@ import shard_data as sd
 import shmseq
 import shmseq.shards
 from shmseq import WorkerError
-from shmseq.shards import ShardError, ShardIndex, ShardPlan, ShardReader, ShardSequence
+from shmseq.shards import Shard, ShardError, ShardIndex, ShardPlan, ShardReader, ShardSequence
 
 COUNT, PER_SHARD = 131, 23  # six shards: 5 x 23 and 16
 
@@ -362,6 +362,25 @@ def test_a_truncated_shard_is_named_with_its_real_end_whichever_sample_is_read(b
                 f"{shard.span(ids[-1] - 24)[1]}): the shard is truncated, or its index is stale")
     finally:
         reader.close()
+
+
+def test_an_index_whose_sample_runs_past_the_shard_is_named_before_reading(bad_shards):
+    """An index that says the last sample ends at byte 10**12 (stale, or corrupt): the read is
+    checked against the shard's size, not allocated."""
+    _, index = bad_shards
+    shard = index.shards[1]
+    stretched = ShardIndex([index.shards[0], Shard(shard.url, shard.offsets, 10 ** 12),
+                            *index.shards[2:]])
+    reader = ShardReader(stretched)
+    try:
+        with pytest.raises(ShardError) as info:
+            reader.read(np.array([2 * BAD_PER_SHARD - 2, 2 * BAD_PER_SHARD - 1]))
+    finally:
+        reader.close()
+    assert str(info.value) == (
+        f"shard {shard.url} ends at byte {os.path.getsize(shard.url)}, before the sample at byte "
+        f"{shard.offsets[-1]} ends (byte {10 ** 12}): the shard is truncated, or its index is "
+        "stale")
 
 
 def test_with_skip_a_batch_of_nothing_but_damaged_samples_still_fails(bad_shards):
