@@ -74,7 +74,26 @@ def open_url(url: str, storage_options: dict | None = None):
     except ImportError:
         raise ImportError(f"reading {url} needs fsspec: pip install fsspec (and aiohttp for "
                           "http://, s3fs for s3://, gcsfs for gs://)") from None
-    return fsspec.open(url, "rb", **(storage_options or {})).open()
+    try:
+        return fsspec.open(url, "rb", **(storage_options or {})).open()
+    except FileNotFoundError as exc:
+        failure = _connection_failure(exc)
+        if failure is None:
+            raise
+        raise ConnectionError(f"the server of {url} could not be reached ({failure}): check that "
+                              "it is up and that the URL is right") from exc
+
+
+def _connection_failure(exc: FileNotFoundError) -> str | None:
+    """Why a server could not be reached, where fsspec says "not found" for it (its HTTP file
+    system raises ``FileNotFoundError`` from any failed request, a refused connection included);
+    None for a file the server answered is not there."""
+    cause = exc.__cause__
+    if not isinstance(cause, OSError) or isinstance(cause, FileNotFoundError):
+        return None  # an HTTP answer (404, ...) is no OSError; a connection's failure is
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    return f"{type(cause).__name__}: {cause}"
 
 
 @dataclass(frozen=True)

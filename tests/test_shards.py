@@ -467,29 +467,46 @@ def stop_fsspec_io(asyn) -> None:
     asyn.reset_lock()
 
 
+class RangeServer(http.server.ThreadingHTTPServer):
+    """``RangeHandler`` serving ``directory`` on 127.0.0.1 (``url``), from a thread of its own,
+    until ``stop``."""
+
+    def __init__(self, directory: str):
+        super().__init__(("127.0.0.1", 0), functools.partial(RangeHandler, directory=directory))
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        self.thread = threading.Thread(target=self.serve_forever, args=(0.05,), name="test-http",
+                                       daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+        self.thread.join(10)
+
+
 @pytest.fixture
-def web(tmp_path):
-    """An HTTP server of ``tmp_path`` on 127.0.0.1 (its base URL), stopped after the test, with
-    every thread it started and fsspec's, where the test started that."""
+def server(tmp_path):
+    """An HTTP server of ``tmp_path``, stopped after the test (if the test has not stopped it),
+    with every thread it started and fsspec's, where the test started that."""
     asyn = pytest.importorskip("fsspec.asyn")
     pytest.importorskip("aiohttp")
     threads = set(threading.enumerate())
-    handler = functools.partial(RangeHandler, directory=str(tmp_path))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    serving = threading.Thread(target=server.serve_forever, args=(0.05,), name="test-http",
-                               daemon=True)
-    serving.start()
     RangeHandler.requests = []
+    serving = RangeServer(str(tmp_path))
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield serving
     finally:
-        server.shutdown()
-        server.server_close()
-        serving.join(10)
+        serving.stop()
         if asyn.iothread[0] is not None and asyn.iothread[0] not in threads:
             stop_fsspec_io(asyn)
     left = [thread.name for thread in set(threading.enumerate()) - threads]
     assert not left, f"threads left behind: {left}"
+
+
+@pytest.fixture
+def web(server):
+    """The base URL of an HTTP server of ``tmp_path`` on 127.0.0.1."""
+    return server.url
 
 
 def tar_gets(web) -> list:
@@ -532,3 +549,32 @@ def test_a_run_resumed_over_http_asks_for_no_byte_before_the_samples_left(web, t
         first_left = min(number for number in rest if number // PER_SHARD == shard) % PER_SHARD
         assert min(begin for number, begin in gets if number == shard) == \
             local.shards[shard].offsets[first_left] > 0
+
+
+def read_first_sample_of_shard(index: ShardIndex, number: int) -> ShardError:
+    """The error that reading shard ``number``'s first sample raises."""
+    reader = ShardReader(index)
+    try:
+        with pytest.raises(ShardError) as info:
+            reader.read(index.starts[number:number + 1])
+    finally:
+        reader.close()
+    return info.value
+
+
+def test_a_server_that_cannot_be_reached_is_named_with_its_url_and_the_cause(server, tmp_path):
+    sd.write(tmp_path / "web", COUNT, PER_SHARD)
+    index = ShardIndex.load(f"{server.url}/web/shards.json")
+    server.stop()
+    message = str(read_first_sample_of_shard(index, 1))
+    assert message.startswith(f"shard {index.shards[1].url}: ") and "missing" not in message
+    assert f"the server of {index.shards[1].url} could not be reached" in message, message
+    assert "ConnectionRefusedError" in message, message
+
+
+def test_a_shard_the_server_does_not_have_is_missing(web, tmp_path):
+    sd.write(tmp_path / "web", COUNT, PER_SHARD)
+    index = ShardIndex.load(f"{web}/web/shards.json")
+    os.remove(tmp_path / "web" / "train-001.tar")
+    assert str(read_first_sample_of_shard(index, 1)).startswith(
+        f"shard {index.shards[1].url} is missing")
