@@ -48,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .checks import check_int
 from .errors import warn_user
 from .layout import SlotAllocator
 
@@ -57,6 +58,7 @@ IMAGE_EXTENSIONS = JPEG_EXTENSIONS + (".png", ".bmp", ".gif", ".tif", ".tiff", "
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 REDUCTIONS = (8, 4, 2, 1)
+MAX_PIXELS = 89_478_485  # Pillow's default Image.MAX_IMAGE_PIXELS: 256 MiB decoded as RGB
 _JPEG_MAGIC = b"\xff\xd8\xff"
 _scratch = threading.local()
 
@@ -67,6 +69,16 @@ class ImageDecodeError(ValueError):
 
 class SkippedFilesWarning(UserWarning):
     """Files in the class folders of an image folder that are not images, left out."""
+
+
+def check_pixels(width: int, height: int, max_pixels: int) -> None:
+    """Refuse an image whose header claims more than ``max_pixels`` pixels, before anything is
+    allocated for it: a few hundred bytes can claim gigabytes (a decompression bomb)."""
+    if width * height > max_pixels:
+        raise ImageDecodeError(
+            f"its header claims {width} x {height} pixels ({width * height:,}), more than "
+            f"max_pixels={max_pixels:,}: a decompression bomb, or an image larger than expected; "
+            "pass a larger max_pixels to read it")
 
 
 def _simplejpeg():
@@ -294,16 +306,23 @@ class ImageFolderWorker(_RowWorker):
     epoch repeats the same crops). ``augment=False``, for validation and test sets, is
     deterministic: the central square whose side is ``crop_fraction`` of the shorter side
     (0.875: torchvision's ``Resize(256)`` + ``CenterCrop(224)``), resized, never flipped.
+
+    An image whose header claims more than ``max_pixels`` pixels (default ``MAX_PIXELS``,
+    Pillow's own default limit) is an ``ImageDecodeError`` naming the file and that size,
+    raised before anything is allocated for it; Pillow's limit, twice its
+    ``Image.MAX_IMAGE_PIXELS``, applies to the files it opens as well.
     """
 
     def __init__(self, root: str | os.PathLike | ImageFolder, size: int = 64, *, seed: int = 0,
                  scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = True,
-                 augment: bool = True, crop_fraction: float = 0.875):
+                 augment: bool = True, crop_fraction: float = 0.875,
+                 max_pixels: int = MAX_PIXELS):
         if size < 1:
             raise ValueError(f"size must be a positive number of pixels, got {size!r}")
         if not 0 < crop_fraction <= 1:
             raise ValueError(f"crop_fraction must be in (0, 1], got {crop_fraction!r}")
+        check_int("max_pixels", max_pixels, 1)
         self.folder = root if isinstance(root, ImageFolder) else ImageFolder.scan(root)
         self.size = int(size)
         self.seed = int(seed)
@@ -312,6 +331,7 @@ class ImageFolderWorker(_RowWorker):
         self.flip = flip
         self.augment = bool(augment)
         self.crop_fraction = float(crop_fraction)
+        self.max_pixels = int(max_pixels)
         others = [path for path in self.folder.files if not path.lower().endswith(JPEG_EXTENSIONS)]
         if len(others) < len(self.folder.files):
             _simplejpeg()
@@ -358,6 +378,7 @@ class ImageFolderWorker(_RowWorker):
                      ) -> tuple[np.ndarray, tuple[float, float, float, float]]:
         """The image at reduced scale, in the scratch buffer, and the crop in its coordinates."""
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        check_pixels(width, height, self.max_pixels)
         left, top, crop_w, crop_h = self._crop(rng, width, height)
         k = _reduction(crop_w, crop_h, self.size)
         min_h, min_w = -(-height // k), -(-width // k)
@@ -370,7 +391,14 @@ class ImageFolderWorker(_RowWorker):
     def _decode_other(self, data: bytes, rng: np.random.Generator
                       ) -> tuple[np.ndarray, tuple[float, float, float, float]]:
         """The whole image, decoded by Pillow as RGB, and the crop."""
-        with _pillow().open(io.BytesIO(data)) as opened:
+        image_module = _pillow()
+        try:
+            opened = image_module.open(io.BytesIO(data))  # reads the header only
+        except image_module.DecompressionBombError as exc:
+            raise ImageDecodeError(f"Pillow refused it: {exc} (its limit is twice "
+                                   "PIL.Image.MAX_IMAGE_PIXELS: raise that to read it)") from exc
+        with opened:
+            check_pixels(*opened.size, self.max_pixels)
             box = self._crop(rng, *opened.size)
             image = np.asarray(opened.convert("RGB"))
         return image, box

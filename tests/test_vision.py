@@ -16,6 +16,8 @@ from shmseq.testing import ring_of  # noqa: E402
 from shmseq.vision import (ImageArrayWorker, ImageDecodeError, ImageFolder,  # noqa: E402
                            ImageFolderWorker, SkippedFilesWarning, normalize)
 
+from bombs import jpeg_claiming, png_claiming  # noqa: E402
+
 SIZE = 24
 
 
@@ -133,6 +135,42 @@ def test_corrupt_jpeg_is_named(tmp_path):
     seq = make(worker, batch_size=1, num_workers=1, shuffle=False)
     with seq.start(), pytest.raises(ImageDecodeError, match="cats/truncated.jpg"):
         list(seq)
+
+
+def test_a_jpeg_over_the_pixel_limit_is_named_with_its_claimed_size_and_batch(tmp_path):
+    write_jpeg(tmp_path / "cats" / "a.jpg", solid((90, 90, 90)))
+    (tmp_path / "cats" / "bomb.jpg").write_bytes(jpeg_claiming(24000, 16000))
+    worker = ImageFolderWorker(tmp_path, 8)
+    with pytest.raises(ImageDecodeError, match=r"cats/bomb.jpg .*24000 x 16000 .*max_pixels"):
+        worker.load_into(1, np.empty((8, 8, 3), np.uint8), np.random.default_rng(0))
+    seq = make(worker, batch_size=1, num_workers=1, shuffle=False)
+    with seq.start(), pytest.raises(ImageDecodeError, match="24000 x 16000") as info:
+        list(seq)
+    assert any("batch 1 of epoch 0" in note for note in info.value.__notes__)
+
+
+def test_a_file_over_pillows_own_limit_is_named(tmp_path):
+    """Pillow refuses a file over twice its ``Image.MAX_IMAGE_PIXELS`` as it opens it, before
+    the worker's own limit is asked."""
+    (tmp_path / "cats" / "bomb.png").parent.mkdir()
+    (tmp_path / "cats" / "bomb.png").write_bytes(png_claiming(30000, 20000))
+    worker = ImageFolderWorker(tmp_path, 8, max_pixels=10 ** 9)
+    with pytest.raises(ImageDecodeError, match=r"cats/bomb.png .*600000000 pixels.*MAX_IMAGE_PIXELS"):
+        worker.load_into(0, np.empty((8, 8, 3), np.uint8), np.random.default_rng(0))
+
+
+def test_max_pixels_is_the_limit_for_every_format(tmp_path):
+    write_jpeg(tmp_path / "a" / "one.jpg", solid((200, 30, 30)))  # 50 x 40
+    write_pillow(tmp_path / "a" / "two.png", solid((30, 200, 30)))
+    row = np.empty((8, 8, 3), np.uint8)
+    for index, name in enumerate(("one.jpg", "two.png")):
+        ImageFolderWorker(tmp_path, 8, max_pixels=50 * 40).load_into(index, row,
+                                                                     np.random.default_rng(0))
+        with pytest.raises(ImageDecodeError, match=f"{name} .*50 x 40 .*max_pixels=1,999"):
+            ImageFolderWorker(tmp_path, 8, max_pixels=1999).load_into(index, row,
+                                                                      np.random.default_rng(0))
+    with pytest.raises(ValueError, match="max_pixels must be an integer >= 1, got 0"):
+        ImageFolderWorker(tmp_path, 8, max_pixels=0)
 
 
 COLOURS = {"a/one.jpg": (200, 30, 30), "a/two.png": (30, 200, 30), "b/three.png": (30, 30, 200),
