@@ -14,10 +14,12 @@ dense, augmented input a CNN takes, in the trainer's process:
 * without CUDA, a pool of threads decodes with simplejpeg (which releases the GIL), crops
   and resizes with torch, and the slot is free again once every image of it is decoded.
 
-Both paths draw the same crop boxes for the same seed (from the batch's sample ids and the
-image sizes) and resize bilinearly with antialiasing; the CPU path rounds the resized image to
-``uint8`` before normalizing, so pixels differ by at most one level of 255 there, plus what
-two JPEG decoders' inverse DCTs differ by.
+Both paths read every image's JPEG header first, on the CPU (simplejpeg): an image whose
+header claims more than ``max_pixels`` fails there, as one that does not decode, before a
+decoder allocates what it claims. Both draw the same crop boxes for the same seed (from the
+batch's sample ids and the image sizes) and resize bilinearly with antialiasing; the CPU path
+rounds the resized image to ``uint8`` before normalizing, so pixels differ by at most one level
+of 255 there, plus what two JPEG decoders' inverse DCTs differ by.
 """
 from __future__ import annotations
 
@@ -30,11 +32,11 @@ from typing import Callable
 
 import numpy as np
 
-from .checks import check_choice
+from .checks import check_choice, check_int
 from .devices import PageLock, cuda_available
 from .ragged import Ragged
-from .vision import (IMAGENET_MEAN, IMAGENET_STD, JPEG_EXTENSIONS, ImageDecodeError, ImageFolder,
-                     _simplejpeg, center_crop, random_resized_crop)
+from .vision import (IMAGENET_MEAN, IMAGENET_STD, JPEG_EXTENSIONS, MAX_PIXELS, ImageDecodeError,
+                     ImageFolder, _simplejpeg, center_crop, check_pixels, random_resized_crop)
 
 DTYPES = ("float32", "float16", "bfloat16")
 ON_ERROR = ("raise", "skip")
@@ -117,6 +119,9 @@ class DecodeStage:
         dtype: ``'float32'``, ``'float16'`` or ``'bfloat16'``; channels_last: that memory format.
         on_error: ``'raise'`` an ``ImageDecodeError`` naming the image, or ``'skip'`` it (the
             batch is then smaller; a ``SkippedSamplesWarning``, counted in ``stats``).
+        max_pixels: an image whose JPEG header claims more pixels fails as one that does not
+            decode (``on_error``), its header read on the CPU before either decoder allocates
+            anything: a few hundred bytes can claim gigabytes. Pillow's default limit.
         names: ``names(id)`` names a sample in messages (a worker's ``name_of``).
         threads: the CPU decoder's threads (None: one per core); streams: CUDA streams.
     """
@@ -127,10 +132,11 @@ class DecodeStage:
                  crop_fraction: float = 0.875, mean: tuple[float, ...] = IMAGENET_MEAN,
                  std: tuple[float, ...] = IMAGENET_STD, dtype: str = "float32",
                  channels_last: bool = False, on_error: str = "raise",
-                 names: Callable[[int], str] | None = None, threads: int | None = None,
-                 streams: int = 1):
+                 max_pixels: int = MAX_PIXELS, names: Callable[[int], str] | None = None,
+                 threads: int | None = None, streams: int = 1):
         check_choice("dtype", dtype, DTYPES)
         check_choice("on_error", on_error, ON_ERROR)
+        check_int("max_pixels", max_pixels, 1)
         if int(size) < 1:
             raise ValueError(f"size must be a positive number of pixels, got {size!r}")
         if len(mean) != 3 or len(std) != 3:
@@ -145,6 +151,7 @@ class DecodeStage:
         self.scale, self.ratio, self.crop_fraction = scale, ratio, float(crop_fraction)
         self.mean, self.std = tuple(mean), tuple(std)
         self.dtype, self.channels_last, self.on_error = dtype, bool(channels_last), on_error
+        self.max_pixels = int(max_pixels)
         self.names = names
         self.threads = threads or os.cpu_count() or 1
         self.streams = int(streams)
@@ -217,14 +224,31 @@ class Decoding:
 
 
 class _DecodingDevice:
-    """What both decoders share: input views as numpy (``wrap``), and the end of a batch
-    (a failed image raised or left out)."""
+    """What both decoders share: input views as numpy (``wrap``), the images' headers read
+    first, and the end of a batch (a failed image raised or left out)."""
 
     wrap = None  # the encoded bytes are read as numpy views of the slot
 
     def __init__(self, stage: DecodeStage):
         self.stage = stage
+        self.simplejpeg = _simplejpeg()
         self._skipped: list[str] = []
+
+    def headers(self, encoded: Ragged) -> tuple[list, list]:
+        """``(height, width)`` of each image from its JPEG header, or None with the reason in
+        the second list: a header that does not read, or claims more than ``max_pixels`` (then
+        the image is never handed to a decoder, which would allocate what it claims)."""
+        sizes, failed = [], []
+        for data in encoded:
+            try:
+                height, width, _, _ = self.simplejpeg.decode_jpeg_header(data)
+                check_pixels(width, height, self.stage.max_pixels)
+                sizes.append((height, width))
+                failed.append(None)
+            except ValueError as exc:
+                sizes.append(None)
+                failed.append(str(exc) or type(exc).__name__)
+        return sizes, failed
 
     def finished(self, batch: Decoding):
         """``(images, labels)``, or the first failure raised (``on_error='raise'``)."""
@@ -253,7 +277,6 @@ class HostDecoder(_DecodingDevice):
         super().__init__(stage)
         import torch
         self.torch = torch
-        self.simplejpeg = _simplejpeg()
         self.scale, self.shift = stage.normalizer("cpu")
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -262,7 +285,7 @@ class HostDecoder(_DecodingDevice):
 
     def convert(self, views):
         encoded, labels, ids = source_batch(views)
-        sizes, failed = self._headers(encoded)
+        sizes, failed = self.headers(encoded)
         boxes = self.stage.boxes(sizes, ids)
         images = self.stage.empty_images(len(encoded), "cpu")
         batch = Decoding(images, self.torch.from_numpy(labels.astype(np.int64)), ids.copy(), failed)
@@ -276,18 +299,6 @@ class HostDecoder(_DecodingDevice):
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(self.stage.threads, "shmseq-decode")
         return self._pool
-
-    def _headers(self, encoded: Ragged) -> tuple[list, list]:
-        sizes, failed = [], []
-        for data in encoded:
-            try:
-                height, width, _, _ = self.simplejpeg.decode_jpeg_header(data)
-                sizes.append((height, width))
-                failed.append(None)
-            except ValueError as exc:
-                sizes.append(None)
-                failed.append(str(exc) or type(exc).__name__)
-        return sizes, failed
 
     def _decode_rows(self, rows: list, images, failed: list) -> None:
         for data, box, row in rows:
@@ -351,9 +362,10 @@ class CudaDecoder(_DecodingDevice):
         blocks come back to the decoding stream only once its crops are done."""
         torch = self.torch
         encoded, labels, ids = source_batch(views)
+        _, failed = self.headers(encoded)
         stream = next(self._streams)
         with torch.cuda.stream(self._decoding):
-            decoded, failed = self._decoded([torch.from_numpy(item) for item in encoded])
+            decoded = self._decoded(encoded, failed)
         with torch.cuda.stream(stream):
             stream.wait_stream(self._decoding)
             for image in decoded:
@@ -370,20 +382,26 @@ class CudaDecoder(_DecodingDevice):
             done.record(stream)
         return Decoding(images, labels, ids.copy(), failed), (read, done)
 
-    def _decoded(self, items: list) -> tuple[list, list]:
-        """Every image at once; when that fails, one by one, to name the ones that fail."""
+    def _decoded(self, encoded: Ragged, failed: list) -> list:
+        """Each image whose header passed (``failed`` None), all in one call; when that fails,
+        one by one, to name the ones that fail (in ``failed``). None for every other row."""
+        rows = [row for row, why in enumerate(failed) if why is None]
+        items = [self.torch.from_numpy(encoded[row]) for row in rows]
         try:
-            return self.decode_jpeg(items, mode=self.rgb, device=self.device), [None] * len(items)
+            images = self.decode_jpeg(items, mode=self.rgb, device=self.device) if items else []
         except RuntimeError:
-            decoded, failed = [], []
-            for item in items:
-                try:
-                    decoded.append(self.decode_jpeg(item, mode=self.rgb, device=self.device))
-                    failed.append(None)
-                except RuntimeError as exc:
-                    decoded.append(None)
-                    failed.append(str(exc).splitlines()[0] or type(exc).__name__)
-            return decoded, failed
+            images = [self._decoded_alone(item, row, failed) for row, item in zip(rows, items)]
+        decoded = [None] * len(failed)
+        for row, image in zip(rows, images):
+            decoded[row] = image
+        return decoded
+
+    def _decoded_alone(self, item, row: int, failed: list):
+        try:
+            return self.decode_jpeg(item, mode=self.rgb, device=self.device)
+        except RuntimeError as exc:
+            failed[row] = str(exc).splitlines()[0] or type(exc).__name__
+            return None
 
     def wait(self, events) -> None:
         events[0].synchronize()

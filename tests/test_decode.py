@@ -22,6 +22,8 @@ from shmseq.shards import ShardSequence, image_folder_samples, write_shards  # n
 from shmseq.testing import FakeGpuDecoder, planned_batches  # noqa: E402
 from shmseq.vision import IMAGENET_MEAN, IMAGENET_STD, ImageDecodeError  # noqa: E402
 
+from bombs import jpeg_claiming, peak_memory  # noqa: E402
+
 SIZE = 24
 COUNT = 60
 
@@ -198,6 +200,70 @@ def test_skipped_images_leave_smaller_batches_with_a_warning(damaged):
     assert ["0005.jpg" in str(w.message) for w in caught] == [True, False]  # batch 1, then 2
 
 
+BOMB = "24000 x 16000"  # what the bomb's header claims, width x height: 1.15 GB as RGB
+
+
+@pytest.fixture
+def bombed(tmp_path):
+    """Twelve images, the sixth a JPEG of 628 bytes whose header claims 24000 x 16000 pixels."""
+    root = str(tmp_path / "bombed")
+    write_folder(root, 12)
+    with open(os.path.join(root, "c1", "0005.jpg"), "wb") as file:
+        file.write(jpeg_claiming(24000, 16000))
+    return root
+
+
+def bombed_sequence(root, decoder: str = "cpu", **options) -> ShmSequence:
+    """The folder through a CPU stage, the fake GPU decoder (the CUDA decoder's protocol: the
+    slot read late by address) or a CUDA stage."""
+    worker = EncodedImageWorker(root)
+    where = "cuda" if decoder == "cuda" else "cpu"
+    stage = DecodeStage(SIZE, device=where, names=worker.name_of, **options)
+    device = (lambda: FakeGpuDecoder(stage)) if decoder == "fake gpu" else stage
+    return ShmSequence(worker, len(worker), batch_size=4, num_workers=2, out_type=where,
+                       shuffle=False, slot_bytes=1 << 16, device=device)
+
+
+def test_an_image_over_the_pixel_limit_is_named_with_its_claimed_size_and_batch(bombed):
+    seq = bombed_sequence(bombed)
+    with peak_memory() as grown, seq.start(), pytest.raises(ImageDecodeError) as info:
+        for _ in seq:
+            pass
+    message = str(info.value)
+    assert "0005.jpg" in message and "sample 5" in message and BOMB in message, message
+    assert "max_pixels=89,478,485" in message, message
+    assert any("batch 1 of epoch 0" in note for note in info.value.__notes__)
+    assert grown[0] < 200 << 20, f"decoding took {grown[0] >> 20} MiB: the bomb was decoded"
+
+
+@pytest.mark.parametrize("decoder", ["cpu", "fake gpu"])
+def test_with_skip_an_image_over_the_pixel_limit_is_left_out_counted_and_warned(bombed, decoder):
+    seq = bombed_sequence(bombed, decoder, on_error="skip")
+    with peak_memory() as grown, seq.start(), pytest.warns(SkippedSamplesWarning) as caught:
+        sizes = [len(labels) for _, labels in seq]
+    assert sizes == [4, 3, 4] and seq.stats.skipped_samples == 1
+    assert len(caught) == 1 and BOMB in str(caught[0].message)
+    assert "0005.jpg" in str(caught[0].message) and "batch 1 of epoch 0" in str(caught[0].message)
+    assert grown[0] < 200 << 20, f"decoding took {grown[0] >> 20} MiB: the bomb was decoded"
+
+
+def test_the_pixel_limit_is_max_pixels():
+    data = simplejpeg.encode_jpeg(np.full((120, 160, 3), 90, np.uint8), quality=90)
+    region = np.zeros(1 << 16, np.uint8)
+    write_batch((Ragged.from_items([data]), np.zeros(1, np.int64), np.array([7])), region)
+    for limit, refused in ((160 * 120, False), (160 * 120 - 1, True)):
+        device = DecodeStage(SIZE, device="cpu", max_pixels=limit)()
+        try:
+            if refused:
+                with pytest.raises(ImageDecodeError, match=f"160 x 120 .*max_pixels={limit:,}"):
+                    device.hand_over(*device.convert(read_batch(region)))
+            else:
+                images, _ = device.hand_over(*device.convert(read_batch(region)))
+                assert images.shape == (1, 3, SIZE, SIZE)
+        finally:
+            device.close()
+
+
 def test_shards_of_encoded_images_decode_in_the_trainer(folder, tmp_path):
     index = write_shards(image_folder_samples(folder), str(tmp_path / "s-%03d.tar"),
                          samples_per_shard=25)
@@ -232,6 +298,8 @@ def test_arguments_are_checked():
         DecodeStage(on_error="ignore")
     with pytest.raises(ValueError, match="device"):
         DecodeStage(device="tpu")
+    with pytest.raises(ValueError, match="max_pixels must be an integer >= 1, got 0"):
+        DecodeStage(max_pixels=0)
 
 
 def test_a_folder_with_other_formats_is_refused(tmp_path):
@@ -275,6 +343,18 @@ def test_gpu_decode_keeps_slots_until_the_decode_has_read_them(folder):
                                          out_type="cuda"):
         torch.cuda._sleep(2_000_000)  # the consumer's stream is busy: hand-overs wait
         assert_rows_are(images.cpu(), ids)
+
+
+@needs_cuda
+def test_gpu_decode_never_hands_an_image_over_the_pixel_limit_to_nvjpeg(bombed):
+    pytest.importorskip("torchvision")
+    seq = bombed_sequence(bombed, "cuda", on_error="skip")
+    torch.cuda.reset_peak_memory_stats()
+    with seq.start(), pytest.warns(SkippedSamplesWarning) as caught:
+        sizes = [len(labels) for _, labels in seq]
+    assert sizes == [4, 3, 4] and seq.stats.skipped_samples == 1
+    assert len(caught) == 1 and BOMB in str(caught[0].message)
+    assert torch.cuda.max_memory_allocated() < 200 << 20
 
 
 def same_size_batch(ids) -> tuple:
