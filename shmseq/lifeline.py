@@ -4,30 +4,37 @@ A worker process may be anywhere when its consumer dies: between tasks, inside a
 ``__getitem__``, in its constructor, hung in a C call that holds the GIL. So the check is not
 left to the worker's loop:
 
-* from its first instruction, when its parent is the consumer's main thread or the fork
-  server, the kernel is asked to kill it with its parent (``PR_SET_PDEATHSIG``), which covers
-  code that holds the GIL. A fork server outlives the consumer only while a process holds the
-  write end of its "alive" pipe, which every process it forks inherits: workers close theirs;
+* from its first instruction, the kernel is asked to kill it with its parent
+  (``PR_SET_PDEATHSIG``), which covers code that holds the GIL. That "parent" is the *thread*
+  that forked it, so every worker process is started from one thread of shmseq's own that lives
+  as long as any pool's workers (``start_process``), never from the thread that called
+  ``start()``: a prefetch thread, a server's or a notebook's may end long before the trainer.
+  Under forkserver the parent is the fork server, which outlives the consumer only while a
+  process holds the write end of its "alive" pipe, which every process it forks inherits:
+  workers close theirs;
 * a watchdog thread polls the consumer (its pid *and* its start time, so a recycled pid is
   not taken for it; not the parent pid, which under forkserver is the fork server) every
-  ``WATCH_SECONDS`` and ends the process once it is gone (for consumers that started their
-  workers from another thread).
+  ``WATCH_SECONDS`` and ends the process once it is gone: a second guard, for what the kernel's
+  does not cover (a worker that set its own ``PR_SET_PDEATHSIG``, say).
 
 Nothing is left to clean: the ring's name is unlinked as soon as it is made (ring.py).
 
-Ctrl-C belongs to the consumer: SIGINT is held back while workers start (a spawned worker
-would otherwise print a ``KeyboardInterrupt`` from its bootstrap) and ignored in workers.
+Ctrl-C belongs to the consumer: SIGINT is blocked in the thread that starts workers, which they
+inherit (a spawned worker would otherwise print a ``KeyboardInterrupt`` from its bootstrap),
+and ignored in workers.
 """
 from __future__ import annotations
 
-import contextlib
+import concurrent.futures
 import ctypes
 import os
+import queue
 import signal
 import sys
 import threading
 import time
-from typing import Iterator, NamedTuple
+from multiprocessing import resource_tracker
+from typing import Callable, NamedTuple
 
 WATCH_SECONDS = 0.1
 _PR_SET_PDEATHSIG = 1
@@ -59,35 +66,103 @@ def _start_time(pid: int) -> int | None:
     return int(fields[19])
 
 
-@contextlib.contextmanager
-def sigint_held() -> Iterator[None]:
-    """Hold Ctrl-C back while workers start, so that none prints a ``KeyboardInterrupt`` from
-    its bootstrap: the signal is blocked (forked workers inherit that) and, in the main
-    thread, ignored (what a spawned worker inherits through exec). Blocked, it stays pending
-    here on Linux even while ignored: the consumer gets it as soon as the workers started."""
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    handler = None
-    if threading.current_thread() is threading.main_thread():
-        handler = signal.getsignal(signal.SIGINT)
-        if handler is not None:  # None: set outside Python, which could not be put back
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        if handler is not None:
-            signal.signal(signal.SIGINT, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+class _StartingThread:
+    """The one thread that starts every worker process of this process, while any pool holds
+    it, so that a worker's ``PR_SET_PDEATHSIG`` fires with the trainer's process and not with
+    whichever thread asked for the worker. It ends with the last pool that held it, once that
+    pool's workers are gone. SIGINT is blocked in it, which the workers inherit: a Ctrl-C is
+    never its, nor a starting worker's, to take."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._requests: queue.SimpleQueue | None = None
+        self._thread: threading.Thread | None = None
+        self._holders = 0
+
+    def hold(self) -> None:
+        with self._lock:
+            self._holders += 1
+            if self._thread is None:
+                self._requests = queue.SimpleQueue()
+                self._thread = threading.Thread(target=_serve, args=(self._requests,),
+                                                name="shmseq-worker-starter", daemon=True)
+                self._thread.start()
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders > 0 or self._thread is None:
+                return
+            thread, self._thread = self._thread, None
+            self._requests.put(None)
+        thread.join()
+
+    def run(self, start: Callable[[], None], execs: bool) -> None:
+        """``start()`` on the thread, once it returned (raising what it raised); ``execs``: it
+        starts a process by exec (spawn, forkserver). A Ctrl-C while the consumer waits here is
+        raised once the process has started, so that no worker is started behind its back."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._requests.put((start, execs, done))
+        interrupted = None
+        while True:
+            try:
+                done.result()
+                break
+            except KeyboardInterrupt as exc:  # noqa: PERF203 - the start goes on: wait for it
+                interrupted = exc
+        if interrupted is not None:
+            raise interrupted
+
+
+def _serve(requests: queue.SimpleQueue) -> None:
+    while (request := requests.get()) is not None:
+        start, execs, done = request
+        try:
+            _block_sigint(execs)
+            start()
+        except BaseException as exc:  # noqa: BLE001 - raised in the thread that asked
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+        del request, start, done
+
+
+def _block_sigint(execs: bool) -> None:
+    """Block SIGINT in this thread; where processes are started by exec (spawn, forkserver),
+    multiprocessing's resource tracker running first: multiprocessing starts it on the first of
+    them, and then unblocks SIGINT in the calling thread, before the process is started."""
+    if execs:
+        resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+_starting_thread = _StartingThread()
+os.register_at_fork(after_in_child=_starting_thread.__init__)  # the parent's thread is not here
+
+
+def hold_starting_thread() -> None:
+    """A pool will start worker processes (see ``_StartingThread``): until ``release``."""
+    _starting_thread.hold()
+
+
+def release_starting_thread() -> None:
+    """The pool's workers are gone."""
+    _starting_thread.release()
+
+
+def start_process(process, start_method: str) -> None:
+    """Start a worker process from the starting thread, which a pool holds."""
+    _starting_thread.run(process.start, execs=start_method != "fork")
 
 
 class Lifeline:
     """A worker process's tie to its consumer (created first thing in the worker)."""
 
-    def __init__(self, consumer: ProcessId, die_with_parent: bool):
+    def __init__(self, consumer: ProcessId):
         self.consumer = consumer
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        if die_with_parent:
-            _die_with_parent()
+        _die_with_parent()
         _let_the_fork_server_go()
         if not consumer.alive():  # died before the request took effect
             os._exit(0)
@@ -100,7 +175,8 @@ class Lifeline:
 
 
 def _die_with_parent() -> None:
-    """Be killed when the parent (thread) that started this process ends."""
+    """Be killed when the parent (thread) that started this process ends: shmseq's starting
+    thread, which ends with the consumer's process, or the fork server."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 

@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from .errors import WorkerDied, raised_in_worker, warn_user
-from .lifeline import ProcessId
+from .lifeline import ProcessId, hold_starting_thread, release_starting_thread
 from .plan import BatchStream, Task
 from .ring import Ring
 from .stats import LoaderStats
@@ -184,10 +184,13 @@ class WorkerPool:
         self._start_args = (None if self._pickled_worker else worker, backend, context,
                             worker_init_fn)
         self._consumer = ProcessId.of(os.getpid())
-        self._board = Board(num_workers) if backend == "proc" else None
+        self._processes = backend == "proc"
+        self._board = Board(num_workers) if self._processes else None
         self._events = _Events()
         self._events.watch(self._waker.fileno(), (self._woken, None))
         self._workers: list[WorkerHandle] = []
+        if self._processes:
+            hold_starting_thread()  # released by stop(), once the workers are gone
         try:
             for wid in range(num_workers):
                 self._workers.append(self._start(WorkerInfo(wid, num_workers, base_seed + wid)))
@@ -511,6 +514,8 @@ class WorkerPool:
             for handle in self._workers:
                 handle.close_pipes()
             end_workers(self._workers)
+            if self._processes:
+                release_starting_thread()
             if self._board is not None:
                 self._board.close()
 

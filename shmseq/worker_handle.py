@@ -13,7 +13,7 @@ import numpy as np
 
 from .board import BoardSpec
 from .errors import warn_user
-from .lifeline import ProcessId, sigint_held
+from .lifeline import ProcessId, start_process
 from .wire import FrameReader
 from .workers import ProcessTies, WorkerInfo, worker_loop
 
@@ -144,18 +144,27 @@ def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn
     else:
         method = context.get_start_method()
         ties = ProcessTies(
-            consumer, die_with_parent=(method == "forkserver"
-                                       or threading.current_thread() is threading.main_thread()),
-            inherited_fds=((task_writer.fileno(), result_reader.fileno(), *other_ends)
-                           if method == "fork" else None), board=board)
+            consumer, inherited_fds=((task_writer.fileno(), result_reader.fileno(), *other_ends)
+                                     if method == "fork" else None), board=board)
         args = (worker, task_reader, result_writer, info, worker_init_fn, ties)
         runner = context.Process(target=worker_loop, name=name, daemon=True, args=args)
         _started_here.add(runner)  # before it is one of multiprocessing's children: no fork between
-        with sigint_held():  # a Ctrl-C now is the consumer's, not the starting worker's
-            runner.start()
-        task_reader.close()
-        result_writer.close()
+        try:
+            start_process(runner, method)
+        except BaseException:
+            _discard(runner)  # a Ctrl-C that came while it started: no worker behind our back
+            raise
+        finally:
+            task_reader.close()
+            result_writer.close()
     return WorkerHandle(info, TaskPipe(task_writer), result_reader, runner)
+
+
+def _discard(runner) -> None:
+    """End a worker process that started while its start was being given up."""
+    if getattr(runner, "_popen", None) is not None:
+        runner.kill()
+        runner.join(JOIN_SECONDS)
 
 
 def consumer_ends(handles: Iterable[WorkerHandle]) -> list[int]:

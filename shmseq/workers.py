@@ -169,7 +169,6 @@ class ProcessTies(NamedTuple):
     """What a worker process needs to follow its consumer (see lifeline.py), and to say which
     batch it is building (board.py; when it may be replaced)."""
     consumer: ProcessId
-    die_with_parent: bool               # the parent is the consumer's main thread or the fork server
     inherited_fds: tuple[int, ...] | None  # forked: the consumer's pipe ends, to close
     board: BoardSpec | None = None
 
@@ -224,7 +223,7 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
                 ties: ProcessTies | None) -> None:
     """The body of a worker, process or thread (``ties`` is set in processes)."""
     if ties is not None:
-        Lifeline(ties.consumer, ties.die_with_parent)
+        Lifeline(ties.consumer)
         if ties.inherited_fds is not None:
             for fd in ties.inherited_fds:
                 os.close(fd)

@@ -424,7 +424,7 @@ def _run_until_killed(script: str, kill_after: float) -> tuple[int, list[int], f
 
 
 _PRINT_WORKERS = """
-import multiprocessing, sys, threading, time
+import concurrent.futures, multiprocessing, sys, threading, time
 sys.path.insert(0, {tests!r})
 from shmseq import ShmSequence
 from shmseq.testing import worker_pids
@@ -458,6 +458,38 @@ def test_workers_inside_user_code_leave_within_a_second_of_a_killed_consumer(met
     while _alive(pids) and time.monotonic() - died < 5:
         time.sleep(0.02)
     assert not _alive(pids)
+    assert time.monotonic() - died < 1.0 + 0.3, "a worker outlived its consumer by over a second"
+    assert not shm_entries({consumer})
+
+
+@pytest.mark.parametrize("method, starter", [
+    ("fork", "a thread still running"), ("fork", "a thread that has ended"),
+    ("spawn", "a thread that has ended"), ("forkserver", "a thread that has ended")])
+def test_workers_follow_the_process_not_the_thread_that_started_them(method, starter):
+    """Frameworks start loaders from threads (prefetchers, servers, notebooks' jobs): workers
+    in a C call that holds the GIL (no watchdog thread of theirs can run) still leave within a
+    second of the trainer's death."""
+    script = _PRINT_WORKERS.format(tests=str(TESTS)) + textwrap.dedent(f"""
+        def start(then_take_one):
+            seq = ShmSequence(workers.HoldsTheGil(), 400, batch_size=4, num_workers=2,
+                              slot_bytes=4096, out_type="null", start_method={method!r}).start()
+            if then_take_one:
+                next(iter(seq))
+            return seq
+
+        if __name__ == "__main__":
+            if {starter == "a thread still running"!r}:
+                threading.Thread(target=start, args=(True,), daemon=True).start()
+                time.sleep(60)
+            with concurrent.futures.ThreadPoolExecutor(1) as starter:
+                seq = starter.submit(start, False).result()
+            next(iter(seq))  # its thread has ended
+    """)
+    consumer, pids, died = _run_until_killed(script, kill_after=2.0)
+    assert len(pids) == 2
+    while _alive(pids) and time.monotonic() - died < 5:
+        time.sleep(0.02)
+    assert not _alive(pids), f"workers outlived a trainer that started them from {starter}"
     assert time.monotonic() - died < 1.0 + 0.3, "a worker outlived its consumer by over a second"
     assert not shm_entries({consumer})
 
