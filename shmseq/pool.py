@@ -36,7 +36,7 @@ from .ring import Ring
 from .stats import LoaderStats
 from .board import Board
 from .worker_handle import (JOIN_SECONDS, WorkerHandle, consumer_ends, end_workers, pickled_for,
-                            start_worker)
+                            preload_in_fork_server, start_worker)
 from .wire import framed, task_frame
 from .workers import WorkerInfo
 
@@ -176,7 +176,7 @@ class WorkerPool:
         self._unslotted_back = 0  # of those, the ones back: the consumer stores them (_into_ring)
         self._stopped = False
         self._restarts = restarts
-        self._killers: set[int] = set()  # batches that killed a worker once
+        self._suspect: int | None = None  # the batch the last death was charged on, if any
         self._replacements: set[WorkerHandle] = set()  # workers started in a dead one's place
         self._pickled_worker = None if backend != "proc" else pickled_for(
             "worker", worker, context.get_start_method(),
@@ -190,6 +190,7 @@ class WorkerPool:
         self._events.watch(self._waker.fileno(), (self._woken, None))
         self._workers: list[WorkerHandle] = []
         if self._processes:
+            preload_in_fork_server(context)
             hold_starting_thread()  # released by stop(), once the workers are gone
         try:
             for wid in range(num_workers):
@@ -447,24 +448,49 @@ class WorkerPool:
         if self._restarts <= 0:
             used = self.stats.restarts
             return f" (and worker_restarts={used} were used)" if used else ""
-        if building in self._killers:
-            return ("; that batch had already killed a worker: a batch that kills its worker "
-                    "twice is not sent again")
+        if building is not None and building == self._suspect:
+            return ("; that batch had killed the worker before it too: a batch that kills two "
+                    "workers in a row is not sent again")
         return None
 
     def _restart(self, dead: WorkerHandle, died: str, building: int | None) -> None:
         """A new worker with the same id and seed, given the ring. The dead one's tasks go, in
-        order, to a live worker that has started (the consumer waits for the first of them, and
-        a started worker builds it sooner than one still starting: a spawned one takes 0.2 s),
-        or, in turn (``in_turn``) or with none started, to the new one: every batch still
-        arrives once. A batch is blamed for the death only if the dead worker was building it."""
+        order and ahead of its own, to a live worker that has started, before the new one is
+        started (the consumer waits for the first of them, and a started worker builds it
+        sooner than one still starting: a spawned one takes 0.2 s), or, in turn (``in_turn``)
+        or with none started, to the new one: every batch still arrives once.
+
+        A batch is suspected of the death only if the dead worker was building it, and judged
+        poison only if the next death is charged on it too: a batch that kills every worker
+        that builds it is caught at its second death, while deaths from outside (an
+        out-of-memory killer, a user's ``kill``) land on the batches at random and, among
+        them, on workers that were between batches or starting, which clear the suspicion.
+        The suspect is built again at once, ahead of the heir's own tasks, so that the next
+        death from outside rarely finds it in the making."""
         self._restarts -= 1
         self.stats.restarts += 1
-        if building is not None:
-            self._killers.add(building)
+        self._suspect = building
         warn_user(f"{died}: a new worker takes its place and builds its batches again "
                   f"({self._restarts} more {'restart' if self._restarts == 1 else 'restarts'} "
                   "allowed)")
+        heir = None if self._in_turn else min(
+            (h for h in self._workers if h.accepting and h.ready and h is not dead),
+            key=lambda h: len(h.open), default=None)
+        if heir is not None:
+            self._hand_over_tasks(dead, heir)
+        replacement = self._replace(dead)
+        if heir is None:
+            self._hand_over_tasks(dead, replacement)
+
+    def _hand_over_tasks(self, dead: WorkerHandle, heir: WorkerHandle) -> None:
+        """The dead worker's tasks, ahead of the heir's own: the suspect first, the others in
+        order."""
+        for number in sorted(dead.open, key=lambda number: (number != self._suspect, number)):
+            indices, slot = heir.open[number] = dead.open[number]
+            self._send(heir, framed(("again", number, slot, indices)))
+
+    def _replace(self, dead: WorkerHandle) -> WorkerHandle:
+        """The dead worker's replacement, started in its place and given the ring."""
         self._unwatch(dead)
         dead.close_pipes()
         end_workers([dead])
@@ -475,12 +501,7 @@ class WorkerPool:
         self._workers[self._workers.index(dead)] = handle
         if self.ring is not None:
             self._send(handle, framed(("ring", self.ring.spec)))
-        heir = handle if self._in_turn else min(
-            (h for h in self._workers if h.accepting and h.ready and h is not handle),
-            key=lambda h: len(h.open), default=handle)
-        for number, (indices, slot) in sorted(dead.open.items()):
-            heir.open[number] = (indices, slot)
-            self._send(heir, task_frame(number, slot, indices))
+        return handle
 
     def _unwatch(self, handle: WorkerHandle) -> None:
         for fd in (handle.replies.fd, handle.sentinel, handle.tasks.fd):

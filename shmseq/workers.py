@@ -175,7 +175,11 @@ class ProcessTies(NamedTuple):
 
 class _Inbox:
     """The task pipe, read ahead: a stop request overtakes the tasks queued before it, so that
-    a worker asked to stop leaves after the batch in hand.
+    a worker asked to stop leaves after the batch in hand; batches given again after a worker's
+    death (``"again"``) overtake the tasks, and those of an earlier death, but not the messages
+    before them (the ring): the consumer waits for them, and the one suspected of the death,
+    sent first, is built at once, not when a random kill may land on it again (see
+    ``pool.WorkerPool._restart``).
 
     With nothing queued the worker sleeps in the read itself (one system call a wake-up, as
     many tasks as came). With tasks queued it looks at the pipe again only once its last look
@@ -185,21 +189,36 @@ class _Inbox:
     def __init__(self, tasks):
         self._reader = FrameReader(tasks.fileno(), blocking=True)
         self._queued: collections.deque = collections.deque()
+        self._again: collections.deque = collections.deque()  # tasks, ahead of _queued's
         self._readable = select.poll()
         self._readable.register(tasks.fileno(), select.POLLIN)
         self._looked = time.monotonic()
 
     def next(self):
         """The next message; None when asked to stop. Raises EOFError once the pipe closed."""
-        if not self._queued:
-            while not self._queued:
-                self._queued.extend(self._reader.read())
+        if not (self._queued or self._again):
+            while not (self._queued or self._again):
+                self._queue(self._reader.read())
             self._looked = time.monotonic()
         elif time.monotonic() - self._looked >= STOP_CHECK_SECONDS:
             if self._readable.poll(0):
-                self._queued.extend(self._reader.read())
+                self._queue(self._reader.read())
             self._looked = time.monotonic()
-        return None if None in self._queued else self._queued.popleft()
+        if None in self._queued:
+            return None
+        if self._again and not (self._queued and self._queued[0][0] != "task"):
+            return self._again.popleft()
+        return self._queued.popleft()
+
+    def _queue(self, messages: list) -> None:
+        """The latest batches given again go first: they begin with the latest suspect."""
+        again = []
+        for message in messages:
+            if message is not None and message[0] == "again":
+                again.append(("task", *message[1:]))
+            else:
+                self._queued.append(message)
+        self._again.extendleft(reversed(again))
 
 
 def _tell_torch(torch, info: WorkerInfo, dataset) -> None:

@@ -7,6 +7,7 @@ import os
 import random
 import re
 import signal
+import threading
 import time
 import warnings
 
@@ -54,7 +55,7 @@ def test_a_batch_that_kills_its_worker_twice_is_not_sent_a_third_time():
     seq = make(Crash("SIGKILL", at=13), worker_restarts=3)
     with pytest.warns(RuntimeWarning, match="a new worker takes its place"):
         with pytest.raises(WorkerDied, match=r"killed by signal SIGKILL while building batch \d+ of epoch \d "
-                                             r"\(sample indices .*13.*\).*had already killed a worker"):
+                                             r"\(sample indices .*13.*\).*had killed the worker before it too"):
             with seq.start():
                 for batch in seq:
                     del batch
@@ -178,6 +179,42 @@ def test_kills_in_quick_pairs_cost_restarts_never_the_run(tmp_path, method, seed
             got.append([seen(b) for b in seq])
     assert got == reference(tmp_path, len(got), dset_size=800)
     assert seq.stats.restarts == killer.result() == 6
+
+
+def _kill_at_random(stop: threading.Event, rng: random.Random, killed: list) -> None:
+    """SIGKILL a worker, any of them (at work, between batches, starting), every 50-150 ms."""
+    while not stop.wait(rng.uniform(0.05, 0.15)):
+        pids = [p.pid for p in multiprocessing.active_children()
+                if p.name.startswith("shmseq-worker")]
+        if pids:
+            try:
+                os.kill(rng.choice(pids), signal.SIGKILL)
+                killed.append(1)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.parametrize("method, seconds", [("fork", 4), ("spawn", 6), ("forkserver", 6)])
+def test_random_kills_never_make_an_innocent_batch_poison(tmp_path, method, seconds):
+    """Kills from outside land on whatever is being built: two of them on one batch, even in a
+    row, must not judge it poison. Every batch once and in order, epoch after epoch."""
+    seq = make(KillOnce(tmp_path, at=[], seconds=0.02), dset_size=400, start_method=method,
+               worker_restarts=10**6)
+    got, stop, killed = [], threading.Event(), []
+    killer = threading.Thread(target=_kill_at_random, args=(stop, random.Random(seconds), killed))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "worker .* a new worker takes its place")
+        with seq.start():
+            killer.start()
+            try:
+                began = time.monotonic()
+                while time.monotonic() - began < seconds:
+                    got.append([seen(b) for b in seq])
+            finally:
+                stop.set()
+                killer.join()
+    assert got == reference(tmp_path, len(got), dset_size=400)
+    assert 10 < seq.stats.restarts <= len(killed)  # a kill may find a dead worker not reaped yet
 
 
 def test_restarts_need_processes():
