@@ -1,21 +1,38 @@
 """Argument checks shared by the front ends: each error names the argument, the value given,
-and what would do instead."""
+and what would do instead. A value of the wrong type is a ``TypeError``, one out of range a
+``ValueError``, as Python's own functions have it."""
 from __future__ import annotations
 
 import math
 import numbers
+
+import numpy as np
 
 from .devices import OUT_TYPES
 
 MAX_TIMEOUT = 2_147_483  # seconds: the most select() takes (a 32-bit count of milliseconds)
 
 
+def _given(value) -> str:
+    """The value as an error shows it, with its type where the repr does not say it."""
+    return f"{value!r} ({type(value).__name__})"
+
+
 def check_int(name: str, value, minimum: int, *, optional: bool = False) -> None:
     if optional and value is None:
         return
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}"
-                         f"{' or None' if optional else ''}, got {value!r}")
+    wanted = f"{name} must be an integer >= {minimum}{' or None' if optional else ''}"
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{wanted}, got {_given(value)}")
+    if value < minimum:
+        raise ValueError(f"{wanted}, got {value!r}")
+
+
+def check_bool(name: str, value, *, optional: bool = False) -> None:
+    """A flag: True or False (numpy's too), not a value that is merely truthy ('no' is)."""
+    if not (isinstance(value, (bool, np.bool_)) or (optional and value is None)):
+        raise TypeError(f"{name} must be True or False{' or None' if optional else ''}, "
+                        f"got {_given(value)}")
 
 
 def check_choice(name: str, value, choices) -> None:
@@ -34,10 +51,12 @@ def check_timeout(timeout) -> float | None:
     """Seconds to wait for a batch; None (given as None or inf): as long as it takes."""
     if timeout is None or (isinstance(timeout, numbers.Real) and timeout == math.inf):
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (
-            0 < timeout <= MAX_TIMEOUT):
-        raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:,}], or None "
-                         f"(or inf) to wait as long as it takes, got {timeout!r}")
+    wanted = (f"timeout must be a number of seconds in (0, {MAX_TIMEOUT:,}], or None (or inf) "
+              "to wait as long as it takes")
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{wanted}, got {_given(timeout)}")
+    if not 0 < timeout <= MAX_TIMEOUT:
+        raise ValueError(f"{wanted}, got {timeout!r}")
     return float(timeout)
 
 

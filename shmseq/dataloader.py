@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 
+from .checks import check_bool, check_int
 from .layout import SlotAllocator, as_ndarray
 from .plan import SamplerPlan
 from .ragged import is_tensor
@@ -130,6 +131,7 @@ class DataLoader(SampleLoader):
                  start_method: str | None = None, worker_restarts: int = 0):
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise TypeError(f"dataset must have __getitem__ and __len__, got {type(dataset).__name__}")
+        self._check(batch_size, shuffle, num_workers, prefetch, thread_pool)
         self.dataset = dataset
         self.batch_sampler = self._batch_sampler(batch_size, shuffle, sampler, last_batch,
                                                  batch_sampler)
@@ -138,13 +140,24 @@ class DataLoader(SampleLoader):
                              "or batch_sampler, deal the indices to the ranks in it")
         prefetch = 2 * num_workers if prefetch is None else prefetch
         super().__init__(SampleWorker(dataset, batchify_fn, self._collate_name), len(dataset),
-                         batch_size=batch_size or 1, slot_bytes=slot_bytes,
+                         batch_size=batch_size or 1,  # None: the batch_sampler's batches
+                         slot_bytes=slot_bytes,
                          buffer=max(prefetch, num_workers, 1) + 2, num_workers=num_workers,
                          shuffle=shuffle, seed=seed, last_batch=last_batch or "keep",
                          thread_type="thread" if thread_pool else "proc", out_type=out_type,
                          start_method=start_method, timeout=timeout, pin_memory=pin_memory,
                          pin_device_id=pin_device_id, rank=rank, world_size=world_size,
                          worker_init_fn=worker_init_fn, worker_restarts=worker_restarts)
+
+    @staticmethod
+    def _check(batch_size, shuffle, num_workers, prefetch, thread_pool) -> None:
+        """The arguments used here before ``ShmSequence`` checks the rest: a 0 or a string
+        would otherwise turn into some other loader (``batch_size or 1``, ``2 * '2'``)."""
+        check_int("batch_size", batch_size, 1, optional=True)
+        check_bool("shuffle", shuffle)
+        check_int("num_workers", num_workers, 0)
+        check_int("prefetch", prefetch, 0, optional=True)
+        check_bool("thread_pool", thread_pool)
 
     @staticmethod
     def _batch_sampler(batch_size, shuffle, sampler, last_batch, batch_sampler):

@@ -16,7 +16,8 @@ from typing import Callable
 
 import numpy as np
 
-from .checks import check_choice, check_int, check_out_type, check_timeout, check_worker
+from .checks import (check_bool, check_choice, check_int, check_out_type, check_timeout,
+                     check_worker)
 from .devices import Device, resolve_out_type
 from .pipeline import Inline, Pipeline, PipelineSpec
 from .plan import EpochPlan, as_index_array
@@ -82,6 +83,8 @@ class ShmSequence:
         check_int("seed", seed, 0, optional=True)
         check_int("pin_device_id", pin_device_id, 0)
         check_int("worker_restarts", worker_restarts, 0)
+        check_bool("shuffle", shuffle)
+        check_bool("pin_memory", pin_memory, optional=True)
         if worker_restarts and thread_type == "thread":
             raise ValueError(f"worker_restarts={worker_restarts} replaces worker processes that "
                              "die, but thread_type='thread' runs none: use thread_type='proc'")

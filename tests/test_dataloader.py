@@ -30,6 +30,24 @@ def test_mxnet_argument_rules(options, message):
         DataLoader(TEN, **options)
 
 
+@pytest.mark.parametrize("options, error, message", [
+    ({"batch_size": 0}, ValueError, "batch_size must be an integer >= 1 or None, got 0"),
+    ({"batch_size": 0, "sampler": SequentialSampler(10)}, ValueError, "batch_size .* got 0"),
+    ({"batch_size": "64"}, TypeError, r"batch_size must be an integer >= 1 or None, got '64' \(str\)"),
+    ({"batch_size": 2.0}, TypeError, r"batch_size .* got 2.0 \(float\)"),
+    ({"batch_size": 2, "shuffle": "yes"}, TypeError, r"shuffle must be True or False, got 'yes' \(str\)"),
+    ({"batch_size": 2, "thread_pool": "no"}, TypeError, "thread_pool must be True or False, got 'no'"),
+    ({"batch_size": 2, "pin_memory": 1}, TypeError, "pin_memory must be True or False.*got 1"),
+    ({"batch_size": 2, "num_workers": "2"}, TypeError, "num_workers must be an integer >= 0, got '2'"),
+    ({"batch_size": 2, "prefetch": "4"}, TypeError, "prefetch must be an integer >= 0 or None, got '4'"),
+    ({"batch_size": 2, "prefetch": -1}, ValueError, "prefetch must be an integer >= 0 or None, got -1"),
+    ({"batch_size": 2, "timeout": "60"}, TypeError, "timeout must be a number of seconds .* got '60'"),
+])
+def test_arguments_out_of_range_or_of_the_wrong_type_are_refused_by_name(options, error, message):
+    with pytest.raises(error, match=message):
+        DataLoader(TEN, **options)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_last_batch_policies_as_mxnet(num_workers):
     keep = DataLoader(TEN, batch_size=4, num_workers=num_workers)

@@ -266,6 +266,21 @@ def test_bad_arguments_fail_at_construction(options, message):
         make(**options)
 
 
+@pytest.mark.parametrize("options, message", [
+    ({"batch_size": "64"}, r"batch_size must be an integer >= 1, got '64' \(str\)"),
+    ({"batch_size": True}, r"batch_size must be an integer >= 1, got True \(bool\)"),
+    ({"num_workers": 2.0}, r"num_workers must be an integer >= 0, got 2.0 \(float\)"),
+    ({"seed": "7"}, "seed must be an integer >= 0 or None, got '7'"),
+    ({"shuffle": "yes"}, r"shuffle must be True or False, got 'yes' \(str\)"),
+    ({"shuffle": None}, "shuffle must be True or False, got None"),
+    ({"pin_memory": "no"}, "pin_memory must be True or False or None, got 'no'"),
+    ({"timeout": "30"}, "timeout must be a number of seconds .*got '30'"),
+])
+def test_arguments_of_the_wrong_type_are_type_errors_naming_them(options, message):
+    with pytest.raises(TypeError, match=message):
+        make(**options)
+
+
 @pytest.mark.parametrize("timeout", [None, float("inf")])
 def test_no_timeout_waits_as_long_as_it_takes(timeout):
     with make(Slow(0.01), timeout=timeout).start() as seq:
