@@ -338,11 +338,12 @@ class Inline:
 
     def batches(self, epoch: int, position: int = 0):
         self.plan.open(epoch)
-        for position in itertools.count(position):
+        first = position
+        for position in itertools.count(first):
             indices = self.plan.batch(epoch, position)
             if indices is None:
                 return
-            batch, _ = build_batch(self.worker_obj, indices, None)
+            batch, _ = build_batch(self.worker_obj, indices, None, position == first)
             name = f"batch {position} of epoch {epoch}"
             self.stats.report_skipped(skipped_by(self.worker_obj), name)
             if self.test_mode != "numpy":

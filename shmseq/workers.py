@@ -28,6 +28,7 @@ from .board import BoardSpec, WorkerCell
 from .errors import UnsupportedBatch
 from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
 from .lifeline import Lifeline, ProcessId
+from .ragged import Ragged, is_jagged, is_tensor
 from .segments import WorkerRing, drop_inherited_rings
 from .wire import FrameReader, decode, done_frame, encode, framed, write_all
 
@@ -41,9 +42,10 @@ def make_worker(worker):
     return worker() if isinstance(worker, type) else worker
 
 
-def build_batch(worker_obj, indices: np.ndarray, region: np.ndarray | None):
+def build_batch(worker_obj, indices: np.ndarray, region: np.ndarray | None, first: bool = False):
     """Call the user's worker; in-place workers get an allocator over the slot. A worker's
-    ``__getitem__`` that returns None most likely forgot its ``return``: that is refused."""
+    ``__getitem__`` that returns None most likely forgot its ``return``: that is refused, and
+    so is a ``first`` batch without a row per index (``check_rows``)."""
     fill = getattr(worker_obj, "fill_batch", None)
     if fill is not None:
         allocator = SlotAllocator(region)
@@ -52,7 +54,47 @@ def build_batch(worker_obj, indices: np.ndarray, region: np.ndarray | None):
     if batch is None:
         raise UnsupportedBatch("the worker returned None for a batch: return an array, "
                                "or a tuple/list/dict of arrays")
+    if first:
+        check_rows(batch, indices)
     return batch, None
+
+
+def check_rows(batch, indices: np.ndarray) -> None:
+    """Refuse a batch in which nothing has a row per index: the worker was written for one
+    sample (a torch ``Dataset``'s ``dataset[i]``), and given the index array it returned one
+    sample, which would travel as a batch of the wrong size, silently.
+
+    A row per index: an array's (or tensor's) first dimension, a list's or a ragged leaf's
+    items. Other arrays may have other lengths (a worker id, a lookup table); a batch without
+    an array is not judged. Workers that build in place (``fill_batch``: the sample-level
+    loaders, with collate functions of their own) are not asked."""
+    found = list(_rows(batch))
+    shapes = [shape for _, shape in found if shape is not None]
+    if not shapes or any(rows == len(indices) for rows, _ in found):
+        return
+    raise UnsupportedBatch(
+        f"the worker returned arrays of shapes {', '.join(map(str, shapes))} for the "
+        f"{len(indices)} sample indices of a batch, none with a row per index: ShmSequence "
+        "calls worker[indices] with a 1-D array of sample indices and takes what it returns "
+        "as the batch. A dataset whose __getitem__ returns one sample for one index (a torch "
+        "Dataset) goes to a sample-level loader, which fetches the samples one by one and "
+        "stacks them in the slot: shmseq.DataLoader(dataset, batch_size=...) for numpy "
+        "arrays, shmseq.torch.DataLoader (torch's DataLoader) for torch tensors")
+
+
+def _rows(batch):
+    """(rows, shape) of each array and tensor of a batch (not of a 0-d one); (items, None) of
+    each list and ragged leaf."""
+    if isinstance(batch, Ragged) or is_jagged(batch):
+        yield len(batch), None
+    elif isinstance(batch, np.ndarray) or is_tensor(batch):
+        if batch.ndim:
+            yield batch.shape[0], tuple(batch.shape)
+    elif isinstance(batch, (tuple, list, dict)):
+        if isinstance(batch, list):
+            yield len(batch), None
+        for item in batch.values() if isinstance(batch, dict) else batch:
+            yield from _rows(item)
 
 
 def skipped_by(worker_obj) -> list[str]:
@@ -79,12 +121,13 @@ class StreamEnded(Exception):
 
 
 def _run_task(worker_obj, ring: WorkerRing | None, number: int, slot: int | None,
-              indices: np.ndarray) -> bytes:
-    """Build and write one batch; the framed reply, with its size and the time it took."""
+              indices: np.ndarray, first: bool) -> bytes:
+    """Build and write one batch (``first``: the worker's first); the framed reply, with its
+    size and the time it took."""
     began = time.perf_counter()
     try:
         region = ring.region(slot) if slot is not None else None  # may find /dev/shm full
-        batch, allocator = build_batch(worker_obj, indices, region)
+        batch, allocator = build_batch(worker_obj, indices, region, first)
         skipped = skipped_by(worker_obj)
         told = framed(("skipped", number, skipped)) if skipped else b""
         if region is not None:
@@ -257,7 +300,7 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
         return
     ring = None
     cell = WorkerCell(ties.board, info.id) if ties is not None and ties.board is not None else None
-    inbox, replies = _Inbox(tasks), results.fileno()
+    inbox, replies, first = _Inbox(tasks), results.fileno(), True
     try:
         write_all(replies, framed(("ready", info.id)))
         while (message := inbox.next()) is not None:
@@ -268,7 +311,8 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
                 _, number, slot, indices = message
                 if cell is not None:
                     cell.begin(number)
-                write_all(replies, _run_task(worker_obj, ring, number, slot, indices))
+                write_all(replies, _run_task(worker_obj, ring, number, slot, indices, first))
+                first = False
     except (EOFError, OSError):
         return  # the consumer closed the pipes: it is shutting down, or gone
     finally:

@@ -18,8 +18,10 @@ from shmseq import (BatchTimeout, SharedMemoryFull, ShmSeqError, ShmSequence, Un
 from shmseq.devices import HostDevice
 from shmseq.testing import worker_pids
 from leaks import leftovers, shm_entries
+from shmseq.ragged import Ragged
+from shmseq.workers import check_rows
 from workers import (BadReturn, Crash, DieOrDawdle, DiesUnpickled, ExitInInit, FailingInit, Hang,
-                     IndexWorker, ImageWorker, Slow, SlowStart5)
+                     IndexWorker, ImageWorker, SampleDataset, Slow, SlowStart5)
 
 TESTS = Path(__file__).parent
 
@@ -301,6 +303,30 @@ def test_a_worker_returning_none_is_told_so_with_its_batch():
     assert "returned None" in message and isinstance(cause, WorkerError)
     assert cause.exc_type == "shmseq.errors.UnsupportedBatch"
     assert cause.batch_indices.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("options", [{}, {"thread_type": "thread"}, {"num_workers": 0}])
+def test_a_dataset_of_samples_is_refused_naming_the_sample_level_loaders(options):
+    """Given the batch's index array, a dataset written for one index returns one sample: an
+    image of (3, 8, 8) and a label of (4,) for a batch of 16, which would travel as a batch."""
+    with make(SampleDataset(), dset_size=64, batch_size=16, **options).start() as seq:
+        try:
+            next(iter(seq))
+        except UnsupportedBatch as exc:  # not pytest.raises: its record would hold the frames
+            message = str(exc)
+    assert "arrays of shapes (3, 8, 8), (4,) for the 16 sample indices" in message
+    assert "shmseq.DataLoader" in message and "shmseq.torch.DataLoader" in message
+
+
+@pytest.mark.parametrize("batch", [
+    (np.zeros((16, 3, 8, 8)), np.zeros(3), np.int64(7)),            # per-sample rows and extras
+    {"ids": np.array([5]), "images": [np.zeros(k) for k in range(16)]},  # a list of 16 items
+    Ragged.from_items([np.zeros(k) for k in range(16)]),            # 16 ragged items
+    [1.5] * 16,                                                     # no array at all
+    ("names", 3.0, np.float32(1)),                                  # nothing with rows
+])
+def test_a_batch_with_a_row_per_index_anywhere_passes_the_rows_check(batch):
+    check_rows(batch, np.arange(16))
 
 
 @pytest.mark.parametrize("kind", ["objects", "set"])
