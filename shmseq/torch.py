@@ -25,7 +25,16 @@ from collections.abc import Hashable
 from typing import TypeVar
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ModuleNotFoundError as missing:
+    if missing.name != "torch":
+        raise  # torch is there, but something it imports is not
+    raise ModuleNotFoundError(
+        "shmseq.torch is torch's DataLoader on shmseq's ring, and needs torch: pip install torch "
+        "(or your CUDA build of it). Without torch, shmseq.ShmSequence and shmseq.DataLoader "
+        "deliver numpy arrays (out_type='null').", name="torch") from missing
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map

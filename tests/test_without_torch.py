@@ -44,3 +44,22 @@ def test_the_benchmark_runs_without_torch_and_says_what_it_skipped(tmp_path):
     assert "| cifar | shmseq-inplace |" in done.stdout and "torch-sample |" not in done.stdout
     assert "What the columns mean" in done.stdout and "arget" not in done.stdout
     assert (Path(tmp_path) / "results.json").is_file()
+
+
+def test_importing_shmseq_torch_without_torch_says_what_to_install_and_what_works_without_it():
+    script = textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None
+        try:
+            import shmseq.torch
+        except ModuleNotFoundError as missing:
+            print(missing.name)
+            print(missing)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    name, message = done.stdout.split("\n", 1)
+    assert name == "torch"
+    assert "pip install torch" in message
+    assert "shmseq.ShmSequence" in message and "shmseq.DataLoader" in message
+    assert "out_type='null'" in message
