@@ -416,8 +416,8 @@ class WorkerPool:
                else f"exited with code {code}")
         died = f"{handle.describe()} {how}"
         if not handle.ready and handle not in self._replacements:
-            raise WorkerDied(f"{died} while starting (building its worker object or running "
-                             "worker_init_fn)", pid=handle.pid, exitcode=code)
+            raise WorkerDied(f"{died} while starting ({handle.starting_stage(code)})",
+                             pid=handle.pid, exitcode=code)
         building = self._building(handle)
         died += self._what_it_held(handle, building)
         refusal = self._why_not_restart(building)

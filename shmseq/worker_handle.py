@@ -4,6 +4,7 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import pickle
+import sys
 import threading
 import weakref
 from multiprocessing import connection
@@ -80,7 +81,8 @@ class TaskPipe:
 class WorkerHandle:
     """A worker process or thread, its pipes, and the tasks it has not finished."""
 
-    def __init__(self, info: WorkerInfo, tasks: TaskPipe, replies: connection.Connection, runner):
+    def __init__(self, info: WorkerInfo, tasks: TaskPipe, replies: connection.Connection, runner,
+                 imports_main: bool = False):
         self.info = info
         self.tasks = tasks
         self._replies = replies
@@ -90,6 +92,7 @@ class WorkerHandle:
         self.ready = False        # its worker object is built
         self.attached = False     # it maps the ring
         self.accepting = True     # its task pipe is open
+        self.imports_main = imports_main  # started by spawn or forkserver: it imports __main__
 
     @property
     def wid(self) -> int:
@@ -105,6 +108,18 @@ class WorkerHandle:
 
     def describe(self) -> str:
         return f"worker {self.wid}" + (f" (pid {self.pid})" if self.pid else "")
+
+    def starting_stage(self, exitcode: int | None) -> str:
+        """What a worker process that died while starting was doing, for ``WorkerDied``. One
+        started by spawn or forkserver that exited with 1 and sent no error died in
+        multiprocessing's bootstrap (importing the main module, unpickling its arguments),
+        before shmseq's code ran."""
+        if self.imports_main and exitcode == 1:
+            return ("in multiprocessing's bootstrap, before shmseq's code ran in it; the error "
+                    "it printed is above. A worker started by spawn or forkserver first imports "
+                    "the main module: if that starts shmseq's workers at import, put that code "
+                    'under if __name__ == "__main__":')
+        return "building its worker object or running worker_init_fn"
 
     def send(self, message: bytes) -> None:
         try:
@@ -151,12 +166,14 @@ def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn
     task_reader, task_writer = connection.Pipe(duplex=False)
     result_reader, result_writer = connection.Pipe(duplex=False)
     name = f"shmseq-worker-{info.id}"
+    method = None
     if backend == "thread":
         args = (worker, task_reader, result_writer, info, worker_init_fn, None)
         runner = threading.Thread(target=worker_loop, name=name, daemon=True, args=args)
         runner.start()
     else:
         method = context.get_start_method()
+        _leave_if_bootstrapping()
         ties = ProcessTies(
             consumer, inherited_fds=((task_writer.fileno(), result_reader.fileno(), *other_ends)
                                      if method == "fork" else None), board=board)
@@ -171,7 +188,22 @@ def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn
         finally:
             task_reader.close()
             result_writer.close()
-    return WorkerHandle(info, TaskPipe(task_writer), result_reader, runner)
+    return WorkerHandle(info, TaskPipe(task_writer), result_reader, runner,
+                        imports_main=method in ("spawn", "forkserver"))
+
+
+def _leave_if_bootstrapping() -> None:
+    """In a worker still importing the main module (spawn and forkserver run the script again
+    in each worker: one without the main guard starts workers again), multiprocessing refuses
+    to start a process, with 40 lines in every worker. Say it in one line and exit: the process
+    could do nothing else, and the consumer's ``WorkerDied`` says what to change
+    (``WorkerHandle.starting_stage``). Printed here, not by ``SystemExit``: a fork server's
+    child exits without printing it."""
+    if getattr(multiprocessing.process.current_process(), "_inheriting", False):
+        main = getattr(sys.modules.get("__mp_main__"), "__file__", "the main module")
+        print(f"shmseq: this worker is importing {main}, which starts shmseq's workers at "
+              'import: put that code under if __name__ == "__main__":', file=sys.stderr, flush=True)
+        raise SystemExit(1)
 
 
 def _discard(runner) -> None:

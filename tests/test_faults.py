@@ -613,6 +613,33 @@ def test_a_worker_dying_before_it_read_itself_fails_start_without_hanging(method
         seq.start()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_script_without_the_main_guard_is_told_to_add_it_in_one_line_per_worker(tmp_path, method):
+    """Under spawn or forkserver a worker imports the script first, which starts the workers
+    again: each worker said so with multiprocessing's error (40 lines), WorkerDied did not."""
+    (tmp_path / "train.py").write_text(textwrap.dedent(f"""
+        from shmseq import ShmSequence
+        from workers import IndexWorker
+        seq = ShmSequence(IndexWorker, 40, batch_size=4, num_workers=2, out_type="null",
+                          start_method={method!r})
+        with seq.start():
+            print(sum(len(batch) for batch in seq))
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    script = subprocess.Popen([sys.executable, "train.py"], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, errors = script.communicate(timeout=60)
+    assert script.returncode == 1
+    last = errors.strip().splitlines()[-1]
+    assert last.startswith("shmseq.errors.WorkerDied: worker ") and "exited with code 1" in last
+    assert 'put that code under if __name__ == "__main__":' in last, errors
+    assert "bootstrapping phase" not in errors, errors
+    workers_said = [line for line in errors.splitlines() if line.startswith("shmseq: ")]
+    assert 1 <= len(workers_said) <= 2 and "train.py" in workers_said[0], errors
+    assert not shm_entries({script.pid})
+
+
 def test_a_worker_dying_in_its_constructor_is_said_to_die_while_starting():
     with pytest.raises(WorkerDied, match="exited with code 4 while starting") as info:
         make(ExitInInit).start()
