@@ -4,9 +4,11 @@ import re
 
 import pytest
 
-from shmseq.bench import limit, report
+from shmseq.bench import limit, report, systems
+from shmseq.bench.__main__ import ALL_SYSTEMS, main
 from shmseq.bench.runner import LIMIT, Run, run_matrix
 from shmseq.bench.workloads import WORKLOADS
+from shmseq.demo import load
 
 GB = WORKLOADS["imagenet64"].batch_bytes / 1e9
 
@@ -103,3 +105,29 @@ def test_the_matrix_runs_each_system_only_on_the_workloads_it_runs_on():
     assert measured == [(0, "imagenet64", "serial"), (0, "imagenet64", "jpeg-only"),
                         (0, "cifar", "serial"), (1, "imagenet64", "jpeg-only"),
                         (1, "imagenet64", "serial"), (1, "cifar", "serial")]
+
+
+def test_the_markdown_says_what_each_of_its_systems_is():
+    cells = report.summarize(runs({LIMIT: [1000.0], "serial": [500.0], "bare-ring": [900.0],
+                                   "mp-queue": [50.0]}))
+    text = report.markdown(cells, report.machine(), {"buffer": 10, "repeats": 1, "seconds": 0.5},
+                           "python -m shmseq.bench")
+    said = text.split("What the systems are:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert [line.split(":", 1)[0] for line in said] == [f"- {name}" for name in
+                                                        (LIMIT, "serial", "bare-ring", "mp-queue")]
+    assert "consumer's own thread" in said[1] and "no order" in said[2] and "pickled" in said[3]
+    assert set(systems.ABOUT) | {LIMIT} >= set(ALL_SYSTEMS)
+
+
+@pytest.mark.parametrize("busy", [[], ["other work kept 1.50 cores busy on average"]])
+def test_the_bench_warns_when_the_machine_was_busy(monkeypatch, tmp_path, capsys, busy):
+    judged = []
+    monkeypatch.setattr(load, "busy", lambda start, end, workers, cores: judged.append(workers) or busy)
+    main(["--quick", "--workloads", "cifar32", "--systems", "serial", "--seconds", "0.05",
+          "--out", str(tmp_path)])
+    printed, written = capsys.readouterr().out, (tmp_path / "results.md").read_text()
+    assert judged == [systems.NUM_WORKERS]
+    warning = "WARNING: the machine was busy (other work kept 1.50 cores busy on average)"
+    assert (warning in printed and warning in written) == bool(busy)
+    assert re.search(r"^Load: load average [\d.]+ .* at the start, load average [\d.]+ .* at the end",
+                     written, re.MULTILINE)

@@ -143,3 +143,23 @@ def test_a_single_run_prints_no_spread():
     assert "img/s (min-max)" not in report.table([one])
     assert "1,234 (1,200-1,300)" in report.table([three])
     assert "2% (1%-3%)" in report.table([three])
+
+
+def test_the_chart_says_the_machine_was_busy_and_that_its_bars_are_min_max(monkeypatch, tmp_path):
+    from matplotlib import pyplot, text
+
+    texts = []
+    close = pyplot.close
+
+    def closing(figure):
+        texts.extend(shown.get_text() for shown in figure.findobj(text.Text))
+        close(figure)
+
+    monkeypatch.setattr(pyplot, "close", closing)
+    summaries = [Summary(loader, step, 1234.0, (1200.0, 1300.0), 0.02, (0.01, 0.03), 150.0, runs=3)
+                 for loader in ("shmseq", "torch DataLoader") for step in (5.0, 1.0)]
+    warning = load.warning(["other work kept 1.20 cores busy on average while the job ran"])
+    assert report.chart(tmp_path / "sweep.png", summaries, "2 workers", warning)
+    shown = " ".join(texts).replace("\n", " ")
+    assert "WARNING: the machine was busy (other work kept 1.20 cores busy" in shown
+    assert "median of 3 runs, bars: min-max" in shown

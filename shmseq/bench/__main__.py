@@ -1,9 +1,10 @@
 """``python -m shmseq.bench``: shmseq against PyTorch's DataLoader and others, side by side.
 
 Every loader delivers the same image batches (built by copying rows from memory, so that
-what is measured is the transport) to a consumer that checks every one. Prints a table and
-what it shows, and writes ``results.md``, ``results.json`` and ``results.png`` into
-``--out``.
+what is measured is the transport) to a consumer that checks every one. Prints a table, what
+each system is and what the table shows, with a warning where other work kept the machine busy
+(the demo's rule: ``shmseq/demo/load.py``), and writes ``results.md``, ``results.json`` and
+``results.png`` into ``--out``.
 
 ``--streaming`` runs the streaming workloads instead: shmseq's ``ShardSequence`` against
 torch's ``DataLoader`` over the same WebDataset-layout tar shards with the same decode
@@ -30,6 +31,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from shmseq.demo import load
 from shmseq.devices import torch_available
 
 from .report import machine, markdown, summarize, write_chart, write_json
@@ -125,6 +127,19 @@ def _without_torch(names: list[str], torch_systems) -> list[str]:
     return [name for name in names if name not in torch_systems]
 
 
+def _machine_load(at_start: load.Snapshot, at_end: load.Snapshot) -> tuple[list[str], str | None]:
+    """The machine's load while the loaders ran, and the warning where other work took the
+    cores they need (the demo's rule, ``load.busy``: each system's workers and its consumer)."""
+    facts = [f"{load.describe_load(at_start.load)} at the start, "
+             f"{load.describe_load(at_end.load)} at the end"]
+    others = load.others_cores(at_start, at_end)
+    if others is not None:
+        facts.append(f"other processes kept {others:.2f} of {load.usable_cores()} cores busy on "
+                     "average while the loaders ran")
+    busy = load.busy(at_start, at_end, systems.NUM_WORKERS, load.usable_cores())
+    return facts, load.warning(busy) if busy else None
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     settings = dict(QUICK if args.quick else FULL)
@@ -143,23 +158,27 @@ def main(argv: list[str]) -> int:
     began = time.perf_counter()
     for workload in workloads:
         image_pool(workload.side)  # built before any clock starts, then inherited by every worker
+    at_start = load.snapshot()
     runs = run_matrix(args.systems, workloads, log=_log, **settings)
+    facts, warning = _machine_load(at_start, load.snapshot())
     cells = summarize(runs)
     info = machine()
     command = shlex.join(["python", "-m", "shmseq.bench", *argv])
-    text = markdown(cells, info, {**settings, "buffer": args.buffer}, command)
+    text = markdown(cells, info, {**settings, "buffer": args.buffer}, command, facts, warning)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(text)
     write_json(args.out / "results.json", runs, cells, info,
                {**settings, "buffer": args.buffer, "workloads": args.workloads,
-                "systems": args.systems})
+                "systems": args.systems, "load": facts, "warning": warning})
     written = "md, json"
     if write_chart(args.out / "results.png", cells):
         written += ", png"
     else:
         _log("matplotlib is not installed (pip install 'shmseq[bench]'): no chart")
     _log(f"wrote results.{{{written}}} into {args.out} in {time.perf_counter() - began:.0f} s")
+    if warning:
+        _log(warning)
     return 0
 
 
@@ -169,8 +188,6 @@ def _stop_on_sigterm(signum, frame):
 
 def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) -> int:
     """The streaming workloads: shards made (or reused), the runs, the report."""
-    from shmseq.demo import load
-
     from .shard_data import decoder, jpeg_stats, load_index, make_shards, size_of
     from .streaming import Prepared, cells_of, markdown, measurer, quick, runs_on
 
@@ -224,23 +241,18 @@ def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) ->
         signal.signal(signal.SIGTERM, previous)
         if scratch:
             shutil.rmtree(root, ignore_errors=True)
-    others = load.others_cores(at_start, at_end)
-    busy = [f"{load.describe_load(at_start.load)} at the start, "
-            f"{load.describe_load(at_end.load)} at the end"]
-    if others is not None:
-        busy.append(f"other processes kept {others:.2f} of {load.usable_cores()} cores busy on "
-                    "average while the loaders ran")
+    facts, warning = _machine_load(at_start, at_end)
     info = machine()
     command = shlex.join(["python", "-m", "shmseq.bench", *argv])
     full = {**settings, "buffer": args.buffer}
-    text = markdown(runs, workloads, info, full, data, busy, command)
+    text = markdown(runs, workloads, info, full, data, facts, command, warning)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "streaming.md").write_text(text)
     write_json(args.out / "streaming.json", runs, cells_of(runs, workloads), info,
                {**full, "workloads": {name: asdict(w) for name, w in workloads.items()},
                 "systems": args.systems, "decode_stage_device": STAGE_DEVICE, "shards": data,
-                "load": busy})
+                "load": facts, "warning": warning})
     if scratch:
         _log("shards: made in a temporary directory and deleted; --keep-shards keeps them for "
              f"later runs, in {cache_dir()}")
@@ -249,6 +261,8 @@ def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) ->
              f"{'--keep-shards' if args.shards_dir is None else '--shards-dir ' + shlex.quote(str(root))}"
              f"; delete them with: rm -r {' '.join(shlex.quote(str(f)) for f in folders)}")
     _log(f"wrote streaming.{{md, json}} into {args.out} in {time.perf_counter() - began:.0f} s")
+    if warning:
+        _log(warning)
     return 0
 
 

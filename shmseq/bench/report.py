@@ -13,12 +13,12 @@ import platform
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from .runner import LIMIT, Run
-from .systems import TORCH_SYSTEMS
+from .systems import ABOUT, TORCH_SYSTEMS
 from .workloads import WORKLOADS
 
 COLUMNS = """\
@@ -215,8 +215,17 @@ def machine() -> dict:
             "torch": torch_version}
 
 
-def markdown(cells: list[Cell], info: dict, settings: dict, command: str) -> str:
-    """The table with its machine, what each column means, what it shows, the command."""
+def systems_legend(cells: list[Cell]) -> str:
+    """What each system of the table is, in the table's order."""
+    about = {LIMIT: "the batches' own cost, with no transport at all (see × limit)", **ABOUT}
+    return "What the systems are:\n" + "\n".join(
+        f"- {name}: {about[name]}" for name in dict.fromkeys(c.system for c in cells))
+
+
+def markdown(cells: list[Cell], info: dict, settings: dict, command: str,
+             load: Sequence[str] = (), warning: str | None = None) -> str:
+    """The table with its machine and load (a ``warning`` if it was busy), what each column
+    and system is, what it shows, the command."""
     repeats = settings["repeats"]
     timed = (f"{repeats} interleaved repeats of {settings['seconds']:g} s, medians (min-max)"
              if repeats > 1 else f"one run of {settings['seconds']:g} s each (no spread)")
@@ -224,8 +233,9 @@ def markdown(cells: list[Cell], info: dict, settings: dict, command: str) -> str
             f"{info['python']}, numpy {info['numpy']}, torch {info['torch']}. 2 workers and "
             f"{settings['buffer']} batches in flight for every loader; {timed}.")
     shows = "\n".join(f"- {line}" for line in highlights(cells))
-    parts = [head, table(cells), drift_note(cells), COLUMNS, f"What it shows:\n{shows}",
-             f"Reproduce: `{command}`"]
+    parts = [head, "Load: " + "; ".join(load) if load else None, warning, table(cells),
+             drift_note(cells), COLUMNS, systems_legend(cells),
+             f"What it shows:\n{shows}" if shows else None, f"Reproduce: `{command}`"]
     return "\n\n".join(part for part in parts if part) + "\n"
 
 

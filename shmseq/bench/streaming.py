@@ -432,8 +432,9 @@ def highlights(runs: list[Run], cells: list[Cell], workloads: dict[str, ShardWor
 
 
 def markdown(runs: list[Run], workloads: dict[str, ShardWorkload], info: dict, settings: dict,
-             data: list[str], load: list[str], command: str) -> str:
-    """The table with its machine and load, the data, the columns, what it shows, the command."""
+             data: list[str], load: list[str], command: str, warning: str | None = None) -> str:
+    """The table with its machine and load (a ``warning`` if it was busy), the data, the
+    columns, what it shows, the command."""
     cells = cells_of(runs, workloads)
     repeats = settings["repeats"]
     timed = (f"{repeats} interleaved repeats of {settings['seconds']:g} s, medians (min-max)"
@@ -444,7 +445,7 @@ def markdown(runs: list[Run], workloads: dict[str, ShardWorkload], info: dict, s
             f"loader; {timed}.")
     shows = "\n".join(f"- {line}" for line in highlights(runs, cells, workloads))
     decoded = [workloads[c.workload] for c in cells if c.system == STAGE]
-    parts = [head, "Load: " + "; ".join(load), "Shards: " + "; ".join(data),
+    parts = [head, "Load: " + "; ".join(load), warning, "Shards: " + "; ".join(data),
              table(cells, workloads), drift_note(cells, workloads),
              stage_note(decoded[0].side) if decoded else None, COLUMNS,
              f"What it shows:\n{shows}" if shows else None, f"Reproduce: `{command}`"]

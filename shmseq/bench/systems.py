@@ -252,6 +252,32 @@ SYSTEMS: dict[str, System] = {
     "serial": serial,
 }
 
+# What each system is, for the report's readers: one line each.
+ABOUT: dict[str, str] = {
+    "bare-ring": "the least a shared-memory ring can cost: forked workers write each batch in "
+                 "place into one preallocated segment, slot ids through kernel message queues; "
+                 "no order, no leases, no error handling (bare_ring.py)",
+    "shmseq-proc": "ShmSequence, worker processes returning each batch's arrays (written into "
+                   "its slot)",
+    "shmseq-inplace": "ShmSequence, worker processes building each batch in its slot "
+                      "(fill_batch)",
+    "shmseq-thread": "ShmSequence, worker threads building each batch in its slot",
+    "shmseq-restarting": "shmseq-inplace with a worker killed every ~200 batches and replaced "
+                         "(worker_restarts): what self-healing costs",
+    "shmseq-dataloader": "shmseq.DataLoader: one dataset[i] per sample, stacked straight into "
+                         "the slot",
+    "shmseq-torch": "shmseq.torch.DataLoader, given exactly torch-sample's arguments",
+    "torch-sample": "PyTorch's DataLoader, one sample per index, default collate, persistent "
+                    "workers",
+    "torch-batch": "PyTorch's DataLoader, a whole batch per __getitem__ through a BatchSampler "
+                   "(batch_size=None), persistent workers",
+    "torch-sample-fs": "torch-sample with torch's file_system sharing strategy",
+    "torch-batch-fs": "torch-batch with torch's file_system sharing strategy",
+    "mp-queue": "worker processes put whole numpy batches, pickled, on a multiprocessing.Queue, "
+                "handed over in order (as MDNC's sequences do)",
+    "serial": "every batch built in the consumer's own thread: no transport, and no overlap",
+}
+
 # Run only when asked for: torch's ``file_system`` sharing is faster on small batches, but the
 # files of batches still in flight when a loader stops stay in /dev/shm until this process exits;
 # shmseq-restarting (a worker killed every ~200 batches, replaced by worker_restarts) shows what

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
               f"delete it with: rm -r {shlex.quote(str(root))}")
     print(f"done in {time.perf_counter() - began:.0f} s")
     if busy:
-        print(busy_warning(busy))
+        print(load.warning(busy))
 
 
 def run(args, workdir: Path, at_start: load.Snapshot) -> tuple[Path, list[str], list[str]]:
@@ -197,28 +197,23 @@ def run(args, workdir: Path, at_start: load.Snapshot) -> tuple[Path, list[str], 
                          "others_cores": others, "busy": busy}}
     title = (f"{args.workers} workers, batches of {args.batch_size} random {args.crop}x{args.crop} "
              f"crops from {'JPEG files' if args.format == 'jpeg' else 'a decoded image store'}")
-    warning = [busy_warning(busy), ""] if busy else []
+    warning = load.warning(busy) if busy else None
     text = "\n".join([
         f"shmseq demo: {title}; {len(worker)} images, {device}",
         f"machine: {info['cpu']}, {load.describe_cores()}, {info['ram']} RAM; Python "
         f"{info['python']}, torch {info['torch']}; at the start {load.describe_load(at_start.load)}; "
-        f"at the end {at_end_text}", "", *warning,
+        f"at the end {at_end_text}", "", *([warning, ""] if warning else []),
         report.table(summaries), "", report.COLUMNS, "", "What it shows:",
         *(f"- {line}" for line in report.findings(summaries)), "",
         f"Reproduce: `{args.command}`", ""])
     print("\n" + text)
     report.write(args.out, setup, measurements, summaries, epochs, text)
     written = ["results.md", "results.json"]
-    if report.chart(args.out / "sweep.png", summaries, title):
+    if report.chart(args.out / "sweep.png", summaries, title, warning):
         written.append("sweep.png")
     else:
         print("matplotlib is not installed (pip install 'shmseq[demo]'): no chart", file=sys.stderr)
     return root, written, busy
-
-
-def busy_warning(reasons: list[str]) -> str:
-    return (f"WARNING: the machine was busy ({'; '.join(reasons)}): these figures may not "
-            "reproduce; compare them only with figures taken on an idle machine.")
 
 
 if __name__ == "__main__":

@@ -104,3 +104,9 @@ def busy(start: Snapshot, end: Snapshot, workers: int, cores: int) -> list[str]:
         found.append(f"the 1-minute load average was {end.load[0]:.2f} at the end, the job's {job} "
                      f"processes and {leaves}")
     return found
+
+
+def warning(reasons: list[str]) -> str:
+    """The warning that goes with the figures when ``busy`` found reasons."""
+    return (f"WARNING: the machine was busy ({'; '.join(reasons)}): these figures may not "
+            "reproduce; compare them only with figures taken on an idle machine.")

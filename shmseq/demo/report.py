@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
@@ -60,8 +61,9 @@ def write(out: Path, setup: dict, measurements: list[Measurement], summaries: li
     (out / "results.json").write_text(json.dumps(document, indent=2) + "\n")
 
 
-def chart(path: Path, summaries: list[Summary], title: str) -> bool:
-    """Stall fraction against step time, one line per loader; False without matplotlib."""
+def chart(path: Path, summaries: list[Summary], title: str, warning: str | None = None) -> bool:
+    """Stall fraction against step time, one line per loader, with the busy machine's
+    ``warning`` under it (the chart travels without the text); False without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -81,12 +83,17 @@ def chart(path: Path, summaries: list[Summary], title: str) -> bool:
     axes.invert_xaxis()  # faster accelerators to the right
     axes.set_xticks(steps, [f"{s:g}" for s in steps])
     axes.set_xlabel("accelerator step time, ms (faster to the right)")
-    axes.set_ylabel("stall: % of the time the accelerator is idle")
+    runs = max(s.runs for s in summaries)
+    axes.set_ylabel("stall: % of the time the accelerator is idle"
+                    + (f"\n(median of {runs} runs, bars: min-max)" if runs > 1 else ""))
     axes.set_ylim(-3, 103)
     axes.set_title(title, fontsize="medium")
     axes.grid(alpha=0.3)
     axes.legend()
-    figure.tight_layout()
+    lines = textwrap.wrap(warning or "", 115)
+    if lines:
+        figure.text(0.01, 0.01, "\n".join(lines), color="firebrick", fontsize="small")
+    figure.tight_layout(rect=(0, 0.04 * len(lines), 1, 1))
     figure.savefig(path, dpi=120)
     pyplot.close(figure)
     return True
