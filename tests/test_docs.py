@@ -3,7 +3,9 @@
 A block runs from a file in an empty temporary folder, with this checkout first on the path,
 under ``-W error::RuntimeWarning``: a warning of shmseq's (a CUDA fallback, a batch copied out
 of the ring, a worker replaced) fails it as an error would. A block that is not meant to run
-(a signature, a command) is fenced as ```text or ```bash, never skipped here.
+(a signature, a command) is fenced as ```text or ```bash, never skipped here. A block that
+needs an optional package that is not installed is skipped, naming it: torch where it imports
+torch or ``shmseq.torch``, or asks for torch tensors (``out_type`` 'cpu' or 'cuda').
 """
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 TIMEOUT_S = 60
+OPTIONAL = ("torch", "lightning", "accelerate", "fsspec", "aiohttp", "simplejpeg", "PIL",
+            "matplotlib", "tqdm")  # the modules of pyproject.toml's optional dependencies
+IMPORTS = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.MULTILINE)
+TORCH_OUTPUT = re.compile(r"""out_type\s*=\s*["'](cpu|cuda)|\bshmseq\.torch\b""")
 
 
 def snippets() -> list:
@@ -37,6 +43,12 @@ def snippets() -> list:
 SNIPPETS = snippets()
 
 
+def needs(code: str) -> list[str]:
+    """The optional packages a block needs."""
+    found = {name for name in IMPORTS.findall(code) if name in OPTIONAL}
+    return sorted(found | ({"torch"} if TORCH_OUTPUT.search(code) else set()))
+
+
 def test_the_documents_have_snippets():
     assert {param.values[0] for param in SNIPPETS} >= {"README.md", "docs/reference.md",
                                                         "docs/from-pytorch.md"}
@@ -44,6 +56,8 @@ def test_the_documents_have_snippets():
 
 @pytest.mark.parametrize("document, line, code", SNIPPETS)
 def test_snippet_runs(document, line, code, tmp_path):
+    for module in needs(code):
+        pytest.importorskip(module)
     assert not re.search(r"^\s*(import|from)\s+torchvision\b", code, re.MULTILINE), (
         f"{document}:{line} imports torchvision, which no torch build installs alongside "
         "(see docs/from-pytorch.md)")
@@ -62,3 +76,10 @@ def test_snippet_runs(document, line, code, tmp_path):
     assert done.returncode == 0, (
         f"the snippet at {document}:{line} failed (exit {done.returncode}):\n"
         f"--- stdout\n{done.stdout[-3000:]}\n--- stderr\n{done.stderr[-6000:]}")
+
+
+def test_a_snippet_needs_the_optional_packages_it_imports_and_torch_for_torch_tensors():
+    assert needs("import numpy\nfrom shmseq import ShmSequence\nShmSequence(W, 9, out_type='null')") == []
+    assert needs('ShmSequence(W, 9, out_type="cpu")') == ["torch"]
+    assert needs("from shmseq.torch import DataLoader") == ["torch"]
+    assert needs("import lightning as L\nfrom PIL import Image") == ["PIL", "lightning"]

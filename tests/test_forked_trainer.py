@@ -175,6 +175,7 @@ def test_a_child_that_exits_or_closes_leaves_the_parents_workers_alone(method, a
 
 @pytest.mark.timeout(30)
 def test_a_torch_dataloader_iterator_is_refused_in_the_child_and_the_parent_finishes():
+    pytest.importorskip("torch")
     reports = run("""
         import torch
         from shmseq.torch import DataLoader
