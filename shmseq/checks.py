@@ -14,7 +14,7 @@ MAX_TIMEOUT = 2_147_483  # seconds: the most select() takes (a 32-bit count of m
 
 
 def _given(value) -> str:
-    """The value as an error shows it, with its type where the repr does not say it."""
+    """The value as an error shows it, with its type's name (a "64" that is a string)."""
     return f"{value!r} ({type(value).__name__})"
 
 

@@ -28,7 +28,7 @@ from .board import BoardSpec, WorkerCell
 from .errors import UnsupportedBatch
 from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
 from .lifeline import Lifeline, ProcessId
-from .ragged import Ragged, is_jagged, is_tensor
+from .ragged import Ragged, is_tensor
 from .segments import WorkerRing, drop_inherited_rings
 from .wire import FrameReader, decode, done_frame, encode, framed, write_all
 
@@ -84,9 +84,11 @@ def check_rows(batch, indices: np.ndarray) -> None:
 
 def _rows(batch):
     """(rows, shape) of each array and tensor of a batch (not of a 0-d one); (items, None) of
-    each list and ragged leaf."""
-    if isinstance(batch, Ragged) or is_jagged(batch):
+    each list and ragged leaf (a ``Ragged``, a nested tensor)."""
+    if isinstance(batch, Ragged):
         yield len(batch), None
+    elif is_tensor(batch) and batch.is_nested:
+        yield batch.size(0), None  # its shape is not defined
     elif isinstance(batch, np.ndarray) or is_tensor(batch):
         if batch.ndim:
             yield batch.shape[0], tuple(batch.shape)

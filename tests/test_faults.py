@@ -322,10 +322,14 @@ def test_a_dataset_of_samples_is_refused_naming_the_sample_level_loaders(options
     (np.zeros((16, 3, 8, 8)), np.zeros(3), np.int64(7)),            # per-sample rows and extras
     {"ids": np.array([5]), "images": [np.zeros(k) for k in range(16)]},  # a list of 16 items
     Ragged.from_items([np.zeros(k) for k in range(16)]),            # 16 ragged items
+    pytest.param("nested", id="a-nested-tensor-of-16-items"),
     [1.5] * 16,                                                     # no array at all
     ("names", 3.0, np.float32(1)),                                  # nothing with rows
 ])
 def test_a_batch_with_a_row_per_index_anywhere_passes_the_rows_check(batch):
+    if isinstance(batch, str):
+        torch = pytest.importorskip("torch")
+        batch = torch.nested.nested_tensor([torch.zeros(k) for k in range(16)])
     check_rows(batch, np.arange(16))
 
 
