@@ -176,7 +176,8 @@ class WorkerPool:
         self._unslotted_back = 0  # of those, the ones back: the consumer stores them (_into_ring)
         self._stopped = False
         self._restarts = restarts
-        self._suspect: int | None = None  # the batch the last death was charged on, if any
+        self._killers: set[int] = set()  # batches a death was charged on once
+        self._oom_kills = oom_kills()  # the kernel's count, as of the last death seen
         self._replacements: set[WorkerHandle] = set()  # workers started in a dead one's place
         self._pickled_worker = None if backend != "proc" else pickled_for(
             "worker", worker, context.get_start_method(),
@@ -412,22 +413,30 @@ class WorkerPool:
             self._receive(handle, received)  # its last words (an init error) explain more
         handle.runner.join(JOIN_SECONDS)  # its sentinel closed: the exit status follows at once
         code = handle.runner.exitcode
-        how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
-               else f"exited with code {code}")
-        died = f"{handle.describe()} {how}"
+        out_of_memory = self._out_of_memory_kill(code)
+        died = f"{handle.describe()} {describe_exit(code, out_of_memory)}"
         if not handle.ready and handle not in self._replacements:
             raise WorkerDied(f"{died} while starting ({handle.starting_stage(code)})",
                              pid=handle.pid, exitcode=code)
         building = self._building(handle)
+        charged = building if its_own_doing(code, out_of_memory) else None
         died += self._what_it_held(handle, building)
-        refusal = self._why_not_restart(building)
+        refusal = self._why_not_restart(charged)
         if refusal is None:
-            self._restart(handle, died, building)
+            self._restart(handle, died, building, charged)
             return
         queued = [self.stream.name(number) for number in sorted(handle.open) if number != building]
         if queued:
             died += f"; {', '.join(queued)} were queued for it"
         raise WorkerDied(died + refusal, pid=handle.pid, exitcode=code)
+
+    def _out_of_memory_kill(self, code: int | None) -> bool | None:
+        """Whether a worker killed by SIGKILL was the kernel's out-of-memory killer's doing: its
+        count of kills rose since the last death (None where it cannot be read)."""
+        seen, self._oom_kills = self._oom_kills, oom_kills()
+        if code != -signal.SIGKILL or seen is None or self._oom_kills is None:
+            return None
+        return self._oom_kills > seen
 
     def _building(self, handle: WorkerHandle) -> int | None:
         """The batch the dead worker had begun and not finished, by its cell on the board; None
@@ -443,33 +452,33 @@ class WorkerPool:
                     f"(sample indices {brief(handle.open[building][0])})")
         return " between batches"
 
-    def _why_not_restart(self, building: int | None) -> str | None:
+    def _why_not_restart(self, charged: int | None) -> str | None:
         """None when the dead worker may be replaced, else what to tell the user."""
         if self._restarts <= 0:
             used = self.stats.restarts
             return f" (and worker_restarts={used} were used)" if used else ""
-        if building is not None and building == self._suspect:
-            return ("; that batch had killed the worker before it too: a batch that kills two "
-                    "workers in a row is not sent again")
+        if charged in self._killers:
+            return ("; that batch had already killed a worker: a batch that kills its worker "
+                    "twice is not sent again")
         return None
 
-    def _restart(self, dead: WorkerHandle, died: str, building: int | None) -> None:
+    def _restart(self, dead: WorkerHandle, died: str, building: int | None,
+                 charged: int | None) -> None:
         """A new worker with the same id and seed, given the ring. The dead one's tasks go, in
         order and ahead of its own, to a live worker that has started, before the new one is
         started (the consumer waits for the first of them, and a started worker builds it
         sooner than one still starting: a spawned one takes 0.2 s), or, in turn (``in_turn``)
-        or with none started, to the new one: every batch still arrives once.
+        or with none started, to the new one: every batch still arrives once. The batch it was
+        ``building`` goes first.
 
-        A batch is suspected of the death only if the dead worker was building it, and judged
-        poison only if the next death is charged on it too: a batch that kills every worker
-        that builds it is caught at its second death, while deaths from outside (an
-        out-of-memory killer, a user's ``kill``) land on the batches at random and, among
-        them, on workers that were between batches or starting, which clear the suspicion.
-        The suspect is built again at once, ahead of the heir's own tasks, so that the next
-        death from outside rarely finds it in the making."""
+        A death is ``charged`` to the batch being built only when the worker died of its own
+        doing (see ``its_own_doing``): a batch charged twice is not sent again. A kill from
+        outside (a user's ``kill``, a killer of random processes) lands on whatever is being
+        built, and charged, it would soon judge an innocent batch poison."""
         self._restarts -= 1
         self.stats.restarts += 1
-        self._suspect = building
+        if charged is not None:
+            self._killers.add(charged)
         warn_user(f"{died}: a new worker takes its place and builds its batches again "
                   f"({self._restarts} more {'restart' if self._restarts == 1 else 'restarts'} "
                   "allowed)")
@@ -477,15 +486,16 @@ class WorkerPool:
             (h for h in self._workers if h.accepting and h.ready and h is not dead),
             key=lambda h: len(h.open), default=None)
         if heir is not None:
-            self._hand_over_tasks(dead, heir)
+            self._hand_over_tasks(dead, heir, building)
         replacement = self._replace(dead)
         if heir is None:
-            self._hand_over_tasks(dead, replacement)
+            self._hand_over_tasks(dead, replacement, building)
 
-    def _hand_over_tasks(self, dead: WorkerHandle, heir: WorkerHandle) -> None:
-        """The dead worker's tasks, ahead of the heir's own: the suspect first, the others in
+    def _hand_over_tasks(self, dead: WorkerHandle, heir: WorkerHandle,
+                         first: int | None) -> None:
+        """The dead worker's tasks, ahead of the heir's own: ``first`` first, the others in
         order."""
-        for number in sorted(dead.open, key=lambda number: (number != self._suspect, number)):
+        for number in sorted(dead.open, key=lambda number: (number != first, number)):
             indices, slot = heir.open[number] = dead.open[number]
             self._send(heir, framed(("again", number, slot, indices)))
 
@@ -555,6 +565,41 @@ class WorkerPool:
         """Processes until their sentinel fired (it stays watched until then); live threads."""
         return any(h.runner.is_alive() if h.sentinel is None else self._events.watching(h.sentinel)
                    for h in self._workers)
+
+
+_FROM_OUTSIDE = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+
+
+def its_own_doing(code: int | None, out_of_memory: bool | None) -> bool:
+    """Whether a worker that ended with exit ``code`` died of what it was doing: it exited, or
+    crashed (SIGSEGV, SIGBUS, SIGABRT...), or the kernel killed it for the memory it took
+    (``out_of_memory``; None: not known, and then it is assumed). A signal that is only ever
+    sent from outside (SIGKILL but for the out-of-memory killer, SIGTERM, SIGINT...) is not."""
+    if code is None or code >= 0:
+        return True
+    if -code == signal.SIGKILL:
+        return out_of_memory is not False
+    return -code not in _FROM_OUTSIDE
+
+
+def describe_exit(code: int | None, out_of_memory: bool | None) -> str:
+    if code is None or code >= 0:
+        return f"exited with code {code}"
+    killer = " (the kernel's out-of-memory killer)" if out_of_memory else ""
+    return f"was killed by signal {signal.Signals(-code).name}{killer}"
+
+
+def oom_kills() -> int | None:
+    """The kernel's count of out-of-memory kills since boot (Linux 4.13 and later); None where
+    it cannot be read."""
+    try:
+        with open("/proc/vmstat", "rb") as vmstat:
+            for line in vmstat:
+                if line.startswith(b"oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def brief(indices) -> str:

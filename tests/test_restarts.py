@@ -51,11 +51,67 @@ def test_workers_killed_once_are_replaced_and_the_stream_is_unchanged(tmp_path, 
     assert sorted(len(samples & {13, 61}) for samples in killed) == [1, 1]
 
 
-def test_a_batch_that_kills_its_worker_twice_is_not_sent_a_third_time():
-    seq = make(Crash("SIGKILL", at=13), worker_restarts=3)
+@pytest.mark.parametrize("how, died", [("SIGSEGV", "was killed by signal SIGSEGV"),
+                                       ("SIGABRT", "was killed by signal SIGABRT"),
+                                       ("exit", "exited with code 3")])
+def test_a_batch_that_kills_its_worker_twice_is_not_sent_a_third_time(how, died):
+    seq = make(Crash(how, at=13), worker_restarts=3)
     with pytest.warns(RuntimeWarning, match="a new worker takes its place"):
-        with pytest.raises(WorkerDied, match=r"killed by signal SIGKILL while building batch \d+ of epoch \d "
-                                             r"\(sample indices .*13.*\).*had killed the worker before it too"):
+        with pytest.raises(WorkerDied, match=rf"{died} while building batch \d+ of epoch \d "
+                                             r"\(sample indices .*13.*\).*had already killed a worker"):
+            with seq.start():
+                for batch in seq:
+                    del batch
+    assert seq.stats.restarts == 1
+
+
+def test_sigkill_from_outside_is_not_charged_to_the_batch_being_built():
+    """SIGKILL is sent from outside (a user's kill, a killer of random processes) but for the
+    kernel's out-of-memory killer: it says nothing of the batch being built. A batch whose
+    worker is SIGKILLed every time ends the run only once the restarts are used."""
+    seq = make(Crash("SIGKILL", at=13), worker_restarts=3)
+    with pytest.warns(RuntimeWarning, match="a new worker takes its place") as warned:
+        with pytest.raises(WorkerDied, match=r"killed by signal SIGKILL while building batch "
+                                             r".*\(and worker_restarts=3 were used\)"):
+            with seq.start():
+                for batch in seq:
+                    del batch
+    assert seq.stats.restarts == 3 and "out-of-memory" not in str(warned[0].message)
+
+
+MEMORY_CGROUP = "/sys/fs/cgroup/memory"
+
+
+@pytest.fixture
+def memory_cgroup():
+    """A memory cgroup (v1) of 256 MiB that a worker can move itself into; skipped where this
+    process may not make one."""
+    path = os.path.join(MEMORY_CGROUP, f"shmseq-test-{os.getpid()}")
+    try:
+        os.mkdir(path)
+    except OSError as exc:
+        pytest.skip(f"needs a memory cgroup of its own ({exc})")
+    try:
+        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as limit:
+            limit.write(str(256 << 20))
+        yield path
+    finally:
+        for _ in range(100):  # its processes are gone once the sequence finished
+            try:
+                os.rmdir(path)
+                break
+            except OSError:
+                time.sleep(0.05)
+
+
+def test_a_batch_that_the_out_of_memory_killer_kills_twice_is_poison(memory_cgroup):
+    """A batch too large for the memory there is: the kernel's out-of-memory killer SIGKILLs
+    each worker that builds it, and the death is charged to it (the kernel counts its kills)."""
+    seq = make(workers.EatsMemory(memory_cgroup, at=13, megabytes=512), worker_restarts=3,
+               start_method="fork")
+    with pytest.warns(RuntimeWarning, match="out-of-memory killer"):
+        with pytest.raises(WorkerDied, match=r"killed by signal SIGKILL \(the kernel's out-of-memory "
+                                             r"killer\) while building batch .*had already killed"):
             with seq.start():
                 for batch in seq:
                     del batch

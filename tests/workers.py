@@ -336,3 +336,22 @@ class SampleDataset:
         label = np.zeros(4, np.float32)
         label[index % 4] = 1.0
         return np.full((3, 8, 8), 0.5, np.float32), label
+
+
+class EatsMemory:
+    """Moves its process into the memory cgroup ``cgroup`` as it starts, and fills ``megabytes``
+    of memory when it meets sample ``at``: more than the cgroup allows."""
+
+    def __init__(self, cgroup, at, megabytes):
+        self.cgroup, self.at, self.megabytes = cgroup, at, megabytes
+        self.joined = False
+
+    def __getitem__(self, indices):
+        import os
+        if not self.joined:
+            with open(os.path.join(self.cgroup, "cgroup.procs"), "w") as procs:
+                procs.write(str(os.getpid()))
+            self.joined = True
+        if self.at in indices:
+            np.ones(self.megabytes << 20, np.uint8)
+        return indices
