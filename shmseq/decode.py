@@ -7,25 +7,30 @@ shards) into the slot, as one ragged leaf, with the labels and the sample ids; a
 ``DecodeStage``, given to ``ShmSequence(..., device=stage)``, then turns each batch into the
 dense, augmented input a CNN takes, in the trainer's process:
 
-* with CUDA, torchvision's batched ``decode_jpeg(list, device=...)`` reads the encoded bytes
-  from the page-locked slot; random-resized-crop, flip and normalize follow as GPU operations
-  on one of the stage's streams, which waits for the decode, and the slot is free again once
-  an event recorded after the decode has completed (the ring's tracked copies);
+* with CUDA, torchcodec's batched ``decode_jpeg(list, device=...)`` (nvJPEG) reads the encoded
+  bytes from the page-locked slot; random-resized-crop, flip and normalize follow as GPU
+  operations on one of the stage's streams, which waits for the decode, and the slot is free
+  again once an event recorded after the decode has completed (the ring's tracked copies);
 * without CUDA, a pool of threads decodes with simplejpeg (which releases the GIL), crops
   and resizes with torch, and the slot is free again once every image of it is decoded.
+  torchcodec's CPU decode gives the same pixels, no faster (``bench/cpu_jpeg_decoders.py``),
+  and needs the torchcodec built for the installed torch.
 
 Both paths read every image's JPEG header first, on the CPU (simplejpeg): an image whose
 header claims more than ``max_pixels`` fails there, as one that does not decode, before a
 decoder allocates what it claims. Both draw the same crop boxes for the same seed (from the
 batch's sample ids and the image sizes) and resize bilinearly with antialiasing; the CPU path
 rounds the resized image to ``uint8`` before normalizing, so pixels differ by at most one level
-of 255 there, plus what two JPEG decoders' inverse DCTs differ by.
+of 255 there, plus what two JPEG decoders' inverse DCTs differ by. Both crop an image as its JPEG
+stores it, whatever its EXIF orientation says (torchcodec's turn is undone).
 """
 from __future__ import annotations
 
 import concurrent.futures
 import itertools
 import os
+import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -109,8 +114,8 @@ class DecodeStage:
 
     Args:
         size: the side of the output images.
-        device: ``'cuda'``/``'cuda:N'`` (torchvision's GPU decoder) or ``'cpu'`` (simplejpeg
-            in a thread pool); None: CUDA where there is one.
+        device: ``'cuda'``/``'cuda:N'`` (torchcodec's nvJPEG decoder) or ``'cpu'``
+            (simplejpeg in a thread pool); None: CUDA where there is one.
         seed, augment, scale, ratio, flip: random-resized-crop (``scale`` of the area, ``ratio``
             of aspect), then a horizontal flip with probability 1/2, drawn from ``seed`` and the
             batch's sample ids (the same boxes on both devices); ``augment=False``: the central
@@ -328,25 +333,19 @@ class HostDecoder(_DecodingDevice):
 
 
 class CudaDecoder(_DecodingDevice):
-    """torchvision's batched nvJPEG decode from the page-locked slot, then the crops, on one
-    of the stage's streams; the slot is free once an event after the decode completes."""
+    """torchcodec's batched nvJPEG decode from the page-locked slot, then the crops, on one of
+    the stage's streams; the slot is free once an event after the decode completes."""
 
     def __init__(self, stage: DecodeStage):
         super().__init__(stage)
         import torch
-        try:
-            from torchvision.io import ImageReadMode, decode_jpeg
-        except ImportError as exc:
-            raise ImportError("DecodeStage(device='cuda') decodes with torchvision's decode_jpeg: "
-                              "install the torchvision that matches your torch, or pass "
-                              "device='cpu'") from exc
-        self.torch, self.decode_jpeg, self.rgb = torch, decode_jpeg, ImageReadMode.RGB
+        self.torch, self.decode_jpegs = torch, nvjpeg_decoder()
         self.device = torch.device(stage.device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._streams = itertools.cycle([torch.cuda.Stream(self.device)
                                          for _ in range(stage.streams)])
-        self._decoding = torch.cuda.Stream(self.device)  # runs nothing: owns the decodes' memory
+        self._decoding = torch.cuda.Stream(self.device)  # torchcodec's alone: owns its memory
         self.scale, self.shift = stage.normalizer(self.device)
         self._lock: PageLock | None = None
 
@@ -354,18 +353,21 @@ class CudaDecoder(_DecodingDevice):
         self._lock = PageLock(ring, self.device.index)
 
     def convert(self, views):
-        """The decode is called on a stream that runs no kernel: torchvision allocates its
-        output on the current stream but writes it from a stream of its own without waiting
-        (pytorch/vision#9606), so on the transform's stream it could be handed the blocks of
-        the previous batch's decoded images while that batch's crops, still queued, have yet
-        to read them. The decoded images are marked as used by the transform's stream: their
-        blocks come back to the decoding stream only once its crops are done."""
+        """The decode runs on a stream that runs nothing but torchcodec's calls. torchcodec
+        allocates its output on the current stream, and nvJPEG's hardware engine writes it
+        without waiting for that stream's queued work, so torchcodec (0.17 on) first synchronizes
+        that stream: on the crops' stream, this thread would wait there for the previous batch's
+        crops. The decoded images are marked as used by the crops' stream, so their blocks come
+        back to the decoding stream once the crops that read them are done, not at once, when
+        the next decode could write them under a queued crop (as torchvision's decoder did on any
+        stream: pytorch/vision#9606). The EXIF turn is undone on the crops' stream, for the
+        decoding stream to run torchcodec alone."""
         torch = self.torch
         encoded, labels, ids = source_batch(views)
         _, failed = self.headers(encoded)
         stream = next(self._streams)
         with torch.cuda.stream(self._decoding):
-            decoded = self._decoded(encoded, failed)
+            decoded = decoded_rows(self.decode_jpegs, encoded, failed, self.device)
         with torch.cuda.stream(stream):
             stream.wait_stream(self._decoding)
             for image in decoded:
@@ -374,6 +376,8 @@ class CudaDecoder(_DecodingDevice):
             labels = torch.from_numpy(labels.astype(np.int64)).to(self.device, non_blocking=True)
             read = torch.cuda.Event()
             read.record(stream)
+            decoded = [None if image is None else as_stored(image, exif_orientation(data))
+                       for image, data in zip(decoded, encoded)]
             sizes = [None if image is None else tuple(image.shape[1:]) for image in decoded]
             images = self.stage.empty_images(len(decoded), self.device)
             transform(decoded, self.stage.boxes(sizes, ids), images, self.stage.size)
@@ -381,27 +385,6 @@ class CudaDecoder(_DecodingDevice):
             done = torch.cuda.Event()
             done.record(stream)
         return Decoding(images, labels, ids.copy(), failed), (read, done)
-
-    def _decoded(self, encoded: Ragged, failed: list) -> list:
-        """Each image whose header passed (``failed`` None), all in one call; when that fails,
-        one by one, to name the ones that fail (in ``failed``). None for every other row."""
-        rows = [row for row, why in enumerate(failed) if why is None]
-        items = [self.torch.from_numpy(encoded[row]) for row in rows]
-        try:
-            images = self.decode_jpeg(items, mode=self.rgb, device=self.device) if items else []
-        except RuntimeError:
-            images = [self._decoded_alone(item, row, failed) for row, item in zip(rows, items)]
-        decoded = [None] * len(failed)
-        for row, image in zip(rows, images):
-            decoded[row] = image
-        return decoded
-
-    def _decoded_alone(self, item, row: int, failed: list):
-        try:
-            return self.decode_jpeg(item, mode=self.rgb, device=self.device)
-        except RuntimeError as exc:
-            failed[row] = str(exc).splitlines()[0] or type(exc).__name__
-            return None
 
     def wait(self, events) -> None:
         events[0].synchronize()
@@ -417,6 +400,107 @@ class CudaDecoder(_DecodingDevice):
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()
+
+
+# decode(encoded, device): 1-D uint8 CPU tensors of JPEGs to (3, H, W) uint8 RGB images on
+# device, as torchcodec's decode_jpeg(list, device=...) does; a RuntimeError if any one fails
+JpegsDecode = Callable[[list, object], list]
+
+
+def nvjpeg_decoder() -> JpegsDecode:
+    """torchcodec's ``decode_jpeg`` in RGB: a batch in one nvJPEG call on a CUDA device."""
+    try:
+        from torchcodec.decoders import decode_jpeg
+    except (ImportError, OSError) as exc:  # OSError: a build of torchcodec for another torch
+        why = f"{exc}: {exc.__cause__}" if exc.__cause__ else str(exc)
+        raise ImportError(
+            "DecodeStage(device='cuda') decodes with torchcodec's decode_jpeg, which failed to "
+            f"import ({why}): install the torchcodec built for your torch, from the same index "
+            "(PyPI's is a CUDA 13 build), or pass device='cpu'") from exc
+    return lambda encoded, device: decode_jpeg(encoded, mode="RGB", device=device)
+
+
+def decoded_rows(decode: JpegsDecode, encoded: Ragged, failed: list, device) -> list:
+    """Each image whose header passed (``failed`` None), all in one ``decode`` call; when that
+    fails, one by one, to name the ones that fail (in ``failed``). None for every other row."""
+    import torch
+    rows = [row for row, why in enumerate(failed) if why is None]
+    items = [torch.from_numpy(encoded[row]) for row in rows]
+    try:
+        images = decode(items, device) if items else []
+    except RuntimeError:
+        images = [_decoded_alone(decode, item, row, failed, device) for row, item in zip(rows, items)]
+    decoded = [None] * len(failed)
+    for row, image in zip(rows, images):
+        decoded[row] = image
+    return decoded
+
+
+def _decoded_alone(decode: JpegsDecode, item, row: int, failed: list, device):
+    try:
+        return decode([item], device)[0]
+    except RuntimeError as exc:
+        failed[row] = failure_reason(exc)
+        return None
+
+
+_CHECK_PLACE = re.compile(r"^\w+, \S+:\d+, ")  # "function, file.cpp:line, " of a C++ check
+
+
+def failure_reason(exc: Exception) -> str:
+    """A decoder's error as a message's reason: its first line, without the C++ source place
+    torch's checks begin with."""
+    lines = str(exc).splitlines()
+    return (_CHECK_PLACE.sub("", lines[0]) if lines else "") or type(exc).__name__
+
+
+_SOS, _EOI, _APP1 = 0xDA, 0xD9, 0xE1
+_ORIENTATION_TAG = 0x0112
+
+
+def exif_orientation(data: np.ndarray) -> int:
+    """The EXIF orientation (1 to 8) of a JPEG's first Exif segment before its scan, read as
+    torchcodec's CUDA decoder reads it (DecodeJpegCuda.cpp); 1 where there is none."""
+    view = memoryview(data)
+    if view[:2] != b"\xff\xd8":
+        return 1
+    place = 2
+    while place + 4 <= len(view) and view[place] == 0xFF and view[place + 1] not in (_SOS, _EOI):
+        length = int.from_bytes(view[place + 2:place + 4], "big")
+        if length < 2 or place + 2 + length > len(view):
+            break
+        if view[place + 1] == _APP1 and length >= 8 and view[place + 4:place + 10] == b"Exif\0\0":
+            return _tiff_orientation(view[place + 10:place + 2 + length])
+        place += 2 + length
+    return 1
+
+
+def _tiff_orientation(tiff: memoryview) -> int:
+    """The orientation tag of an Exif segment's first IFD; 1 where it has none, or a bad one."""
+    order = "<" if tiff[:2] == b"II" else ">"
+    try:
+        mark, first = struct.unpack_from(order + "HI", tiff, 2)
+        if mark != 0x2A:
+            return 1
+        (entries,) = struct.unpack_from(order + "H", tiff, first)
+        for entry in range(first + 2, first + 2 + 12 * entries, 12):
+            tag, _, _, value = struct.unpack_from(order + "HHIH", tiff, entry)
+            if tag == _ORIENTATION_TAG:
+                return value if 1 <= value <= 8 else 1
+    except struct.error:  # past the segment's end
+        pass
+    return 1
+
+
+def as_stored(image, orientation: int):
+    """``image`` as its JPEG stores it: torchcodec turns every image by its EXIF orientation
+    (Exif.h, ``exif_orientation_transform``: a transpose for 5 to 8, then flips), which simplejpeg,
+    so the CPU path, and every decoder of ``shmseq.vision`` ignore; undone here, so that both
+    paths crop the same pixels."""
+    flips = {2: (-1,), 3: (-2, -1), 4: (-2,), 6: (-1,), 7: (-2, -1), 8: (-2,)}.get(orientation)
+    if flips:
+        image = image.flip(flips)
+    return image.transpose(-1, -2) if orientation >= 5 else image
 
 
 def transform(decoded: list, boxes: np.ndarray, images, size: int) -> None:

@@ -4,6 +4,7 @@ Images are flat colours drawn from their sample id, so whatever crop a batch get
 colour tells which sample it was: a slot rewritten before the stage had read it shows up as a
 row of the wrong colour (a torn batch)."""
 import os
+import struct
 import threading
 import time
 
@@ -15,7 +16,8 @@ simplejpeg = pytest.importorskip("simplejpeg")
 
 from shmseq import ShmSequence, SkippedSamplesWarning  # noqa: E402
 from shmseq.decode import (CudaDecoder, DecodeStage, EncodedImageWorker,  # noqa: E402
-                           encoded_sample, transform)
+                           as_stored, decoded_rows, encoded_sample, exif_orientation,
+                           failure_reason, nvjpeg_decoder, transform)
 from shmseq.layout import read_batch, write_batch  # noqa: E402
 from shmseq.ragged import Ragged  # noqa: E402
 from shmseq.shards import ShardSequence, image_folder_samples, write_shards  # noqa: E402
@@ -316,12 +318,133 @@ def test_the_decode_threads_end_with_the_sequence(folder):
     assert not [thread for thread in threading.enumerate() if "shmseq-decode" in thread.name]
 
 
+def with_orientation(data: bytes, orientation: int, order: str = "<") -> bytes:
+    """``data`` with an Exif segment after its SOI whose first IFD gives ``orientation``, in
+    little-endian (``<``, "II") or big-endian (``>``, "MM") TIFF."""
+    entry = struct.pack(order + "HHIHH", 0x0112, 3, 1, orientation, 0)
+    tiff = (b"II" if order == "<" else b"MM") + struct.pack(order + "HIH", 0x2A, 8, 1) + entry
+    segment = b"Exif\0\0" + tiff + bytes(4)  # no next IFD
+    return data[:2] + b"\xff\xe1" + struct.pack(">H", len(segment) + 2) + segment + data[2:]
+
+
+def textured(height: int, width: int, seed: int = 0) -> bytes:
+    """A smooth JPEG (gradients, 4:4:4) whose every turn and flip shows in its pixels."""
+    y, x = np.mgrid[0:height, 0:width]
+    image = np.stack([x * 255 // width, y * 255 // height, (x + 2 * y + seed) % 256], -1)
+    return simplejpeg.encode_jpeg(image.astype(np.uint8), quality=95, colorsubsampling="444")
+
+
+def test_exif_orientation_is_read_as_torchcodec_reads_it():
+    data = textured(24, 40)
+    assert exif_orientation(np.frombuffer(data, np.uint8)) == 1
+    for orientation in range(1, 9):
+        for order in "<>":
+            turned = np.frombuffer(with_orientation(data, orientation, order), np.uint8)
+            assert exif_orientation(turned) == orientation
+    xmp = b"\xff\xe1" + struct.pack(">H", 12) + b"http://ns\0"  # another APP1 first
+    assert exif_orientation(np.frombuffer(with_orientation(data, 6)[:2] + xmp
+                                          + with_orientation(data, 6)[2:], np.uint8)) == 6
+    assert exif_orientation(np.frombuffer(with_orientation(data, 9), np.uint8)) == 1
+    cut = with_orientation(data, 6)
+    cut = cut[:4] + struct.pack(">H", 8 + 8) + cut[6:]  # the segment ends inside its IFD
+    assert exif_orientation(np.frombuffer(cut, np.uint8)) == 1
+
+
+def turned_as_torchcodec(image, orientation: int):
+    """torchcodec's EXIF turn (Exif.h, exif_orientation_transform), written out."""
+    transposed = image.transpose(-1, -2)
+    return {2: lambda: image.flip(-1), 3: lambda: image.flip((-2, -1)),
+            4: lambda: image.flip(-2), 5: lambda: transposed,
+            6: lambda: transposed.flip(-1), 7: lambda: transposed.flip((-2, -1)),
+            8: lambda: transposed.flip(-2)}.get(orientation, lambda: image)()
+
+
+def test_as_stored_undoes_torchcodecs_exif_turn():
+    image = torch.arange(3 * 4 * 5, dtype=torch.uint8).view(3, 4, 5)
+    for orientation in range(1, 9):
+        assert torch.equal(as_stored(turned_as_torchcodec(image, orientation), orientation), image)
+
+
+def in_a_slot(items: list) -> Ragged:
+    """``items`` as a decode stage reads them: a ragged leaf of a batch read back from a slot."""
+    region = np.zeros(1 << 20, np.uint8)
+    write_batch((Ragged.from_items(items), np.zeros(len(items), np.int64),
+                 np.arange(len(items))), region)
+    return read_batch(region)[0]
+
+
+class StandIn:
+    """A CPU stand-in for torchcodec's batched decode: simplejpeg on each image, a
+    RuntimeError (as a C++ check's) if any fails; the calls' sizes are kept."""
+
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def __call__(self, items: list, device) -> list:
+        self.calls.append(len(items))
+        try:
+            return [torch.from_numpy(simplejpeg.decode_jpeg(item.numpy(), colorspace="RGB"))
+                    .permute(2, 0, 1) for item in items]
+        except ValueError as exc:
+            raise RuntimeError(f"decode_jpegs_cuda, /src/DecodeJpegCuda.cpp:1, {exc}\nmore")
+
+
+def test_the_gpu_path_decodes_its_rows_together_then_one_by_one_to_name_a_failure():
+    good = [textured(16, 24, seed) for seed in range(3)]
+    broken = good[0][:len(good[0]) // 2]
+    encoded = in_a_slot([good[0], b"refused by its header", good[1], broken, good[2]])
+    failed = [None, "claims 24000 x 16000", None, None, None]
+    decode = StandIn()
+    decoded = decoded_rows(decode, encoded, failed, "cpu")
+    assert decode.calls == [4, 1, 1, 1, 1]  # never the row whose header failed
+    assert [image is None for image in decoded] == [False, True, False, True, False]
+    assert failed[:2] == [None, "claims 24000 x 16000"] and failed[4] is None
+    assert failed[3] and "DecodeJpegCuda.cpp" not in failed[3] and "\n" not in failed[3]
+    for image, data in zip([decoded[0], decoded[2], decoded[4]], good):
+        assert np.array_equal(image.permute(1, 2, 0).numpy(),
+                              simplejpeg.decode_jpeg(data, colorspace="RGB"))
+    decode = StandIn()
+    assert len(decoded_rows(decode, in_a_slot(good), [None] * 3, "cpu")) == 3
+    assert decode.calls == [3]
+    assert decoded_rows(decode, in_a_slot(good[:1]), ["bad"], "cpu") == [None]
+    assert decode.calls == [3]  # no call for an empty batch
+
+
+def test_a_decoders_failure_is_its_first_line_without_the_cpp_source_place():
+    message = ("decode_rows, /__w/torchcodec/src/torchcodec/_core/DecodeJpeg.cpp:287, Image is "
+               "incomplete or truncated.\nException raised from decode_rows")
+    assert failure_reason(RuntimeError(message)) == "Image is incomplete or truncated."
+    assert failure_reason(RuntimeError("Failed to decode batch: 7")) == "Failed to decode batch: 7"
+    assert failure_reason(RuntimeError()) == "RuntimeError"
+
+
+def torchcodec_or_skip():
+    """torchcodec's decode, or a skip where it does not import (not installed, or a build of it
+    for another torch: PyPI's CUDA 13 build next to a CPU torch)."""
+    try:
+        return nvjpeg_decoder()
+    except ImportError as exc:
+        pytest.skip(str(exc).splitlines()[0])
+
+
+def test_torchcodecs_decode_as_stored_is_simplejpegs():
+    """The GPU path's decode call and orientation undone, on torchcodec's CPU decoder (which
+    turns by the EXIF orientation as its CUDA one does)."""
+    decode = torchcodec_or_skip()
+    data = [with_orientation(textured(16, 24, seed), seed % 8 + 1) for seed in range(8)]
+    decoded = decoded_rows(decode, in_a_slot(data), [None] * 8, torch.device("cpu"))
+    for image, item in zip(decoded, data):
+        stored = as_stored(image, exif_orientation(np.frombuffer(item, np.uint8)))
+        assert np.array_equal(stored.permute(1, 2, 0).numpy(),
+                              simplejpeg.decode_jpeg(item, colorspace="RGB"))
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @needs_cuda
 def test_gpu_decode_agrees_with_the_cpu_stage(folder):
-    pytest.importorskip("torchvision")
+    torchcodec_or_skip()
     worker = EncodedImageWorker(folder)
     cpu = [(images, ids) for images, _, ids in
            decoded_epochs(worker, DecodeStage(SIZE, device="cpu"), epochs=1)]
@@ -335,7 +458,7 @@ def test_gpu_decode_agrees_with_the_cpu_stage(folder):
 
 @needs_cuda
 def test_gpu_decode_keeps_slots_until_the_decode_has_read_them(folder):
-    pytest.importorskip("torchvision")
+    torchcodec_or_skip()
     worker = EncodedImageWorker(folder)
     stage = DecodeStage(SIZE, device="cuda")
     assert isinstance(stage(), CudaDecoder)
@@ -347,7 +470,7 @@ def test_gpu_decode_keeps_slots_until_the_decode_has_read_them(folder):
 
 @needs_cuda
 def test_gpu_decode_never_hands_an_image_over_the_pixel_limit_to_nvjpeg(bombed):
-    pytest.importorskip("torchvision")
+    torchcodec_or_skip()
     seq = bombed_sequence(bombed, "cuda", on_error="skip")
     torch.cuda.reset_peak_memory_stats()
     with seq.start(), pytest.warns(SkippedSamplesWarning) as caught:
@@ -367,11 +490,12 @@ def same_size_batch(ids) -> tuple:
 
 @needs_cuda
 def test_gpu_decode_never_writes_over_images_a_queued_crop_still_reads(monkeypatch):
-    """torchvision's decode allocates its output on the current stream and writes it from a
-    stream of its own (pytorch/vision#9606): called on the crops' stream, batch 2's decode could
-    be handed batch 1's decoded images, freed while the crops that read them are still queued
-    (held back here by a sleep on that stream), and overwrite them."""
-    pytest.importorskip("torchvision")
+    """The decode allocates its output on the current stream and nvJPEG's hardware engine
+    writes it without waiting for that stream: on the crops' stream, or on a stream of its own
+    without the images marked as the crops', batch 2's decode could be handed batch 1's decoded
+    images, freed while the crops that read them are still queued (held back here by a sleep on
+    that stream), and overwrite them (pytorch/vision#9606 for torchvision's decoder)."""
+    torchcodec_or_skip()
     import shmseq.decode as decode
     queued = decode.transform
 
@@ -387,3 +511,22 @@ def test_gpu_decode_never_writes_over_images_a_queued_crop_still_reads(monkeypat
         images, _ = decoder.hand_over(*pending)
         assert_rows_are(images.cpu(), batch[2])
     decoder.close()
+
+
+@needs_cuda
+def test_gpu_decode_crops_images_as_their_jpegs_store_them_whatever_their_exif(tmp_path):
+    """torchcodec turns each image by its EXIF orientation, simplejpeg does not: the GPU path
+    undoes the turn, so both paths crop the same pixels (a wrong turn is tens of levels off)."""
+    torchcodec_or_skip()
+    root = tmp_path / "turned" / "c0"
+    root.mkdir(parents=True)
+    for orientation in range(1, 9):
+        (root / f"{orientation}.jpg").write_bytes(with_orientation(textured(60, 100), orientation))
+    worker = EncodedImageWorker(str(tmp_path / "turned"))
+    batches = {device: next(decoded_epochs(worker, DecodeStage(SIZE, device=device), epochs=1,
+                                           batch_size=8, num_workers=0, out_type=device))
+               for device in ("cpu", "cuda")}
+    (reference, _, ids), (images, _, gpu_ids) = batches["cpu"], batches["cuda"]
+    assert np.array_equal(ids, gpu_ids)
+    difference = np.abs(pixels(images.cpu()) - pixels(reference)).mean(axis=(1, 2, 3))
+    assert difference.max() < 2, difference

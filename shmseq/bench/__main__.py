@@ -118,6 +118,17 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _imports_torchcodec() -> bool:
+    """Whether the GPU decode stage's decoder imports, saying why it does not."""
+    from shmseq.decode import nvjpeg_decoder
+    try:
+        nvjpeg_decoder()
+    except ImportError as exc:
+        _log(f"{STAGE} skipped: {exc}")
+        return False
+    return True
+
+
 def _without_torch(names: list[str], torch_systems) -> list[str]:
     """The systems that run without torch, saying which were left out."""
     skipped = [name for name in names if name in torch_systems]
@@ -197,10 +208,7 @@ def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) ->
     if importlib.util.find_spec("simplejpeg") is None and "shards-jpeg" in args.workloads:
         _log("simplejpeg is not installed: shards-jpeg skipped (pip install 'shmseq[vision]')")
         args.workloads = [name for name in args.workloads if name != "shards-jpeg"]
-    if (STAGE in args.systems and STAGE_DEVICE == "cuda"
-            and importlib.util.find_spec("torchvision") is None):
-        _log(f"torchvision is not installed: {STAGE} skipped (its decode is torchvision's "
-             "decode_jpeg: install the torchvision that matches your torch)")
+    if STAGE in args.systems and STAGE_DEVICE == "cuda" and not _imports_torchcodec():
         args.systems = [name for name in args.systems if name != STAGE]
     if not args.workloads or not args.systems:
         _log("nothing left to run")

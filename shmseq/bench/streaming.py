@@ -454,7 +454,7 @@ def markdown(runs: list[Run], workloads: dict[str, ShardWorkload], info: dict, s
 
 def stage_note(side: int) -> str:
     """What the decode stage's row is, and on which device it ran."""
-    where = ("torchvision's batched nvJPEG decode on the GPU" if STAGE_DEVICE == "cuda" else
+    where = ("torchcodec's batched nvJPEG decode on the GPU" if STAGE_DEVICE == "cuda" else
              f"simplejpeg in {decode_stage(side).threads} threads of the trainer's process, no GPU here")
     return (f"{STAGE}: the workers only read each JPEG's encoded bytes (`encoded_sample()`); "
             f"a `DecodeStage` decodes every batch in the trainer ({where}), random-resized-crops "
