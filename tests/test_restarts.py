@@ -56,13 +56,21 @@ def test_workers_killed_once_are_replaced_and_the_stream_is_unchanged(tmp_path, 
                                        ("exit", "exited with code 3")])
 def test_a_batch_that_kills_its_worker_twice_is_not_sent_a_third_time(how, died):
     seq = make(Crash(how, at=13), worker_restarts=3)
-    with pytest.warns(RuntimeWarning, match="a new worker takes its place"):
-        with pytest.raises(WorkerDied, match=rf"{died} while building batch \d+ of epoch \d "
-                                             r"\(sample indices .*13.*\).*had already killed a worker"):
+    run_until_it_dies(seq, "a new worker takes its place",
+                      rf"{died} while building batch \d+ of epoch \d \(sample indices .*13.*\).*"
+                      "had already killed a worker")
+    assert seq.stats.restarts == 1
+
+
+def run_until_it_dies(seq, warned: str, raised: str) -> list:
+    """Iterate ``seq`` until it raises a ``WorkerDied`` matching ``raised``, each death before
+    it warned of, matching ``warned``: the warnings."""
+    with pytest.warns(RuntimeWarning, match=warned) as caught:
+        with pytest.raises(WorkerDied, match=raised):
             with seq.start():
                 for batch in seq:
                     del batch
-    assert seq.stats.restarts == 1
+    return caught
 
 
 def test_sigkill_from_outside_is_not_charged_to_the_batch_being_built():
@@ -70,12 +78,9 @@ def test_sigkill_from_outside_is_not_charged_to_the_batch_being_built():
     kernel's out-of-memory killer: it says nothing of the batch being built. A batch whose
     worker is SIGKILLed every time ends the run only once the restarts are used."""
     seq = make(Crash("SIGKILL", at=13), worker_restarts=3)
-    with pytest.warns(RuntimeWarning, match="a new worker takes its place") as warned:
-        with pytest.raises(WorkerDied, match=r"killed by signal SIGKILL while building batch "
-                                             r".*\(and worker_restarts=3 were used\)"):
-            with seq.start():
-                for batch in seq:
-                    del batch
+    warned = run_until_it_dies(seq, "a new worker takes its place",
+                               r"killed by signal SIGKILL while building batch .*"
+                               r"\(and worker_restarts=3 were used\)")
     assert seq.stats.restarts == 3 and "out-of-memory" not in str(warned[0].message)
 
 
@@ -109,22 +114,16 @@ def test_a_batch_that_the_out_of_memory_killer_kills_twice_is_poison(memory_cgro
     each worker that builds it, and the death is charged to it (the kernel counts its kills)."""
     seq = make(workers.EatsMemory(memory_cgroup, at=13, megabytes=512), worker_restarts=3,
                start_method="fork")
-    with pytest.warns(RuntimeWarning, match="out-of-memory killer"):
-        with pytest.raises(WorkerDied, match=r"killed by signal SIGKILL \(the kernel's out-of-memory "
-                                             r"killer\) while building batch .*had already killed"):
-            with seq.start():
-                for batch in seq:
-                    del batch
+    run_until_it_dies(seq, "out-of-memory killer",
+                      r"killed by signal SIGKILL \(the kernel's out-of-memory killer\) while "
+                      "building batch .*had already killed")
     assert seq.stats.restarts == 1
 
 
 def test_once_the_restarts_are_used_up_a_death_is_raised(tmp_path):
     seq = make(KillOnce(tmp_path, at=[13, 61]), worker_restarts=1)
-    with pytest.warns(RuntimeWarning, match="a new worker takes its place"):
-        with pytest.raises(WorkerDied, match=r"killed by signal SIGKILL .*worker_restarts=1 were used"):
-            with seq.start():
-                for batch in seq:
-                    del batch
+    run_until_it_dies(seq, "a new worker takes its place",
+                      r"killed by signal SIGKILL .*worker_restarts=1 were used")
     assert seq.stats.restarts == 1
 
 
