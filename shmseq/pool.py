@@ -52,7 +52,7 @@ class Reply(NamedTuple):
     payload: np.ndarray | None = None
     error: Callable[[], BaseException] | None = None
     overflowed: bool = False
-    ended: bool = False  # no batch: the worker's stream ended (see workers.StreamEnded)
+    ended: bool = False  # no batch: the worker's stream ended (workers.StreamEnded), or it died
     skipped: tuple = ()  # samples the worker's skip policy left out, why (counted when delivered)
 
 
@@ -179,6 +179,7 @@ class WorkerPool:
         self._killers: set[int] = set()  # batches a death was charged on once
         self._oom_kills = oom_kills()  # the kernel's count, as of the last death seen
         self._replacements: set[WorkerHandle] = set()  # workers started in a dead one's place
+        self._held: list[Reply] = []  # read when a death was raised: for the next exchange
         self._pickled_worker = None if backend != "proc" else pickled_for(
             "worker", worker, context.get_start_method(),
             "or use start_method='fork' or thread_type='thread'")
@@ -242,9 +243,10 @@ class WorkerPool:
             self._dispatch(waiting)
             return []
         ready = self._events.wait(0)
-        received = self._handle_ready(ready) if ready else []
+        received = self._held + (self._handle_ready(ready) if ready else [])
+        self._held = []
         waiting += len(received)
-        waits = not ready and timeout != 0
+        waits = not ready and not received and timeout != 0
         if timeout != 0:  # the consumer looks for a batch not delivered yet
             self._pace.follow(waiting, waited=waits)
         self._dispatch(waiting)
@@ -416,8 +418,9 @@ class WorkerPool:
         out_of_memory = self._out_of_memory_kill(code)
         died = f"{handle.describe()} {describe_exit(code, out_of_memory)}"
         if not handle.ready and handle not in self._replacements:
-            raise WorkerDied(f"{died} while starting ({handle.starting_stage(code)})",
-                             pid=handle.pid, exitcode=code)
+            raise self._retired(handle, received, WorkerDied(
+                f"{died} while starting ({handle.starting_stage(code)})", pid=handle.pid,
+                exitcode=code))
         building = self._building(handle)
         charged = building if its_own_doing(code, out_of_memory) else None
         died += self._what_it_held(handle, building)
@@ -428,7 +431,26 @@ class WorkerPool:
         queued = [self.stream.name(number) for number in sorted(handle.open) if number != building]
         if queued:
             died += f"; {', '.join(queued)} were queued for it"
-        raise WorkerDied(died + refusal, pid=handle.pid, exitcode=code)
+        raise self._retired(handle, received, WorkerDied(died + refusal, pid=handle.pid,
+                                                         exitcode=code))
+
+    def _retired(self, dead: WorkerHandle, received: list[Reply], error: WorkerDied) -> WorkerDied:
+        """``error``, with the dead worker out of the pool, so that a consumer may go on
+        without it, as torch's DataLoader does: it gets no task again (in turn, its turns go
+        to the next worker, as if its stream had ended), each of its unfinished batches
+        becomes a reply with no batch, and these replies and the others read with its death
+        wait for the next exchange."""
+        self._unwatch(dead)
+        dead.close_pipes()
+        dead.accepting = False
+        for number, (_, slot) in sorted(dead.open.items()):
+            self._give_back(slot)
+            received.append(Reply(number, None, ended=True))
+        dead.open.clear()
+        self._held += received
+        if self._in_turn:
+            self._stream_ended(dead.wid)
+        return error
 
     def _out_of_memory_kill(self, code: int | None) -> bool | None:
         """Whether a worker killed by SIGKILL was the kernel's out-of-memory killer's doing: its

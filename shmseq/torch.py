@@ -236,6 +236,7 @@ class _RingIterator(_BaseDataLoaderIter):
             in_turn=True, wait_for_workers=False)
         self._stats = loader.stats
         self._pipeline: Pipeline | None = None
+        self._dead: tuple[int | None, int | None] | None = None  # a worker that died: pid, exit code
         self._epoch = -1
         self._reset(loader, first_iter=True)
 
@@ -244,6 +245,13 @@ class _RingIterator(_BaseDataLoaderIter):
         drops what is left of the pass before and gives the workers the first batches. The
         workers start here the first time, and again if an earlier failure stopped them."""
         super()._reset(loader, first_iter)
+        if self._dead is not None:
+            pid, exitcode = self._dead
+            raise WorkerDied(
+                f"DataLoader worker (pid(s) {pid}) exited unexpectedly in an earlier pass; "
+                "persistent workers are not replaced, so this loader starts no other pass (as "
+                "torch's): make a new DataLoader, or pass worker_restarts=1 to replace a worker "
+                "that dies", pid=pid, exitcode=exitcode)
         self._epoch += 1
         self._position = 0  # the next batch in order, or the first not handed over yet
         self._handed: set[int] = set()  # positions handed over ahead of it (in_order=False)
@@ -289,9 +297,11 @@ class _RingIterator(_BaseDataLoaderIter):
         except BatchTimeout as exc:
             raise BatchTimeout(f"DataLoader timed out after {self._timeout} seconds: {exc}") \
                 from None
-        except WorkerDied as exc:
-            self._shutdown_workers()
-            raise WorkerDied(f"DataLoader worker (pid(s) {exc.pid}) exited unexpectedly: {exc}",
+        except WorkerDied as exc:  # the pass goes on without it, as torch's
+            self._dead = (exc.pid, exc.exitcode)
+            raise WorkerDied(f"DataLoader worker (pid(s) {exc.pid}) exited unexpectedly: {exc}; "
+                             "the pass goes on without the batches it held (pass "
+                             "worker_restarts=1 to replace a worker that dies and lose none)",
                              pid=exc.pid, exitcode=exc.exitcode) from None
         except PipelineClosed as exc:
             raise PipelineClosed(f"this DataLoader iterator was shut down ({exc}): start a new "

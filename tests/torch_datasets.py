@@ -217,6 +217,22 @@ class Raises(Counting):
         return i
 
 
+def _die() -> None:
+    """SIGKILL this process: it leaves without a word (no traceback, no fault handler)."""
+    import faulthandler
+    faulthandler.disable()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _first_time(marks: str) -> bool:
+    """True the first time only (a mark under ``marks`` says it happened, for later workers)."""
+    mark = os.path.join(marks, "killed")
+    if os.path.exists(mark):
+        return False
+    open(mark, "w").close()
+    return True
+
+
 class KillsItself(Counting):
     def __init__(self, n: int, at: int):
         super().__init__(n)
@@ -224,9 +240,7 @@ class KillsItself(Counting):
 
     def __getitem__(self, i):
         if i == self.at:
-            import faulthandler
-            faulthandler.disable()
-            os.kill(os.getpid(), signal.SIGKILL)
+            _die()
         return i
 
 
@@ -239,11 +253,24 @@ class KillsOnce(Counting):
         self.at, self.marks = at, marks
 
     def __getitem__(self, i):
-        mark = os.path.join(self.marks, "killed")
-        if i == self.at and not os.path.exists(mark):
-            open(mark, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
+        if i == self.at and _first_time(self.marks):
+            _die()
         return i
+
+
+class KillsOnceStream(IterableDataset):
+    """Worker ``k`` of ``w`` yields ``k, k + w, k + 2w, ...`` below ``n`` (torch's documented
+    sharding); the worker that reaches ``at`` SIGKILLs itself there, the first time only."""
+
+    def __init__(self, n: int, at: int, marks: str):
+        self.n, self.at, self.marks = n, at, marks
+
+    def __iter__(self):
+        info = get_worker_info()
+        for i in range(info.id, self.n, info.num_workers):
+            if i == self.at and _first_time(self.marks):
+                _die()
+            yield i
 
 
 class CountingStream(IterableDataset):
