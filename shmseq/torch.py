@@ -236,6 +236,7 @@ class _RingIterator(_BaseDataLoaderIter):
             in_turn=True, wait_for_workers=False)
         self._stats = loader.stats
         self._pipeline: Pipeline | None = None
+        self._stopped: list = []  # the worker processes, once shut down
         self._dead: tuple[int | None, int | None] | None = None  # a worker that died: pid, exit code
         self._epoch = -1
         self._reset(loader, first_iter=True)
@@ -310,9 +311,19 @@ class _RingIterator(_BaseDataLoaderIter):
             self._shutdown_workers()  # a failure of the pipeline, or Ctrl-C: nothing left running
             raise
 
+    @property
+    def _workers(self) -> list:
+        """The worker processes (``multiprocessing.Process``), as torch's iterator lists them:
+        tools and torch's own tests join and watch them (``is_alive()``, ``join()``, ``pid``,
+        ``exitcode``), also once the iterator has shut them down."""
+        if self._pipeline is None:
+            return self._stopped
+        return [handle.runner for handle in self._pipeline.pool.handles]
+
     def _shutdown_workers(self) -> None:
         """Stop the workers and free the ring (Lightning calls this on persistent workers)."""
         if self._pipeline is not None:
+            self._stopped = self._workers
             self._pipeline = None
             self._closer()
 

@@ -220,7 +220,8 @@ def consumer_ends(handles: Iterable[WorkerHandle]) -> list[int]:
 
 def end_workers(handles: Iterable[WorkerHandle]) -> None:
     """Kill every process that did not leave in time, then reap them; a thread cannot be
-    killed, so say so."""
+    killed, so say so. A process object is not closed: whoever holds it (torch's iterator lists
+    them in ``_workers``) can still ask for its exit code; its last descriptor goes with it."""
     handles = list(handles)
     for handle in handles:
         if not isinstance(handle.runner, threading.Thread) and handle.runner.is_alive():
@@ -233,7 +234,6 @@ def end_workers(handles: Iterable[WorkerHandle]) -> None:
                           "code returns")
             continue
         handle.runner.join(JOIN_SECONDS)
-        handle.runner.close()
 
 
 def pickled_for(what: str, value, start_method: str, fix: str) -> bytes | None:

@@ -402,6 +402,30 @@ def test_a_forward_pass_in_the_trainer_does_not_hang_the_next_epochs_workers():
 
 
 # -- the lifecycle of iterators ------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["map-style", "iterable"])
+@pytest.mark.parametrize("how", ["partial pass", "whole pass", "persistent"])
+def test_the_iterators_workers_are_processes_to_join_and_watch(how, kind):
+    """``iterator._workers``, which tools and torch's own tests read to join and watch the
+    workers: process objects, alive while the iterator runs, gone with exit code 0 once it
+    shut down (left after a few batches, exhausted, or closed with persistent workers)."""
+    dataset = data.Counting(40) if kind == "map-style" else data.PerWorkerStream([20, 20])
+
+    def run(Loader):
+        loader = Loader(dataset, batch_size=2, num_workers=2,
+                        persistent_workers=how == "persistent")
+        iterator = iter(loader)
+        workers = iterator._workers
+        running = [(w.is_alive(), isinstance(w.pid, int), w.exitcode) for w in workers]
+        for _ in itertools.islice(iterator, 3 if how == "partial pass" else None):
+            pass
+        del iterator
+        close(loader)
+        for worker in workers:
+            worker.join(30)
+        return running, [(w.is_alive(), w.exitcode) for w in workers]
+    assert agree(run) == ([(True, True, None)] * 2, [(False, 0)] * 2)
+
+
 @pytest.mark.parametrize("persistent_workers", [False, True])
 def test_a_new_iteration_after_a_partial_one_is_a_whole_pass(persistent_workers):
     """What Lightning's sanity check does before the first epoch, and validation after each."""
