@@ -187,8 +187,7 @@ class DataLoader(TorchDataLoader[T_co]):
                 f"worker_restarts={self.worker_restarts} needs a map-style dataset: a "
                 f"replacement worker cannot resume the stream of {type(self.dataset).__name__} "
                 "(an IterableDataset) where the dead one stopped; pass worker_restarts=0")
-        self.check_worker_number_rationality()
-        return _RingIterator(self)
+        return _RingIterator(self)  # more workers than cores: torch's constructor warned
 
     @property
     def stats(self) -> LoaderStats:

@@ -54,6 +54,19 @@ def test_an_iterable_datasets_batches_are_views_of_the_ring():
     assert streamed.stats.batches == 4 and not live_children()
 
 
+def test_more_workers_than_cores_are_warned_of_once(monkeypatch):
+    """torch's constructor warns that num_workers exceeds the cores; the iterator does not
+    say it again from shmseq's code (a copy that a filter on torch's module, or Python's
+    once-per-place warnings, would not catch)."""
+    monkeypatch.setattr(torch._utils, "cpu_count", lambda: 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = DataLoader(data.Counting(8), batch_size=2, num_workers=2)
+        assert len(labels(loader)) == 4
+    shown = [w for w in caught if "worker processes in total" in str(w.message)]
+    assert [w.filename for w in shown] == [torch.utils.data.dataloader.__file__]
+
+
 def test_without_workers_the_iterator_is_torchs_own():
     inline = DataLoader(data.Counting(6), batch_size=2)
     assert labels(inline) == [[0, 1], [2, 3], [4, 5]] and inline.stats.batches == 0
