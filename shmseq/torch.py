@@ -147,6 +147,22 @@ class _Fetcher:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_fetcher": None, "_slot": None}
 
+    def pickled_parts(self) -> dict:
+        """What the user gave, by argument name: named when spawned workers cannot get it."""
+        return {"dataset": self.dataset, "collate_fn": self.collate_fn}
+
+    @staticmethod
+    def unpicklable(what: str, value, exc: Exception, start_method: str) -> Exception:
+        """The error when ``value`` (the argument ``what``) cannot be pickled: of the pickling
+        error's type, as torch's loader raises it, saying what this front end takes."""
+        message = (f"{what} {value!r} cannot be pickled, which multiprocessing_context="
+                   f"{start_method!r} needs ({type(exc).__name__}: {exc}): define it at module "
+                   "level, or pass multiprocessing_context='fork'")
+        try:
+            return type(exc)(message)
+        except Exception:  # noqa: BLE001 - a type that takes other arguments: torch raises it as is
+            return exc
+
 
 T_co = TypeVar("T_co", covariant=True)
 

@@ -239,13 +239,18 @@ def end_workers(handles: Iterable[WorkerHandle]) -> None:
 def pickled_for(what: str, value, start_method: str, fix: str) -> bytes | None:
     """``value`` pickled once, as spawn or forkserver must send it (None under fork, which
     pickles nothing); fails at start when it cannot be, naming ``what`` or, when ``value``
-    lists its ``pickled_parts()``, the part that cannot be."""
+    lists its ``pickled_parts()``, the part that cannot be. A ``value`` with an
+    ``unpicklable(what, part, exc, start_method)`` method makes the error itself (a front end
+    words it for its own arguments)."""
     if start_method == "fork" or value is None:
         return None
     try:
         return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001 - any pickling failure means the same fix
+        refused = getattr(value, "unpicklable", None)
         what, value = _culprit(what, value)
+        if refused is not None:
+            raise refused(what, value, exc, start_method) from exc
         raise TypeError(
             f"{what} {value!r} cannot be pickled, which start_method={start_method!r} needs "
             f"({type(exc).__name__}: {exc}): define it at module level, {fix}") from exc

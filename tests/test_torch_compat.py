@@ -642,6 +642,35 @@ def names_a_dead_worker(raised) -> bool:
         "DataLoader worker (pid" in raised.message
 
 
+KEEP_AS_LIST = lambda samples: samples  # noqa: E731 - a module-level lambda is the case here
+
+
+def unpicklable(culprit: str) -> dict:
+    """Loader arguments where ``culprit`` holds a lambda: one at module level cannot be found
+    by its name (PicklingError), one made in a function is a local object (AttributeError)."""
+    if culprit == "collate_fn":
+        return {"dataset": data.Counting(8), "collate_fn": KEEP_AS_LIST}
+    return {"dataset": data.Transformed(8, lambda i: i * 2)}
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+@pytest.mark.parametrize("culprit", ["collate_fn", "dataset"])
+def test_what_spawned_workers_cannot_be_sent_is_named_with_torchs_error(culprit, context):
+    """torch raises the pickling error itself (and warns to set the start method to fork);
+    shmseq's loader raises the same type, naming the argument and what this front end takes
+    instead."""
+    def run(Loader):
+        loader = Loader(batch_size=2, num_workers=1, multiprocessing_context=context,
+                        **unpicklable(culprit))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's advice about the start method
+            return outcome(lambda: next(iter(loader)))
+    raised = agree(run, compare=lambda ours, theirs: assert_same(ours.type, theirs.type))
+    assert raised.message.startswith(f"{culprit} ") and "module level" in raised.message
+    assert f"multiprocessing_context={context!r} needs" in raised.message
+    assert "or pass multiprocessing_context='fork'" in raised.message
+
+
 @pytest.mark.timeout(60)
 def test_a_timeout_is_a_runtime_error_saying_so():
     def run(Loader):

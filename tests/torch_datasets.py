@@ -37,6 +37,17 @@ class Fields(Counting):
                 "half": torch.tensor([i], dtype=torch.bfloat16), "none_key": {"deep": [i]}}
 
 
+class Transformed(Counting):
+    """Sample ``i`` is ``transform(i)``."""
+
+    def __init__(self, n: int, transform):
+        super().__init__(n)
+        self.transform = transform
+
+    def __getitem__(self, i):
+        return self.transform(i)
+
+
 class Bulk(Counting):
     """Loads a whole batch at once: ``dataset[list_of_indices]``."""
 
