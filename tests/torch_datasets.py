@@ -48,6 +48,15 @@ class Transformed(Counting):
         return self.transform(i)
 
 
+class TokenSequences(Counting):
+    """Sequences of 8 token ids below 64 for a causal language model, which learns to repeat
+    them (``labels`` are the inputs)."""
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
 class Bulk(Counting):
     """Loads a whole batch at once: ``dataset[list_of_indices]``."""
 

@@ -1,0 +1,73 @@
+"""Hugging Face's ``Trainer`` fed by torch's DataLoader and by shmseq's ring: a tiny causal
+language model built from a config (nothing downloaded) trained and evaluated with two
+workers, persistent or not, gives the same losses step for step, and shmseq's batches, train
+and eval, come through its ring."""
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the hub: never ask it
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+import torch_datasets as data  # noqa: E402
+from shmseq.transformers import Trainer as RingTrainer  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning",
+                                        "ignore::FutureWarning")
+
+
+class RingBatches(transformers.TrainerCallback):
+    """The loaders the Trainer used, to count the batches they brought through the ring."""
+
+    def __init__(self):
+        self.loaders = {"train": {}, "eval": {}}
+
+    def on_step_end(self, args, state, control, train_dataloader=None, **kwargs):
+        self._saw("train", train_dataloader)
+
+    def on_evaluate(self, args, state, control, eval_dataloader=None, **kwargs):
+        self._saw("eval", eval_dataloader)
+
+    def _saw(self, kind: str, loader) -> None:
+        base = getattr(loader, "base_dataloader", loader)
+        self.loaders[kind][id(base)] = base
+
+    def counts(self) -> dict:
+        """Batches through the ring, by kind of loader (none: torch's loaders)."""
+        return {kind: sum(getattr(base, "stats", None) and base.stats.batches or 0
+                          for base in loaders.values())
+                for kind, loaders in self.loaders.items()}
+
+
+def fit(trainer_class, output_dir, persistent_workers: bool):
+    """Train 4 steps, evaluating every 2 and once more after: the logged losses (step, loss),
+    and the ring's batches."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
+        eos_token_id=0))
+    args = transformers.TrainingArguments(
+        output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=4,
+        per_device_eval_batch_size=4, eval_strategy="steps", eval_steps=2, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+        dataloader_num_workers=2, dataloader_persistent_workers=persistent_workers)
+    ring = RingBatches()
+    trainer = trainer_class(model=model, args=args, train_dataset=data.TokenSequences(32),
+                            eval_dataset=data.TokenSequences(8), callbacks=[ring])
+    trainer.train()
+    trainer.evaluate()
+    return [(entry["step"], entry.get("loss", entry.get("eval_loss")))
+            for entry in trainer.state.log_history if "loss" in entry or "eval_loss" in entry
+            ], ring.counts()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_a_trainer_on_the_ring_trains_and_evaluates_as_on_torchs_loader(persistent_workers,
+                                                                        tmp_path):
+    torchs, none = fit(transformers.Trainer, tmp_path / "torch", persistent_workers)
+    ours, ring = fit(RingTrainer, tmp_path / "shmseq", persistent_workers)
+    assert ours == torchs and len(torchs) == 4 + 3
+    assert none == {"train": 0, "eval": 0}
+    assert ring["train"] >= 4 and ring["eval"] >= 3 * 2  # every step's batch, 3 evaluations of 2
