@@ -20,6 +20,7 @@ on after it. What differs on purpose, and why: docs/from-pytorch.md.
 from __future__ import annotations
 
 import os
+import signal
 import weakref
 from collections.abc import Hashable
 from typing import TypeVar
@@ -315,9 +316,9 @@ class _RingIterator(_BaseDataLoaderIter):
                 from None
         except WorkerDied as exc:  # the pass goes on without it, as torch's
             self._dead = (exc.pid, exc.exitcode)
-            raise WorkerDied(f"DataLoader worker (pid(s) {exc.pid}) exited unexpectedly: {exc}; "
-                             "the pass goes on without the batches it held (pass "
-                             "worker_restarts=1 to replace a worker that dies and lose none)",
+            raise WorkerDied(f"{_torchs_words(exc)}: {exc}; the pass goes on without the "
+                             "batches it held (pass worker_restarts=1 to replace a worker that "
+                             "dies and lose none)",
                              pid=exc.pid, exitcode=exc.exitcode) from None
         except PipelineClosed as exc:
             raise PipelineClosed(f"this DataLoader iterator was shut down ({exc}): start a new "
@@ -442,6 +443,14 @@ def _jagged(ragged: Ragged):
         except TypeError:
             return ragged
     return make_leaf(values, torch.from_numpy(ragged.offsets))
+
+
+def _torchs_words(death: WorkerDied) -> str:
+    """A dead worker as torch's loader reports it: by its signal, or as gone."""
+    if death.exitcode is not None and death.exitcode < 0:
+        return (f"DataLoader worker (pid {death.pid}) is killed by signal: "
+                f"{signal.strsignal(-death.exitcode)}")
+    return f"DataLoader worker (pid(s) {death.pid}) exited unexpectedly"
 
 
 def _close_in_owner(pipeline: Pipeline, owner_pid: int) -> None:
