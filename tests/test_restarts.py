@@ -236,40 +236,42 @@ def test_kills_in_quick_pairs_cost_restarts_never_the_run(tmp_path, method, seed
     assert seq.stats.restarts == killer.result() == 6
 
 
-def _kill_at_random(stop: threading.Event, rng: random.Random, killed: list) -> None:
-    """SIGKILL a worker, any of them (at work, between batches, starting), every 50-150 ms."""
-    while not stop.wait(rng.uniform(0.05, 0.15)):
+def _kill_at_random(seconds: float, rng: random.Random, stop: threading.Event) -> int:
+    """SIGKILL a worker, any of them (at work, between batches, starting), every 50-150 ms for
+    ``seconds`` (or until ``stop``): how many kills found a worker."""
+    killed, until = 0, time.monotonic() + seconds
+    while time.monotonic() < until and not stop.wait(rng.uniform(0.05, 0.15)):
         pids = [p.pid for p in multiprocessing.active_children()
                 if p.name.startswith("shmseq-worker")]
         if pids:
             try:
                 os.kill(rng.choice(pids), signal.SIGKILL)
-                killed.append(1)
+                killed += 1
             except ProcessLookupError:
                 pass
+    return killed
 
 
-@pytest.mark.parametrize("method, seconds", [("fork", 4), ("spawn", 6), ("forkserver", 6)])
-def test_random_kills_never_make_an_innocent_batch_poison(tmp_path, method, seconds):
-    """Kills from outside land on whatever is being built: two of them on one batch, even in a
-    row, must not judge it poison. Every batch once and in order, epoch after epoch."""
-    seq = make(KillOnce(tmp_path, at=[], seconds=0.02), dset_size=400, start_method=method,
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_random_kills_never_make_an_innocent_batch_poison(tmp_path, method):
+    """Kills from outside land on whatever is being built: two of them on one batch must not
+    judge it poison. Every batch once and in order, epoch after epoch, for 4 s of kills and an
+    epoch after them."""
+    seq = make(KillOnce(tmp_path, at=[], seconds=0.02), dset_size=160, start_method=method,
                worker_restarts=10**6)
-    got, stop, killed = [], threading.Event(), []
-    killer = threading.Thread(target=_kill_at_random, args=(stop, random.Random(seconds), killed))
+    got, stop = [], threading.Event()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "worker .* a new worker takes its place")
-        with seq.start():
-            killer.start()
+        with seq.start(), concurrent.futures.ThreadPoolExecutor(1) as pool:
+            killer = pool.submit(_kill_at_random, 4.0, random.Random(method), stop)
             try:
-                began = time.monotonic()
-                while time.monotonic() - began < seconds:
+                while not killer.done():
                     got.append([seen(b) for b in seq])
+                got.append([seen(b) for b in seq])
             finally:
                 stop.set()
-                killer.join()
-    assert got == reference(tmp_path, len(got), dset_size=400)
-    assert 10 < seq.stats.restarts <= len(killed)  # a kill may find a dead worker not reaped yet
+    assert got == reference(tmp_path, len(got), dset_size=160)
+    assert 10 < seq.stats.restarts <= killer.result()  # a kill may find a dead worker not reaped
 
 
 def test_restarts_need_processes():
