@@ -28,10 +28,15 @@ one request each.
 from __future__ import annotations
 
 import collections
+import collections.abc
+import concurrent.futures
+import contextlib
+import importlib.util
 import io
 import json
 import os
 import posixpath
+import sys
 import tarfile
 import threading
 from dataclasses import dataclass
@@ -135,9 +140,17 @@ class ShardIndex:
         return f"shard {self.shards[shard].url}, sample at byte {self.shards[shard].span(ordinal)[0]}"
 
     @classmethod
-    def scan(cls, urls: Iterable[str], storage_options: dict | None = None) -> "ShardIndex":
-        """Read the member headers of each shard (its data is skipped where the file seeks)."""
-        return cls(_scan_shard(url, storage_options) for url in urls)
+    def scan(cls, urls: Iterable[str], storage_options: dict | None = None,
+             progress: bool | None = None) -> "ShardIndex":
+        """Read the member headers of each shard (its data is skipped where the file seeks).
+        ``progress``: a bar on stderr, shard by shard (None: where stderr is a terminal and
+        tqdm is installed)."""
+        shards = []
+        with _progress(progress, _length(urls), "shards") as bar:
+            for url in urls:
+                shards.append(_scan_shard(url, storage_options))
+                bar.update(1)
+        return cls(shards)
 
     @classmethod
     def load(cls, url: str, storage_options: dict | None = None) -> "ShardIndex":
@@ -192,23 +205,109 @@ def _scan_shard(url: str, storage_options: dict | None) -> Shard:
 
 
 def write_shards(samples: Iterable[dict], pattern: str, *, samples_per_shard: int = 1000,
-                 index: str | None = None) -> ShardIndex:
+                 index: str | None = None, processes: int | None = None,
+                 progress: bool | None = None) -> ShardIndex:
     """Pack samples into tar shards (``pattern % shard_number``, e.g. ``"out/train-%05d.tar"``)
     and write their index (``index``; default ``shards.json`` beside the first shard).
 
     A sample is a dict: ``"__key__"`` (a unique name, no dot in its last part) and one entry
-    per field, ``bytes`` (``"jpg"``: the encoded file) or ``str``/``int`` (stored as text)."""
+    per field, ``bytes`` (``"jpg"``: the encoded file) or ``str``/``int`` (stored as text).
+
+    ``samples`` may be any iterable of them, written in one process; or a sequence (``len`` and
+    ``samples[i]``, as ``image_folder_samples`` gives), whose shards are then written by
+    ``processes`` processes at once, each making its own shards' samples (reading the files of
+    a large folder in parallel): the shards are the same either way. ``processes`` None: the
+    usable cores, for a sequence of more than one shard. ``progress``: a progress bar on
+    stderr (tqdm); None: where stderr is a terminal and tqdm is installed."""
+    check_int("samples_per_shard", samples_per_shard, 1)
+    check_int("processes", processes, 1, optional=True)
+    parallel = (_parallel(processes, len(samples), samples_per_shard)
+                if isinstance(samples, collections.abc.Sequence) else 1)
+    with _progress(progress, _length(samples), "samples") as bar:
+        if parallel > 1:
+            shards = _write_in_processes(samples, pattern, samples_per_shard, parallel, bar)
+        else:
+            shards = _write_in_turn(samples, pattern, samples_per_shard, bar)
+    written = ShardIndex(shards)
+    written.save(index or os.path.join(os.path.dirname(pattern % 0) or ".", "shards.json"))
+    return written
+
+
+def _length(samples) -> int | None:
+    return len(samples) if isinstance(samples, collections.abc.Sized) else None
+
+
+def _parallel(processes: int | None, count: int, samples_per_shard: int) -> int:
+    """How many processes write the shards of ``count`` samples."""
+    shards = max(-(-count // samples_per_shard), 1)
+    wanted = len(os.sched_getaffinity(0)) if processes is None else processes
+    return min(wanted, shards)
+
+
+def _write_in_turn(samples: Iterable[dict], pattern: str, samples_per_shard: int,
+                   bar) -> list[Shard]:
     shards, batch = [], []
     for sample in samples:
         batch.append(sample)
         if len(batch) == samples_per_shard:
             shards.append(_write_shard(pattern % len(shards), batch))
+            bar.update(len(batch))
             batch = []
     if batch or not shards:
         shards.append(_write_shard(pattern % len(shards), batch))
-    written = ShardIndex(shards)
-    written.save(index or os.path.join(os.path.dirname(pattern % 0) or ".", "shards.json"))
-    return written
+        bar.update(len(batch))
+    return shards
+
+
+_samples_here: collections.abc.Sequence = ()  # a writing process's samples (set once, at its start)
+
+
+def _keep_samples(samples: collections.abc.Sequence) -> None:
+    global _samples_here
+    _samples_here = samples
+
+
+def _write_shard_number(number: int, pattern: str, samples_per_shard: int) -> Shard:
+    first = number * samples_per_shard
+    batch = [_samples_here[at] for at in range(first, min(first + samples_per_shard,
+                                                          len(_samples_here)))]
+    return _write_shard(pattern % number, batch)
+
+
+def _write_in_processes(samples: collections.abc.Sequence, pattern: str, samples_per_shard: int,
+                        processes: int, bar) -> list[Shard]:
+    """Each shard written by one of ``processes`` processes, which were given the sequence
+    once (not with every shard)."""
+    count = max(-(-len(samples) // samples_per_shard), 1)
+    with concurrent.futures.ProcessPoolExecutor(processes, initializer=_keep_samples,
+                                                initargs=(samples,)) as pool:
+        futures = [pool.submit(_write_shard_number, number, pattern, samples_per_shard)
+                   for number in range(count)]
+        for done in concurrent.futures.as_completed(futures):
+            bar.update(len(done.result()))
+        return [future.result() for future in futures]
+
+
+class _NoBar:
+    def update(self, count: int) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _progress(wanted: bool | None, total: int | None, unit: str):
+    """A tqdm bar on stderr (``wanted`` None: where stderr is a terminal and tqdm is there)."""
+    if wanted is None:
+        wanted = sys.stderr.isatty() and importlib.util.find_spec("tqdm") is not None
+    if not wanted:
+        yield _NoBar()
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        raise ImportError("progress=True shows a bar with tqdm: pip install tqdm, or pass "
+                          "progress=False") from None
+    with tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True) as bar:
+        yield bar
 
 
 def _write_shard(path: str, samples: list[dict]) -> Shard:
@@ -229,17 +328,26 @@ def _write_shard(path: str, samples: list[dict]) -> Shard:
     return Shard(path, np.asarray(offsets, np.int64), end)
 
 
-def image_folder_samples(root: str | os.PathLike) -> Iterator[dict]:
+class image_folder_samples(collections.abc.Sequence):
     """An image folder (``root/<class>/<image>``, as ``ImageFolderWorker`` reads it) as
     samples for ``write_shards``: the encoded file under its extension and the label as
-    ``cls``, in the folder's order."""
-    from .vision import ImageFolder
-    folder = ImageFolder.scan(root)
-    for number, (path, label) in enumerate(zip(folder.files, folder.labels)):
+    ``cls``, in the folder's order. A sequence: ``write_shards`` reads its files in as many
+    processes as it writes shards with."""
+
+    def __init__(self, root: str | os.PathLike):
+        from .vision import ImageFolder
+        folder = ImageFolder.scan(root)
+        self.files, self.labels = list(folder.files), [int(label) for label in folder.labels]
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, number: int) -> dict:
+        path = self.files[number]
         with open(path, "rb") as file:
             data = file.read()
         field = os.path.splitext(path)[1].lstrip(".").lower()
-        yield {"__key__": f"{number:08d}", field: data, "cls": int(label)}
+        return {"__key__": f"{number:08d}", field: data, "cls": self.labels[number]}
 
 
 def _parse_members(data: memoryview, url: str, at: int) -> dict:

@@ -24,6 +24,21 @@ def samples(count: int):
         yield {"__key__": key(number), "cls": number, "bin": payload(number)}
 
 
+class Samples:
+    """``samples(count)`` as a sequence: ``write_shards`` writes it with several processes."""
+
+    def __init__(self, count: int):
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, number: int) -> dict:
+        if not 0 <= number < self.count:
+            raise IndexError(number)
+        return {"__key__": key(number), "cls": number, "bin": payload(number)}
+
+
 def write(folder, count: int, per_shard: int):
     """``count`` samples in shards of ``per_shard`` under ``folder``; their index."""
     os.makedirs(folder, exist_ok=True)

@@ -115,6 +115,30 @@ def test_scanning_the_written_shards_gives_the_written_index(tmp_path):
     assert shard.tolist() == [0, 0, 1, 5] and ordinal.tolist() == [0, 22, 0, 15]
 
 
+def test_a_sequence_of_samples_is_written_by_several_processes_into_the_same_shards(tmp_path):
+    serial = sd.write(tmp_path / "serial", COUNT, PER_SHARD)
+    parallel = shmseq.shards.write_shards(sd.Samples(COUNT), str(tmp_path / "parallel" / "train-%03d.tar"),
+                                          samples_per_shard=PER_SHARD, processes=3)
+    same_index(parallel, serial, [shard.url.replace("serial", "parallel") for shard in serial.shards])
+    for written, expected in zip(parallel.shards, serial.shards):
+        with open(written.url, "rb") as got, open(expected.url, "rb") as wanted:
+            assert got.read() == wanted.read()
+
+
+def test_writing_and_scanning_show_progress_when_asked_and_not_otherwise(tmp_path, capsys):
+    pytest.importorskip("tqdm")
+    written = shmseq.shards.write_shards(sd.samples(COUNT), str(tmp_path / "a" / "t-%03d.tar"),
+                                         samples_per_shard=PER_SHARD, progress=True)
+    ShardIndex.scan([shard.url for shard in written.shards], progress=True)
+    shown = capsys.readouterr().err
+    assert f"{COUNT}/?" in shown or f"{COUNT}samples" in shown.replace(" ", "")
+    assert "6/6" in shown  # the scan's shards
+    shmseq.shards.write_shards(sd.Samples(COUNT), str(tmp_path / "b" / "t-%03d.tar"),
+                               samples_per_shard=PER_SHARD)  # stderr is no terminal here
+    ShardIndex.scan([shard.url for shard in written.shards])
+    assert capsys.readouterr().err == ""
+
+
 def test_a_saved_index_keeps_relative_paths_and_follows_its_folder(tmp_path, monkeypatch):
     written = sd.write(tmp_path / "a", COUNT, PER_SHARD)
     with open(tmp_path / "a" / "shards.json") as file:
