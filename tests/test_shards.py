@@ -2,20 +2,18 @@
 sample once per epoch, exact resume (without reading consumed samples again), worker restarts,
 damaged shards raised or skipped, and shards served over HTTP. Nothing leaks (conftest)."""
 import collections
-import functools
-import http.server
 import json
 import os
 import random
 import re
 import shutil
 import tarfile
-import threading
 
 import numpy as np
 import pytest
 
 import shard_data as sd
+from servers import server, web  # noqa: F401 - fixtures
 import shmseq
 import shmseq.shards
 from shmseq import WorkerError
@@ -426,136 +424,33 @@ def test_on_error_must_be_raise_or_skip(index_file):
 
 
 # -- HTTP ---------------------------------------------------------------------------------------
-class RangeHandler(http.server.SimpleHTTPRequestHandler):
-    """Files, and ``Range: bytes=a-b`` parts of them (206), which SimpleHTTPRequestHandler
-    does not serve. Records (method, path, range) of every request in ``requests``."""
-
-    requests: list = []
-
-    def do_GET(self):
-        self.serve(body=True)
-
-    def do_HEAD(self):
-        self.serve(body=False)
-
-    def serve(self, body: bool) -> None:
-        asked = self.headers.get("Range")
-        self.requests.append((self.command, self.path, asked))
-        try:
-            with open(self.translate_path(self.path), "rb") as file:
-                data = file.read()
-        except OSError:
-            self.send_error(404)
-            return
-        bounds = re.fullmatch(r"bytes=(\d+)-(\d*)", asked or "")
-        if bounds is None:
-            part = data
-            self.send_response(200)
-        else:
-            begin = int(bounds[1])
-            end = min(int(bounds[2]) + 1 if bounds[2] else len(data), len(data))
-            if begin >= len(data):
-                self.send_response(416)
-                self.send_header("Content-Range", f"bytes */{len(data)}")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return
-            part = data[begin:end]
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {begin}-{end - 1}/{len(data)}")
-        self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Accept-Ranges", "bytes")
-        self.send_header("Content-Length", str(len(part)))
-        self.end_headers()
-        if body:
-            self.wfile.write(part)
-
-    def log_message(self, *args) -> None:
-        pass
-
-
-def stop_fsspec_io(asyn) -> None:
-    """Stop fsspec's event loop thread (``fsspecIO``, a daemon thread it starts for its HTTP
-    client and never stops; it has no public call for this): close the HTTP sessions on it,
-    forget the file systems made with it, stop it, and let fsspec start a fresh one when asked."""
-    from fsspec.implementations.http import HTTPFileSystem
-    loop, thread = asyn.loop[0], asyn.iothread[0]
-    for fs in list(HTTPFileSystem._cache.values()):
-        if fs._session is not None:
-            asyn.sync(loop, fs._session.close)
-    HTTPFileSystem.clear_instance_cache()
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    assert not thread.is_alive()
-    loop.close()
-    asyn.reset_lock()
-
-
-class RangeServer(http.server.ThreadingHTTPServer):
-    """``RangeHandler`` serving ``directory`` on 127.0.0.1 (``url``), from a thread of its own,
-    until ``stop``."""
-
-    def __init__(self, directory: str):
-        super().__init__(("127.0.0.1", 0), functools.partial(RangeHandler, directory=directory))
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-        self.thread = threading.Thread(target=self.serve_forever, args=(0.05,), name="test-http",
-                                       daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
-        self.thread.join(10)
-
-
-@pytest.fixture
-def server(tmp_path):
-    """An HTTP server of ``tmp_path``, stopped after the test (if the test has not stopped it),
-    with every thread it started and fsspec's, where the test started that."""
-    asyn = pytest.importorskip("fsspec.asyn")
-    pytest.importorskip("aiohttp")
-    threads = set(threading.enumerate())
-    RangeHandler.requests = []
-    serving = RangeServer(str(tmp_path))
-    try:
-        yield serving
-    finally:
-        serving.stop()
-        if asyn.iothread[0] is not None and asyn.iothread[0] not in threads:
-            stop_fsspec_io(asyn)
-    left = [thread.name for thread in set(threading.enumerate()) - threads]
-    assert not left, f"threads left behind: {left}"
-
-
-@pytest.fixture
-def web(server):
-    """The base URL of an HTTP server of ``tmp_path`` on 127.0.0.1."""
-    return server.url
-
-
-def tar_gets(web) -> list:
+def tar_gets(server) -> list:
     """(shard number, first byte asked) of each GET of a shard: asserts it asked for a range."""
     gets = []
-    for command, path, asked in RangeHandler.requests:
-        if command == "GET" and path.endswith(".tar"):
-            assert asked is not None, f"{path} was fetched whole"
-            gets.append((int(path[-7:-4]), int(re.fullmatch(r"bytes=(\d+)-\d*", asked)[1])))
+    for request in server.log:
+        if request.method == "GET" and request.path.endswith(".tar"):
+            assert request.range is not None, f"{request.path} was fetched whole"
+            gets.append((int(request.path[-7:-4]),
+                         int(re.fullmatch(r"bytes=(\d+)-\d*", request.range)[1])))
     return gets
 
 
 @pytest.mark.parametrize("method, num_workers", [("fork", 2), ("spawn", 2), (None, 0)])
-def test_shards_over_http_are_read_by_range_every_sample_once(web, tmp_path, method, num_workers):
+def test_shards_over_http_are_read_by_range_every_sample_once(server, tmp_path, method,
+                                                              num_workers):
+    web = server.url
     sd.write(tmp_path / "web", COUNT, PER_SHARD)
     index = ShardIndex.load(f"{web}/web/shards.json")
     assert [shard.url for shard in index.shards] == [f"{web}/web/train-{n:03d}.tar" for n in range(6)]
     with make(index, num_workers=num_workers, start_method=method).start() as seq:
         epochs = [take(seq) for _ in range(2)]
     assert epochs == reference(str(tmp_path / "web" / "shards.json"))
-    assert {shard for shard, _ in tar_gets(web)} == set(range(6))
+    assert {shard for shard, _ in tar_gets(server)} == set(range(6))
 
 
-def test_a_run_resumed_over_http_asks_for_no_byte_before_the_samples_left(web, tmp_path):
+def test_a_run_resumed_over_http_asks_for_no_byte_before_the_samples_left(server, tmp_path):
     """In the calling thread, nothing is read ahead: the requests are the epoch's rest's."""
+    web = server.url
     local = sd.write(tmp_path / "web", COUNT, PER_SHARD)
     with make(str(tmp_path / "web" / "shards.json"), num_workers=0).start() as first:
         delivered = flat(take(first, 5))  # 40 samples: a shard and part of another
@@ -565,7 +460,7 @@ def test_a_run_resumed_over_http_asks_for_no_byte_before_the_samples_left(web, t
     with resumed.start():
         rest = flat(take(resumed))
     assert sorted(delivered + rest) == list(range(COUNT))
-    gets = tar_gets(web)
+    gets = tar_gets(server)
     assert {shard for shard, _ in gets} == {number // PER_SHARD for number in rest}
     partly = {number // PER_SHARD for number in delivered} & {number // PER_SHARD for number in rest}
     assert partly, "the run must stop inside a shard"

@@ -1,0 +1,291 @@
+"""Servers on 127.0.0.1 for the remote tests and the bench's remote mode: a folder's files over
+HTTP with Range requests (``FileServer``) and an S3 endpoint (``S3Server``, moto's S3), each with
+a delay added to every request, an optional bandwidth cap, counts of the requests and bytes it
+served, and faults on demand (the next requests answer 503, 500 or 403, or reset their
+connection)::
+
+    with FileServer("shards", delay=0.03, bandwidth=100e6) as server:
+        seq = ShardSequence(f"{server.url}/shards.json", decode, ...)
+        ...
+        print(server.requests, server.bytes_sent)  # or server.log: one Request each
+
+    with S3Server(delay=0.03) as s3:
+        root = s3.upload("shards", "bucket")       # "s3://bucket"
+        seq = ShardSequence(f"{root}/shards.json", decode, storage_options=s3.storage_options)
+
+Both are werkzeug's threaded server, one connection per request (werkzeug closes each), with a
+request handler that adds the delay, paces what it writes to the cap (shared by all connections)
+and counts it. S3 is moto's application on that server rather than moto's own
+``ThreadedMotoServer`` (the same werkzeug server), so that S3 gets the delay, cap, counts and
+faults too, answered as S3 answers them (a 503 is ``SlowDown``). Needs ``moto[server]`` (werkzeug comes with it).
+"""
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from werkzeug.exceptions import HTTPException, NotFound
+from werkzeug.security import safe_join
+from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
+from werkzeug.utils import send_file
+
+# a fault: an HTTP status, with the code and message S3 answers it with; or "reset"
+FAULTS = {"500": ("InternalError", "We encountered an internal error. Please try again."),
+          "503": ("SlowDown", "Please reduce your request rate."),
+          "403": ("AccessDenied", "Access Denied"), "reset": None}
+PACE_BYTES = 64 << 10  # the bandwidth cap is kept write by write, at most this much at a time
+
+
+@dataclass
+class Request:
+    """One request as the server saw it: ``sent`` counts the bytes of its answer's body."""
+    method: str
+    path: str
+    range: str | None
+    fault: str | None = None
+    sent: int = 0
+
+
+class ShapedServer:
+    """A WSGI ``app`` served on 127.0.0.1 (``url``) from threads of its own until ``stop()``:
+    ``delay`` seconds before each answer, at most ``bandwidth`` bytes/s over all answers (None:
+    no cap), each request logged in ``log``."""
+
+    def __init__(self, app, *, delay: float = 0.0, bandwidth: float | None = None):
+        if delay < 0 or (bandwidth is not None and bandwidth <= 0):
+            raise ValueError(f"delay must be >= 0 and bandwidth > 0 bytes/s or None, got "
+                             f"delay={delay!r}, bandwidth={bandwidth!r}")
+        self.delay, self.bandwidth = delay, bandwidth
+        self.log: list[Request] = []
+        self._faults: collections.deque[str] = collections.deque()
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # when the capped link is free for the next write
+        self.stopping = threading.Event()
+        self._server = _Server(app, self)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
+                                        name="test-server", daemon=True)
+        self._thread.start()
+
+    @property
+    def requests(self) -> int:
+        return len(self.log)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes of the answers' bodies (headers left out)."""
+        return sum(request.sent for request in self.log)
+
+    def clear_log(self) -> None:
+        """Count from zero (after uploads, say)."""
+        self.log.clear()
+
+    def fail_next(self, count: int, fault: str = "503") -> None:
+        """The next ``count`` requests fail: ``'503'``, ``'500'`` or ``'403'`` answer with that
+        status (on ``S3Server``, as S3 does: SlowDown, InternalError, AccessDenied), ``'reset'``
+        resets the connection without an answer."""
+        if fault not in FAULTS:
+            raise ValueError(f"fault must be one of {', '.join(map(repr, FAULTS))}, got {fault!r}")
+        with self._lock:
+            self._faults.extend([fault] * count)
+
+    def begin(self, method: str, path: str, asked: str | None) -> Request:
+        with self._lock:
+            fault = self._faults.popleft() if self._faults else None
+        request = Request(method, path, asked, fault)
+        self.log.append(request)
+        return request
+
+    def pace(self, size: int) -> None:
+        """Wait until ``size`` more bytes fit under the bandwidth cap."""
+        if self.bandwidth is None:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._free_at = max(now, self._free_at) + size / self.bandwidth
+            until = self._free_at
+        if self.stopping.wait(until - now):
+            raise ConnectionAbortedError("the server is stopping")
+
+    def fault_body(self, status: str) -> tuple[str, bytes]:
+        """(content type, body) of a fault's answer."""
+        return "text/plain", f"{HTTPStatus(int(status)).phrase}\n".encode()
+
+    def stop(self) -> None:
+        """Stop serving; requests in flight are cut short, their threads joined."""
+        self.stopping.set()
+        self._server.shutdown()
+        self._thread.join(10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class FileServer(ShapedServer):
+    """The files under ``directory`` over HTTP, ``Range: bytes=a-b`` answered with 206 (416 past
+    the end), HEAD with the size."""
+
+    def __init__(self, directory: str | os.PathLike, **shaping):
+        self.directory = os.fspath(directory)
+        super().__init__(self._app, **shaping)
+
+    def _app(self, environ, start_response):
+        path = safe_join(self.directory, environ["PATH_INFO"].lstrip("/"))
+        try:
+            if path is None or not os.path.isfile(path):
+                raise NotFound()
+            response = send_file(path, environ, mimetype="application/octet-stream",
+                                 conditional=True, etag=False, max_age=None)
+        except HTTPException as answer:  # 404, and 416 for a range past the end
+            response = answer
+        return response(environ, start_response)
+
+
+class S3Server(ShapedServer):
+    """moto's S3 on 127.0.0.1; ``storage_options`` point s3fs at it. Its state (buckets and
+    objects, kept in this process by moto) is cleared by ``stop()``."""
+
+    REGION = "us-east-1"
+
+    def __init__(self, **shaping):
+        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+        super().__init__(DomainDispatcherApplication(create_backend_app), **shaping)
+
+    @property
+    def storage_options(self) -> dict:
+        """For s3fs (``storage_options=``): this endpoint, moto's test credentials."""
+        return {"key": "testing", "secret": "testing",
+                "client_kwargs": {"endpoint_url": self.url, "region_name": self.REGION}}
+
+    def fault_body(self, status: str) -> tuple[str, bytes]:
+        code, message = FAULTS[status]
+        return "application/xml", (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}'
+                                   f"</Code><Message>{message}</Message></Error>").encode()
+
+    def upload(self, folder: str | os.PathLike, bucket: str) -> str:
+        """Every file under ``folder`` into a new ``bucket``, at its path relative to the folder;
+        the bucket's URL (``s3://bucket``). The uploads are not left in the log."""
+        import boto3
+        client = boto3.client("s3", endpoint_url=self.url, region_name=self.REGION,
+                              aws_access_key_id="testing", aws_secret_access_key="testing")
+        try:
+            client.create_bucket(Bucket=bucket)
+            for root, _, files in os.walk(folder):
+                for name in files:
+                    path = os.path.join(root, name)
+                    key = os.path.relpath(path, folder).replace(os.sep, "/")
+                    client.upload_file(path, bucket, key)
+        finally:
+            client.close()
+        self.clear_log()
+        return f"s3://{bucket}"
+
+    def stop(self) -> None:
+        from moto.core.base_backend import BackendDict
+        from moto.core.model_instances import reset_model_data
+        super().stop()
+        BackendDict.reset()
+        reset_model_data()
+
+
+class _Server(ThreadedWSGIServer):
+    """werkzeug's threaded server, its request threads joined when it closes; it logs errors
+    only."""
+
+    daemon_threads = False
+    block_on_close = True
+
+    def __init__(self, app, shaped: ShapedServer):
+        self.shaped = shaped
+        super().__init__("127.0.0.1", 0, app, handler=_Handler)
+
+    def log(self, type: str, message: str, *args) -> None:
+        if type == "error":
+            super().log(type, message, *args)
+
+
+class _Handler(WSGIRequestHandler):
+    """The delay, the faults, the cap and the counts around werkzeug's handling of a request."""
+
+    server: _Server
+
+    def setup(self) -> None:
+        super().setup()
+        self.wfile = _Paced(self.wfile, self.server.shaped)
+
+    def run_wsgi(self) -> None:
+        shaped = self.server.shaped
+        self.wfile.request = request = shaped.begin(self.command, self.path,
+                                                    self.headers.get("Range"))
+        if shaped.stopping.wait(shaped.delay):
+            self.close_connection = True
+        elif request.fault == "reset":
+            self._reset()
+        elif request.fault is not None:
+            self._fail(request.fault)
+        else:
+            super().run_wsgi()
+
+    def _reset(self) -> None:
+        """Close the connection with a TCP reset (linger 0), leaving the request unanswered."""
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.rfile.close()
+        self.connection.close()
+        self.close_connection = True
+
+    def _fail(self, status: str) -> None:
+        content_type, body = self.server.shaped.fault_body(status)
+        self.send_response(int(status))
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        self.close_connection = True
+
+    def end_headers(self) -> None:
+        self.wfile.counting = False
+        super().end_headers()
+        self.wfile.counting = True
+
+    def log_request(self, *args) -> None:
+        pass
+
+
+class _Paced:
+    """A request handler's socket writer: writes paced to the server's cap, the body counted."""
+
+    def __init__(self, raw, shaped: ShapedServer):
+        self.raw, self.shaped = raw, shaped
+        self.request: Request | None = None
+        self.counting = False
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        for begin in range(0, len(view), PACE_BYTES):
+            piece = view[begin:begin + PACE_BYTES]
+            self.shaped.pace(len(piece))
+            self.raw.write(piece)
+            if self.counting and self.request is not None:
+                self.request.sent += len(piece)
+        return len(view)
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        self.raw.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.raw.closed
