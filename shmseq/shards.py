@@ -16,7 +16,8 @@ any dataset:
   and stacks the results. A replacement worker rebuilds a dead one's batch from the same ids.
 * ``ShardSequence`` is a ``ShmSequence`` over an index with that plan and worker.
 
-Reading is ``tarfile``'s header format parsed in place and ``fsspec`` for URLs with a protocol
+Reading is ``tarfile``'s header format parsed in place, and ``shmseq.remote`` for URLs with a
+protocol: range requests through ``fsspec``, each under a timeout, transient failures retried
 (local paths need neither fsspec nor a copy through it). ``webdataset``'s reader streams a
 shard from its first byte and cannot start at a member, which exact resume needs; nor is it
 faster. Every sample of 12 local shards (3,000 samples of 150 kB) read once, samples/s,
@@ -44,9 +45,11 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from . import remote
 from .checks import check_int
 from .plan import EpochPlan
 from .ragged import Ragged
+from .remote import RemotePolicy, is_remote
 from .sequence import ShmSequence
 
 INDEX_VERSION = 1
@@ -66,39 +69,9 @@ def _key_and_field(name: str) -> tuple[str, str]:
     return posixpath.join(folder, stem) if folder else stem, field if dot else ""
 
 
-def _is_remote(url: str) -> bool:
-    return "://" in url and not url.startswith("file://")
-
-
 def open_url(url: str, storage_options: dict | None = None):
-    """A binary file object for a local path or any fsspec URL."""
-    if not _is_remote(url):
-        return open(url.removeprefix("file://"), "rb")
-    try:
-        import fsspec
-    except ImportError:
-        raise ImportError(f"reading {url} needs fsspec: pip install fsspec (and aiohttp for "
-                          "http://, s3fs for s3://, gcsfs for gs://)") from None
-    try:
-        return fsspec.open(url, "rb", **(storage_options or {})).open()
-    except FileNotFoundError as exc:
-        failure = _connection_failure(exc)
-        if failure is None:
-            raise
-        raise ConnectionError(f"the server of {url} could not be reached ({failure}): check that "
-                              "it is up and that the URL is right") from exc
-
-
-def _connection_failure(exc: FileNotFoundError) -> str | None:
-    """Why a server could not be reached, where fsspec says "not found" for it (its HTTP file
-    system raises ``FileNotFoundError`` from any failed request, a refused connection included);
-    None for a file the server answered is not there."""
-    cause = exc.__cause__
-    if not isinstance(cause, OSError) or isinstance(cause, FileNotFoundError):
-        return None  # an HTTP answer (404, ...) is no OSError; a connection's failure is
-    while cause.__cause__ is not None:
-        cause = cause.__cause__
-    return f"{type(cause).__name__}: {cause}"
+    """A binary file object for a local path or any fsspec URL (see ``shmseq.remote``)."""
+    return remote.open_file(url, storage_options)
 
 
 @dataclass(frozen=True)
@@ -177,11 +150,11 @@ class ShardIndex:
 def _joined(base: str, url: str) -> str:
     if "://" in url or os.path.isabs(url):
         return url
-    return f"{base}/{url}" if _is_remote(base) else os.path.join(base, url)
+    return f"{base}/{url}" if is_remote(base) else os.path.join(base, url)
 
 
 def _relative(url: str, folder: str) -> str:
-    if _is_remote(url):
+    if is_remote(url):
         return url
     path = os.path.abspath(url)
     return os.path.relpath(path, folder) if path.startswith(folder + os.sep) else path
@@ -416,15 +389,21 @@ def _add_member(sample: dict, name: str, data, url: str, at: int) -> None:
 
 
 class ShardReader:
-    """Reads samples by global id. Its files are opened on first use and kept, the last
+    """Reads samples by global id. Local files are opened on first use and kept, the last
     ``OPEN_FILES`` used in each thread (worker threads share a reader, never a file: a file's
-    position is not to be shared)."""
+    position is not to be shared). Remote shards are read by range requests (``shmseq.remote``:
+    ``policy``'s timeout and retries), counted in ``counters``."""
 
     OPEN_FILES = 8
 
-    def __init__(self, index: ShardIndex, storage_options: dict | None = None):
+    def __init__(self, index: ShardIndex, storage_options: dict | None = None, *,
+                 policy: RemotePolicy | None = None):
+        if policy is not None and not isinstance(policy, RemotePolicy):
+            raise TypeError(f"remote must be a shmseq.remote.RemotePolicy or None, got {policy!r}")
         self.index = index
         self.storage_options = storage_options
+        self.policy = policy
+        self.counters = remote.Counters()
         self._local = threading.local()
         self._every_thread: list[collections.OrderedDict] = []
 
@@ -469,24 +448,38 @@ class ShardReader:
             yield (number, ordinal), sample
 
     def _read(self, number: int, begin: int, end: int) -> bytes:
-        """Bytes ``begin`` to ``end`` of shard ``number``, checked against the shard's size
-        first: an index that runs past the end would otherwise size the read (and its memory)."""
+        """Bytes ``begin`` to ``end`` of shard ``number``; a local file's size is checked first:
+        an index that runs past the end would otherwise size the read (and its memory)."""
         url = self.index.shards[number].url
         try:
-            file = self._file(number)
-            size = file.seek(0, os.SEEK_END)
-            if end > size:
-                raise self._past_the_end(number, begin, end, size)
-            file.seek(begin)
-            data = file.read(end - begin)
+            read = self._remote_read if is_remote(url) else self._local_read
+            return read(number, begin, end)
         except FileNotFoundError as exc:
-            raise ShardError(f"shard {url} is missing ({exc})") from exc
+            raise ShardError(f"shard {url} is missing ({exc.strerror})") from exc
         except OSError as exc:
-            self._local.files.pop(number, None)
+            getattr(self._local, "files", {}).pop(number, None)
             raise ShardError(f"shard {url}: reading bytes {begin}-{end} failed: "
                              f"{type(exc).__name__}: {exc}") from exc
+
+    def _local_read(self, number: int, begin: int, end: int) -> bytes:
+        file = self._file(number)
+        size = file.seek(0, os.SEEK_END)
+        if end > size:
+            raise self._past_the_end(number, begin, end, size)
+        file.seek(begin)
+        data = file.read(end - begin)
         if len(data) < end - begin:  # the file was cut since it was opened
             raise self._past_the_end(number, begin, end, begin + len(data))
+        return data
+
+    def _remote_read(self, number: int, begin: int, end: int) -> bytes:
+        """One range request; a shorter answer means the object ends first: its size is asked."""
+        url = self.index.shards[number].url
+        options = {"storage_options": self.storage_options, "counters": self.counters,
+                   "policy": self.policy}
+        data = remote.read_range(url, begin, end, **options)
+        if len(data) < end - begin:
+            raise self._past_the_end(number, begin, end, remote.size(url, **options))
         return data
 
     def _past_the_end(self, number: int, begin: int, end: int, size: int) -> ShardError:
@@ -548,14 +541,17 @@ class ShardWorker:
     ``on_error='raise'`` (default): a sample that cannot be read or decoded fails its batch
     with a ``ShardError`` naming the shard, the sample and its offset. ``'skip'``: the sample is
     left out of its batch (which is then smaller), and the consumer is told with a warning and
-    ``stats.skipped_samples``; a batch left with no sample still fails."""
+    ``stats.skipped_samples``; a batch left with no sample still fails.
+
+    ``remote``: the timeout and retries of remote reads (``shmseq.remote``)."""
 
     def __init__(self, shards: ShardIndex, decode: Callable[[dict], object], *,
-                 on_error: str = "raise", storage_options: dict | None = None):
+                 on_error: str = "raise", storage_options: dict | None = None,
+                 remote: RemotePolicy | None = None):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(map(repr, ON_ERROR))}, "
                              f"got {on_error!r}")
-        self.reader = ShardReader(shards, storage_options)
+        self.reader = ShardReader(shards, storage_options, policy=remote)
         self.decode = decode
         self.on_error = on_error
         self._skipped: list[str] = []
@@ -702,17 +698,21 @@ class ShardSequence(ShmSequence):
         on_error: ``'raise'`` a ``ShardError`` naming the shard, sample and offset, or
             ``'skip'`` the sample with a ``SkippedSamplesWarning``, counted in ``stats``.
         storage_options: passed to fsspec for URLs (credentials, ...).
+        remote: a ``shmseq.remote.RemotePolicy``: the timeout of each remote request and the
+            retries of transient failures (default ``RemotePolicy()``: 30 s, 5 attempts).
         options: ``ShmSequence``'s (``batch_size``, ``num_workers``, ``seed``, ``rank``, ...).
             Every rank gets as many batches: ``last_batch='discard'`` cuts the epoch to a
             multiple of the world size, otherwise it is padded with its first samples.
     """
 
     def __init__(self, shards, decode: Callable[[dict], object], *, shuffle_window: int = 1000,
-                 on_error: str = "raise", storage_options: dict | None = None, **options):
+                 on_error: str = "raise", storage_options: dict | None = None,
+                 remote: RemotePolicy | None = None, **options):
         check_int("shuffle_window", shuffle_window, 1)
         self.shuffle_window = shuffle_window
         index = as_shard_index(shards, storage_options)
-        worker = ShardWorker(index, decode, on_error=on_error, storage_options=storage_options)
+        worker = ShardWorker(index, decode, on_error=on_error, storage_options=storage_options,
+                             remote=remote)
         super().__init__(worker, len(index), **options)
 
     def _make_plan(self, dset_size, batch_size, shuffle, last_batch, rank, world_size):

@@ -17,6 +17,7 @@ from servers import server, web  # noqa: F401 - fixtures
 import shmseq
 import shmseq.shards
 from shmseq import WorkerError
+from shmseq.remote import RemotePolicy
 from shmseq.shards import Shard, ShardError, ShardIndex, ShardPlan, ShardReader, ShardSequence
 
 COUNT, PER_SHARD = 131, 23  # six shards: 5 x 23 and 16
@@ -471,8 +472,9 @@ def test_a_run_resumed_over_http_asks_for_no_byte_before_the_samples_left(server
 
 
 def read_first_sample_of_shard(index: ShardIndex, number: int) -> ShardError:
-    """The error that reading shard ``number``'s first sample raises."""
-    reader = ShardReader(index)
+    """The error that reading shard ``number``'s first sample raises (a failure that is retried
+    is tried twice, 10 ms apart)."""
+    reader = ShardReader(index, policy=RemotePolicy(attempts=2, backoff=0.01))
     try:
         with pytest.raises(ShardError) as info:
             reader.read(index.starts[number:number + 1])
