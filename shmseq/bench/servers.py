@@ -275,9 +275,9 @@ class _Paced:
         for begin in range(0, len(view), PACE_BYTES):
             piece = view[begin:begin + PACE_BYTES]
             self.shaped.pace(len(piece))
-            self.raw.write(piece)
             if self.counting and self.request is not None:
-                self.request.sent += len(piece)
+                self.request.sent += len(piece)  # before the client can have it
+            self.raw.write(piece)
         return len(view)
 
     def flush(self) -> None:
