@@ -31,7 +31,7 @@ from .pool import Reply, Waker, WorkerPool, brief
 from .ring import Ring
 from .stats import LoaderStats
 from .worker_handle import JOIN_SECONDS
-from .workers import build_batch, make_worker, skipped_by
+from .workers import build_batch, counted_by, make_worker, skipped_by
 
 ERROR_GRACE = 0.2  # seconds workers get to leave once a failure was raised, before they are killed
 
@@ -346,6 +346,7 @@ class Inline:
             batch, _ = build_batch(self.worker_obj, indices, None, position == first)
             name = f"batch {position} of epoch {epoch}"
             self.stats.report_skipped(skipped_by(self.worker_obj), name)
+            self.stats.add_counts(counted_by(self.worker_obj))
             if self.test_mode != "numpy":
                 views = read_batch(encode_batch(batch), self.device.wrap)
                 batch = handed_over(self.device, *self.device.convert(views), name, self.stats)

@@ -380,6 +380,8 @@ class WorkerPool:
             received.append(Reply(number, None, ended=True))
             if number >= self._pass_first:
                 self._stream_ended(handle.wid)
+        elif kind == "counted":  # a worker's counts (remote reads); its batch's reply follows
+            self.stats.add_counts(message[1])
         elif kind == "skipped":  # the batch's own reply follows in the same write
             _, number, skipped = message
             self._skipped[number] = tuple(skipped)

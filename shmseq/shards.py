@@ -543,7 +543,8 @@ class ShardWorker:
     left out of its batch (which is then smaller), and the consumer is told with a warning and
     ``stats.skipped_samples``; a batch left with no sample still fails.
 
-    ``remote``: the timeout and retries of remote reads (``shmseq.remote``)."""
+    ``remote``: the timeout and retries of remote reads (``shmseq.remote``); what they did is
+    counted and handed to the consumer's ``stats`` by ``pop_counts()``."""
 
     def __init__(self, shards: ShardIndex, decode: Callable[[dict], object], *,
                  on_error: str = "raise", storage_options: dict | None = None,
@@ -607,6 +608,12 @@ class ShardWorker:
         """What was left out since the last call (the worker loop reports it with the batch)."""
         skipped, self._skipped = self._skipped, []
         return skipped
+
+    def pop_counts(self) -> dict:
+        """The remote reads since the last call, as ``LoaderStats`` fields to add to (the worker
+        loop sends them with each batch)."""
+        return {f"remote_{name}": value for name, value in self.reader.counters.take().items()
+                if value}
 
 
 class ShardPlan(EpochPlan):
@@ -699,7 +706,8 @@ class ShardSequence(ShmSequence):
             ``'skip'`` the sample with a ``SkippedSamplesWarning``, counted in ``stats``.
         storage_options: passed to fsspec for URLs (credentials, ...).
         remote: a ``shmseq.remote.RemotePolicy``: the timeout of each remote request and the
-            retries of transient failures (default ``RemotePolicy()``: 30 s, 5 attempts).
+            retries of transient failures (default ``RemotePolicy()``: 30 s, 5 attempts);
+            ``stats`` counts the requests, bytes, retries and time spent waiting on them.
         options: ``ShmSequence``'s (``batch_size``, ``num_workers``, ``seed``, ``rank``, ...).
             Every rank gets as many batches: ``last_batch='discard'`` cuts the epoch to a
             multiple of the world size, otherwise it is padded with its first samples.

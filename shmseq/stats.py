@@ -21,6 +21,10 @@ class LoaderStats:
     copy_out_count: int = 0       # batches copied out because the consumer held the ring
     restarts: int = 0             # workers that died and were replaced (worker_restarts)
     skipped_samples: int = 0      # samples a worker's opt-in skip policy left out of a batch
+    remote_requests: int = 0      # requests to remote storage (shard reads), retries included
+    remote_bytes: int = 0         # bytes received from remote storage
+    remote_retries: int = 0       # remote requests tried again after a transient failure
+    remote_wait_s: float = 0.0    # time workers spent in remote reads, summed over workers
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -41,6 +45,11 @@ class LoaderStats:
             warn_user(f"{len(skipped)} sample(s) left out of {where}: {skipped[0]}{more}",
                       SkippedSamplesWarning)
 
+    def add_counts(self, counts: dict) -> None:
+        """Add a worker's counts (its ``pop_counts()``: field name -> increment)."""
+        for name, value in counts.items():
+            setattr(self, name, getattr(self, name) + value)
+
     def as_dict(self) -> dict:
         return {"batches": self.batches, "bytes": self.bytes, "worker_busy_s": self.worker_busy_s,
                 "consumer_wait_s": self.consumer_wait_s, "overflow_count": self.overflow_count,
@@ -48,4 +57,6 @@ class LoaderStats:
                 "suggested_slot_bytes": self.suggested_slot_bytes,
                 "copy_out_count": self.copy_out_count, "restarts": self.restarts,
                 "skipped_samples": self.skipped_samples,
+                "remote_requests": self.remote_requests, "remote_bytes": self.remote_bytes,
+                "remote_retries": self.remote_retries, "remote_wait_s": self.remote_wait_s,
                 "elapsed_s": self.elapsed_s, "stall_fraction": self.stall_fraction}

@@ -106,6 +106,17 @@ def skipped_by(worker_obj) -> list[str]:
     return pop() if pop is not None else []
 
 
+def counted_by(worker_obj) -> dict:
+    """What a worker counted since it was last asked (its ``pop_counts()``, as ``ShardWorker``'s
+    remote reads): ``LoaderStats`` field -> increment."""
+    return getattr(worker_obj, "pop_counts", dict)()
+
+
+def _counted_frame(worker_obj) -> bytes:
+    counts = counted_by(worker_obj)
+    return framed(("counted", counts)) if counts else b""
+
+
 def describe_exception(exc: BaseException) -> tuple:
     """What crosses back to the consumer about a failure: type, message, traceback, the object."""
     try:
@@ -313,7 +324,8 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
                 _, number, slot, indices = message
                 if cell is not None:
                     cell.begin(number)
-                write_all(replies, _run_task(worker_obj, ring, number, slot, indices, first))
+                reply = _run_task(worker_obj, ring, number, slot, indices, first)
+                write_all(replies, _counted_frame(worker_obj) + reply)  # counted, then delivered
                 first = False
     except (EOFError, OSError):
         return  # the consumer closed the pipes: it is shutting down, or gone

@@ -1,8 +1,8 @@
 """shmseq.remote against real servers on 127.0.0.1 (shmseq.bench.servers: files over HTTP with
 Range, moto's S3): ranges and whole objects come back as stored, transient failures (503, 500,
 a reset connection, a timeout) are retried and counted, the others raised at once naming the URL,
-and a ShardSequence over either delivers every sample once. Nothing leaks (conftest; the
-fixtures check threads)."""
+and a ShardSequence over either delivers every sample once, its workers' reads counted in
+``seq.stats``. Nothing leaks (conftest; the fixtures check threads)."""
 import os
 import sys
 
@@ -168,8 +168,13 @@ def test_a_truncated_remote_shard_is_named_with_its_real_end(server, tmp_path):
 
 
 @pytest.mark.parametrize("num_workers", [2, 0])
-def test_a_sequence_delivers_every_sample_once_through_retries(store, num_workers):
-    """Two 503s on the first reads are retried."""
+def test_a_sequence_delivers_every_sample_once_its_remote_reads_counted(store, tmp_path,
+                                                                         num_workers):
+    """Two 503s on the first reads are retried. A worker's counts reach the consumer's stats
+    before its batch does: they hold every sample's bytes at least once, and at most what the
+    server sent (workers run ahead into the next epoch, and are stopped before they send the
+    counts of what they read there). In the consumer's process nothing runs ahead: the stats
+    are what the server sent."""
     root, options, served = store
     seq = ShardSequence(f"{root}/shards/shards.json", sd.decode, batch_size=8, seed=1,
                         shuffle_window=5, num_workers=num_workers, out_type="null",
@@ -181,7 +186,15 @@ def test_a_sequence_delivers_every_sample_once_through_retries(store, num_worker
     assert sorted(numbers) == list(range(50))
     reads = [request for request in served.log if request.path.endswith(".tar")]
     assert all(request.method == "GET" and request.range for request in reads)
-    assert [request.fault for request in reads[:2]] == ["503", "503"]
+    sent = sum(request.sent for request in reads if request.fault is None)
+    every_sample = sum(shard.end - int(shard.offsets[0])
+                       for shard in ShardIndex.load(str(tmp_path / "shards" / "shards.json")).shards)
+    stats = seq.stats
+    assert stats.remote_retries == 2 and stats.as_dict()["remote_retries"] == 2
+    assert every_sample <= stats.remote_bytes <= sent and stats.remote_wait_s > 0
+    assert stats.remote_requests <= len(reads)
+    if num_workers == 0:
+        assert (stats.remote_requests, stats.remote_bytes) == (len(reads), sent)
 
 
 def test_the_policy_names_a_wrong_argument():
