@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import shard_data as sd
-from servers import s3, server  # noqa: F401 - fixtures
+from servers import s3, server, serving  # noqa: F401 - fixtures
 from shmseq import remote
 from shmseq.remote import Counters, RemotePolicy
 from shmseq.shards import ShardError, ShardIndex, ShardReader, ShardSequence
@@ -143,6 +143,15 @@ def test_a_server_slower_than_the_timeout_raises_a_timeout_naming_the_url(store)
         remote.read_range(url, 0, 10, storage_options=options, counters=counters, policy=policy)
     assert str(info.value).startswith(f"{url}: no answer within 0.2 s (2 attempts)")
     assert counters.snapshot()["requests"] == 2 and counters.snapshot()["retries"] == 1
+
+
+def test_a_server_with_a_delay_and_a_bandwidth_cap_serves_and_counts_every_byte(tmp_path):
+    data = DATA * 20  # 204,800 bytes: paced in 4 writes
+    (tmp_path / "data.bin").write_bytes(data)
+    with serving(lambda servers: servers.FileServer(tmp_path, delay=0.01, bandwidth=20e6)) as capped:
+        assert remote.fetch(f"{capped.url}/data.bin", tmp_path / "copy.bin") == len(data)
+    assert (tmp_path / "copy.bin").read_bytes() == data
+    assert (capped.requests, capped.bytes_sent) == (1, len(data))
 
 
 def test_local_paths_are_read_without_fsspec(tmp_path, monkeypatch):
