@@ -5,7 +5,8 @@ under ``-W error::RuntimeWarning``: a warning of shmseq's (a CUDA fallback, a ba
 of the ring, a worker replaced) fails it as an error would. A block that is not meant to run
 (a signature, a command) is fenced as ```text or ```bash, never skipped here. A block that
 needs an optional package that is not installed is skipped, naming it: torch where it imports
-torch or ``shmseq.torch``, or asks for torch tensors (``out_type`` 'cpu' or 'cuda').
+torch or ``shmseq.torch``, or asks for torch tensors (``out_type`` 'cpu' or 'cuda'); werkzeug,
+fsspec and aiohttp where it serves with ``shmseq.bench.servers``.
 """
 from __future__ import annotations
 
@@ -22,9 +23,12 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 TIMEOUT_S = 60
 OPTIONAL = ("torch", "lightning", "accelerate", "fsspec", "aiohttp", "simplejpeg", "PIL",
-            "matplotlib", "tqdm")  # the modules of pyproject.toml's optional dependencies
+            "matplotlib", "tqdm", "s3fs", "werkzeug", "moto", "boto3")  # the modules of
+# pyproject.toml's optional dependencies
 IMPORTS = re.compile(r"^\s*(?:import|from)\s+(\w+)", re.MULTILINE)
 TORCH_OUTPUT = re.compile(r"""out_type\s*=\s*["'](cpu|cuda)|\bshmseq\.torch\b""")
+TEST_SERVERS = re.compile(r"\bshmseq\.bench\.servers\b")  # needs werkzeug, and a client
+SERVED = {"werkzeug", "fsspec", "aiohttp"}
 
 
 def snippets() -> list:
@@ -46,7 +50,8 @@ SNIPPETS = snippets()
 def needs(code: str) -> list[str]:
     """The optional packages a block needs."""
     found = {name for name in IMPORTS.findall(code) if name in OPTIONAL}
-    return sorted(found | ({"torch"} if TORCH_OUTPUT.search(code) else set()))
+    found |= {"torch"} if TORCH_OUTPUT.search(code) else set()
+    return sorted(found | (SERVED if TEST_SERVERS.search(code) else set()))
 
 
 def test_the_documents_have_snippets():
@@ -83,3 +88,4 @@ def test_a_snippet_needs_the_optional_packages_it_imports_and_torch_for_torch_te
     assert needs('ShmSequence(W, 9, out_type="cpu")') == ["torch"]
     assert needs("from shmseq.torch import DataLoader") == ["torch"]
     assert needs("import lightning as L\nfrom PIL import Image") == ["PIL", "lightning"]
+    assert needs("from shmseq.bench.servers import FileServer") == ["aiohttp", "fsspec", "werkzeug"]
