@@ -621,13 +621,20 @@ class ShardPlan(EpochPlan):
     ``shuffle_window`` places, dealt to the ranks batch by batch (rank r takes batches r,
     r + world_size, ...), so that the batches all ranks have taken after n steps are the first
     n * world_size of the epoch, whatever the number of workers. That prefix is what lets a run
-    resume on another world size: the rest of the epoch is dealt anew (``resume_after``)."""
+    resume on another world size: the rest of the epoch is dealt anew (``resume_after``).
+
+    With ``shuffle_shards`` (W) instead, the window is measured in shards: a sample of the
+    shard in place q of the shards' order is keyed q plus a uniform draw in [0, W), and the
+    epoch is the samples in key order. Each point of the stream draws from W consecutive
+    shards of the order (a shard cache holds those), and each shard is read in one stretch, W
+    shards' worth of the stream long."""
 
     def __init__(self, index: ShardIndex, batch_size: int, *, shuffle_window: int = 1000,
-                 **options):
+                 shuffle_shards: int | None = None, **options):
         super().__init__(np.arange(len(index), dtype=np.int64), batch_size, **options)
         self.shard_index = index
         self.shuffle_window = shuffle_window
+        self.shuffle_shards = shuffle_shards
         self._consumed: dict[int, int] = {}  # epoch -> its first samples taken before a resume
 
     def global_order(self, epoch: int) -> np.ndarray:
@@ -638,7 +645,12 @@ class ShardPlan(EpochPlan):
         rng = np.random.default_rng([self.seed, epoch])
         shards = rng.permutation(len(index.shards))
         ids = np.concatenate([np.arange(index.starts[s], index.starts[s + 1]) for s in shards])
-        if self.shuffle_window > 1:
+        if self.shuffle_shards is not None:
+            # sample keys: its shard's place in the shards' order, plus up to shuffle_shards
+            places = np.repeat(np.arange(len(shards)), np.diff(index.starts)[shards])
+            ids = ids[np.argsort(places + rng.uniform(0, self.shuffle_shards, len(ids)),
+                                 kind="stable")]
+        elif self.shuffle_window > 1:
             ids = ids[np.argsort(np.arange(len(ids)) + rng.uniform(0, self.shuffle_window, len(ids)),
                                  kind="stable")]
         return ids
