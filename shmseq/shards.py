@@ -14,7 +14,10 @@ any dataset:
 * ``ShardWorker`` builds a batch from its ids: it reads each sample's bytes at its offset (no
   shard is read from its start to reach a member), hands the sample to the user's ``decode``,
   and stacks the results. A replacement worker rebuilds a dead one's batch from the same ids.
-* ``ShardSequence`` is a ``ShmSequence`` over an index with that plan and worker.
+* ``ShardSequence`` is a ``ShmSequence`` over an index with that plan and worker. Remote
+  shards are read from the node's shard cache (``shmseq.shard_cache``): each fetched whole,
+  once per node, ahead of need, and read by offset from local disk; their shuffle is then
+  bounded in shards (``shuffle_shards``), the cache's unit.
 
 Reading is ``tarfile``'s header format parsed in place, and ``shmseq.remote`` for URLs with a
 protocol: range requests through ``fsspec``, each under a timeout, transient failures retried
@@ -46,15 +49,18 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 
 from . import remote
-from .checks import check_int
+from .checks import check_bool, check_int
 from .plan import EpochPlan
 from .ragged import Ragged
 from .remote import RemotePolicy, is_remote
 from .sequence import ShmSequence
+from .shard_cache import Prefetcher, ShardCache, cache_folder, check_room
 
 INDEX_VERSION = 1
 _BLOCK = 512
 ON_ERROR = ("raise", "skip")
+SHUFFLE_WINDOW = 1000  # samples: the default of local shards, read where their samples lie
+SHUFFLE_SHARDS = 8     # shards: the default of remote ones, read from the node's shard cache
 
 
 class ShardError(ValueError):
@@ -392,17 +398,21 @@ class ShardReader:
     """Reads samples by global id. Local files are opened on first use and kept, the last
     ``OPEN_FILES`` used in each thread (worker threads share a reader, never a file: a file's
     position is not to be shared). Remote shards are read by range requests (``shmseq.remote``:
-    ``policy``'s timeout and retries), counted in ``counters``."""
+    ``policy``'s timeout and retries), counted in ``counters``; or, with a ``cache``
+    (``shmseq.shard_cache``), from the node's local copies, fetched whole if they are not there
+    yet, and closed after each read: the space of a shard the cache evicts is freed once no
+    reader holds it open."""
 
     OPEN_FILES = 8
 
     def __init__(self, index: ShardIndex, storage_options: dict | None = None, *,
-                 policy: RemotePolicy | None = None):
+                 policy: RemotePolicy | None = None, cache: ShardCache | None = None):
         if policy is not None and not isinstance(policy, RemotePolicy):
             raise TypeError(f"remote must be a shmseq.remote.RemotePolicy or None, got {policy!r}")
         self.index = index
         self.storage_options = storage_options
         self.policy = policy
+        self.cache = cache
         self.counters = remote.Counters()
         self._local = threading.local()
         self._every_thread: list[collections.OrderedDict] = []
@@ -420,7 +430,8 @@ class ShardReader:
             self._every_thread.append(files)
         file = files.pop(number, None)
         if file is None:
-            file = open_url(self.index.shards[number].url, self.storage_options)
+            file = (self.cache.open(number, self.counters) if self.cache is not None else
+                    open_url(self.index.shards[number].url, self.storage_options))
             if len(files) >= self.OPEN_FILES:
                 files.popitem(last=False)[1].close()
         files[number] = file
@@ -432,8 +443,12 @@ class ShardReader:
         read in one request."""
         shards, ordinals = self.index.locate(np.asarray(ids, np.int64))
         found: dict[tuple[int, int], dict] = {}
-        for shard, run in _runs(sorted(set(zip(shards.tolist(), ordinals.tolist())))):
-            found.update(self._read_run(shard, run))
+        try:
+            for shard, run in _runs(sorted(set(zip(shards.tolist(), ordinals.tolist())))):
+                found.update(self._read_run(shard, run))
+        finally:
+            if self.cache is not None:
+                self._close_files(getattr(self._local, "files", {}))
         return [found[pair] for pair in zip(shards.tolist(), ordinals.tolist())]
 
     def _read_run(self, number: int, ordinals: list[int]) -> Iterator[tuple[tuple[int, int], dict]]:
@@ -452,7 +467,7 @@ class ShardReader:
         an index that runs past the end would otherwise size the read (and its memory)."""
         url = self.index.shards[number].url
         try:
-            read = self._remote_read if is_remote(url) else self._local_read
+            read = self._remote_read if is_remote(url) and self.cache is None else self._local_read
             return read(number, begin, end)
         except FileNotFoundError as exc:
             raise ShardError(f"shard {url} is missing ({exc.strerror})") from exc
@@ -470,6 +485,8 @@ class ShardReader:
         data = file.read(end - begin)
         if len(data) < end - begin:  # the file was cut since it was opened
             raise self._past_the_end(number, begin, end, begin + len(data))
+        if self.cache is not None:
+            self.cache.counters.add(shard_read_bytes=len(data))
         return data
 
     def _remote_read(self, number: int, begin: int, end: int) -> bytes:
@@ -496,10 +513,14 @@ class ShardReader:
     def close(self) -> None:
         """Close every thread's files (the workers have stopped); they reopen when read."""
         for files in self._every_thread:
-            while files:
-                files.popitem()[1].close()
+            self._close_files(files)
         self._every_thread.clear()
         self._local = threading.local()
+
+    @staticmethod
+    def _close_files(files: collections.OrderedDict) -> None:
+        while files:
+            files.popitem()[1].close()
 
 
 def _runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, list[int]]]:
@@ -548,11 +569,11 @@ class ShardWorker:
 
     def __init__(self, shards: ShardIndex, decode: Callable[[dict], object], *,
                  on_error: str = "raise", storage_options: dict | None = None,
-                 remote: RemotePolicy | None = None):
+                 remote: RemotePolicy | None = None, cache: ShardCache | None = None):
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(map(repr, ON_ERROR))}, "
                              f"got {on_error!r}")
-        self.reader = ShardReader(shards, storage_options, policy=remote)
+        self.reader = ShardReader(shards, storage_options, policy=remote, cache=cache)
         self.decode = decode
         self.on_error = on_error
         self._skipped: list[str] = []
@@ -610,10 +631,14 @@ class ShardWorker:
         return skipped
 
     def pop_counts(self) -> dict:
-        """The remote reads since the last call, as ``LoaderStats`` fields to add to (the worker
-        loop sends them with each batch)."""
-        return {f"remote_{name}": value for name, value in self.reader.counters.take().items()
-                if value}
+        """The remote reads and the shard cache's counts since the last call, as ``LoaderStats``
+        fields to add to (the worker loop sends them with each batch)."""
+        counts = {f"remote_{name}": value for name, value in self.reader.counters.take().items()
+                  if value}
+        if self.reader.cache is not None:
+            counts.update((name, value) for name, value in self.reader.cache.counters.take().items()
+                          if value)
+        return counts
 
 
 class ShardPlan(EpochPlan):
@@ -627,7 +652,8 @@ class ShardPlan(EpochPlan):
     shard in place q of the shards' order is keyed q plus a uniform draw in [0, W), and the
     epoch is the samples in key order. Each point of the stream draws from W consecutive
     shards of the order (a shard cache holds those), and each shard is read in one stretch, W
-    shards' worth of the stream long."""
+    shards' worth of the stream long. ``on_release`` hears where the consumer is (a shard
+    cache's prefetcher follows it)."""
 
     def __init__(self, index: ShardIndex, batch_size: int, *, shuffle_window: int = 1000,
                  shuffle_shards: int | None = None, **options):
@@ -636,6 +662,7 @@ class ShardPlan(EpochPlan):
         self.shuffle_window = shuffle_window
         self.shuffle_shards = shuffle_shards
         self._consumed: dict[int, int] = {}  # epoch -> its first samples taken before a resume
+        self.on_release: Callable[[int, int], None] | None = None
 
     def global_order(self, epoch: int) -> np.ndarray:
         """Every id of the epoch once, before dealing to ranks."""
@@ -654,6 +681,11 @@ class ShardPlan(EpochPlan):
             ids = ids[np.argsort(np.arange(len(ids)) + rng.uniform(0, self.shuffle_window, len(ids)),
                                  kind="stable")]
         return ids
+
+    def release(self, epoch: int, position: int) -> None:
+        """The consumer has every batch of ``epoch`` before ``position``: told to ``on_release``."""
+        if self.on_release is not None:
+            self.on_release(epoch, position)
 
     def consumed(self, epoch: int) -> int:
         """How many of ``epoch``'s first samples (of its global order) a run before took."""
@@ -713,7 +745,18 @@ class ShardSequence(ShmSequence):
             shard paths or URLs (scanned when the sequence is made), or a ``ShardIndex``.
         decode: called in the workers, once per sample.
         shuffle_window: how many places a sample may move from its shard's order (with
-            ``shuffle``); 1 keeps the shard's order.
+            ``shuffle``); 1 keeps the shard's order. The default for local shards (1000).
+        shuffle_shards: instead, over how many shards a shard's samples are spread (see
+            ``ShardPlan``): the default for remote shards (8), whose cache holds that many.
+        cache: read the shards from the node's shard cache (``shmseq.shard_cache``), each
+            fetched whole once per node; None: for remote shards, unless ``shuffle_window``
+            is given (a window of samples reads them where they lie).
+        cache_dir: where the cache's folders go (default ``$TMPDIR``, else /var/tmp).
+        cache_bytes: the cache's budget (default: the whole data set, at most half of the free
+            space of ``cache_dir``'s file system); one that cannot hold what ``buffer +
+            num_workers + 1`` batches in a row read is refused at ``start()``.
+        job: the job the cache belongs to (default: ``SLURM_JOB_ID``, else torchrun's
+            ``TORCHELASTIC_RUN_ID``, else "default").
         on_error: ``'raise'`` a ``ShardError`` naming the shard, sample and offset, or
             ``'skip'`` the sample with a ``SkippedSamplesWarning``, counted in ``stats``.
         storage_options: passed to fsspec for URLs (credentials, ...).
@@ -725,23 +768,100 @@ class ShardSequence(ShmSequence):
             multiple of the world size, otherwise it is padded with its first samples.
     """
 
-    def __init__(self, shards, decode: Callable[[dict], object], *, shuffle_window: int = 1000,
-                 on_error: str = "raise", storage_options: dict | None = None,
-                 remote: RemotePolicy | None = None, **options):
-        check_int("shuffle_window", shuffle_window, 1)
-        self.shuffle_window = shuffle_window
+    def __init__(self, shards, decode: Callable[[dict], object], *,
+                 shuffle_window: int | None = None, shuffle_shards: int | None = None,
+                 cache: bool | None = None, cache_dir: str | os.PathLike | None = None,
+                 cache_bytes: int | None = None, job: str | None = None, on_error: str = "raise",
+                 storage_options: dict | None = None, remote: RemotePolicy | None = None,
+                 **options):
+        check_int("shuffle_window", shuffle_window, 1, optional=True)
+        check_int("shuffle_shards", shuffle_shards, 1, optional=True)
+        check_bool("cache", cache, optional=True)
+        check_int("cache_bytes", cache_bytes, 1, optional=True)
+        if shuffle_window is not None and shuffle_shards is not None:
+            raise ValueError(f"shuffle_window={shuffle_window} and shuffle_shards={shuffle_shards} "
+                             "are two ways to bound the shuffle: give one of them")
         index = as_shard_index(shards, storage_options)
+        far = any(is_remote(shard.url) for shard in index.shards)
+        if shuffle_window is None and shuffle_shards is None:
+            shuffle_window, shuffle_shards = ((None, SHUFFLE_SHARDS) if far else
+                                              (SHUFFLE_WINDOW, None))
+        self.shuffle_window, self.shuffle_shards = shuffle_window, shuffle_shards
+        if cache is None:
+            cache = far and shuffle_window is None
+        if not cache:
+            given = [name for name, value in (("cache_dir", cache_dir), ("cache_bytes", cache_bytes),
+                                              ("job", job)) if value is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} set the shard cache, which is off for these "
+                                 f"shards ({'a window of samples' if far else 'local files'}): "
+                                 "pass cache=True to read them through it")
+        self.cache = ShardCache(index, cache_folder(index, cache_dir, job), cache_bytes,
+                                storage_options=storage_options, policy=remote) if cache else None
         worker = ShardWorker(index, decode, on_error=on_error, storage_options=storage_options,
-                             remote=remote)
+                             remote=remote, cache=self.cache)
+        self._prefetcher = None
         super().__init__(worker, len(index), **options)
+        if self.cache is not None:
+            self.cache.timeout = self.timeout
 
     def _make_plan(self, dset_size, batch_size, shuffle, last_batch, rank, world_size):
-        return ShardPlan(self.worker.reader.index, batch_size, shuffle_window=self.shuffle_window,
-                         shuffle=bool(shuffle), seed=self._seed, last_batch=last_batch, rank=rank,
-                         world_size=world_size, seed_given=self._seed_given)
+        return ShardPlan(self.worker.reader.index, batch_size,
+                         shuffle_window=self.shuffle_window or SHUFFLE_WINDOW,
+                         shuffle_shards=self.shuffle_shards, shuffle=bool(shuffle), seed=self._seed,
+                         last_batch=last_batch, rank=rank, world_size=world_size,
+                         seed_given=self._seed_given)
+
+    def start(self, compat=None) -> "ShardSequence":
+        """As ``ShmSequence.start``; with the cache, its room is checked first (a budget too
+        small for what the batches in flight read is refused here), and this rank's prefetcher
+        starts with the workers."""
+        if self.cache is None:
+            return super().start(compat)
+        depth = self._prepare_cache()
+        prefetcher = Prefetcher(self.cache, self._plan, self.epoch, self._resume_at, depth,
+                                self.worker.reader.counters)
+        try:
+            super().start(compat)
+        except BaseException:
+            prefetcher.close()
+            raise
+        self._prefetcher = prefetcher.start()
+        return self
+
+    def start_test(self, test_mode: str = "default") -> "ShardSequence":
+        if self.cache is not None:
+            self._prepare_cache()
+        return super().start_test(test_mode)
+
+    def _prepare_cache(self) -> int:
+        """The cache's folder and budget, its room checked; how many batches may be in flight."""
+        self.finish()
+        self.cache.prepare()
+        self._plan.refresh()
+        depth = (self.buffer + self.num_workers if self.num_workers else 0) + 1
+        check_room(self.cache, self._plan, self.epoch, self._resume_at, depth,
+                   f"batch_size={self.batch_size}, buffer={self.buffer}, "
+                   f"num_workers={self.num_workers}, " + (
+                       f"shuffle_shards={self.shuffle_shards}" if self.shuffle_shards else
+                       f"shuffle_window={self.shuffle_window}"))
+        return depth
+
+    @property
+    def stats(self):
+        """``ShmSequence``'s, with the shard cache's counts (``shard_fetches``, ...)."""
+        stats = super().stats
+        if self.cache is not None:
+            stats.add_counts(self.worker.pop_counts())  # this process's: the prefetcher's
+        return stats
 
     def finish(self) -> None:
         super().finish()
+        prefetcher, self._prefetcher = self._prefetcher, None
+        if prefetcher is not None:
+            prefetcher.close()
+        if self.cache is not None:
+            self._stats.add_counts(self.worker.pop_counts())
         self.worker.reader.close()  # the files read in this process, by num_workers=0 or threads
 
     def state_dict(self) -> dict:
@@ -749,16 +869,18 @@ class ShardSequence(ShmSequence):
         before a resume on another world size had taken."""
         state = super().state_dict()
         return {**state, "shuffle_window": self.shuffle_window,
+                "shuffle_shards": self.shuffle_shards,
                 "consumed_before": self._plan.consumed(state["epoch"])}
 
     def load_state_dict(self, state: dict) -> None:
         """As ``ShmSequence``'s; a state saved on another world size resumes too: every rank
         had taken the epoch's first ``position x world_size`` batches, and the rest of the
         epoch is dealt over this run's ranks (the global sample order is kept)."""
-        if state.get("shuffle_window", self.shuffle_window) != self.shuffle_window:
-            raise ValueError(f"state shuffle_window={state['shuffle_window']!r} does not match "
-                             f"this sequence's shuffle_window={self.shuffle_window!r}: build the "
-                             "sequence as the saved one was")
+        for name in ("shuffle_window", "shuffle_shards"):
+            if state.get(name, getattr(self, name)) != getattr(self, name):
+                raise ValueError(f"state {name}={state[name]!r} does not match this sequence's "
+                                 f"{name}={getattr(self, name)!r}: build the sequence as the "
+                                 "saved one was")
         self._plan.refresh()
         consumed, saved_ranks = state.get("consumed_before", 0), state.get("world_size", 1)
         if saved_ranks != self._plan.world_size:

@@ -1,0 +1,371 @@
+"""The node's shard cache (shmseq.shard_cache) over a local HTTP server that counts requests:
+each shard fetched whole, once per node per epoch, by local ranks sharing one cache; every
+sample once; a budget smaller than the data kept (and one too small for the window refused at
+start); a killed run resumed fetches only what is not cached; two jobs keep two caches. And the
+shuffle measured in shards keeps the order's guarantees. Nothing leaks (conftest), and every
+cache folder a test makes is removed by it."""
+import collections
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import signal
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from shmseq.shard_cache import cache_folder, default_cache_dir, job_name
+from shmseq.shards import ShardPlan, ShardSequence, write_shards
+from servers import server, web  # noqa: F401 - the server fixtures
+from test_shard_plan import index_of, rank_batches
+
+SHARDS, PER_SHARD, PAYLOAD = 12, 24, 14000  # 288 samples, shards of 381 kB (+ up to 11 kB of tar)
+COUNT = SHARDS * PER_SHARD
+
+
+def payload(number: int) -> bytes:
+    return bytes([number % 251]) * PAYLOAD
+
+
+def decode(sample: dict) -> np.ndarray:
+    """[number, payload length, payload sum]: ``numbers`` checks them against what was written."""
+    data = sample["bin"]
+    return np.array([int(sample["id"]), len(data), sum(data[:8])], np.int64)
+
+
+def numbers(batch) -> list[int]:
+    rows = np.asarray(batch).reshape(-1, 3).tolist()
+    for number, size, total in rows:
+        assert size == PAYLOAD and total == 8 * (number % 251), f"sample {number} is wrong"
+    return [number for number, _, _ in rows]
+
+
+@pytest.fixture
+def data(tmp_path) -> str:
+    """The shards under the server's folder; the index's URL path."""
+    samples = ({"__key__": f"s{i:05d}", "id": str(i), "bin": payload(i)} for i in range(COUNT))
+    write_shards(samples, str(tmp_path / "web" / "train-%03d.tar"), samples_per_shard=PER_SHARD)
+    return "/web/shards.json"
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    """A cache root for the test, removed after it: nothing goes to the default one."""
+    default = default_cache_dir()
+    before = set(os.listdir(default)) if os.path.isdir(default) else set()
+    root = tmp_path / "cache"
+    yield str(root)
+    after = set(os.listdir(default)) if os.path.isdir(default) else set()
+    assert after == before, f"a test wrote to the default cache root {default}"
+    shutil.rmtree(root, ignore_errors=True)
+    assert not root.exists()
+
+
+def make(url, cache_dir, **options) -> ShardSequence:
+    options = {"batch_size": 8, "num_workers": 2, "seed": 5, "out_type": "null", "timeout": 30,
+               "start_method": "fork", "cache_dir": cache_dir, **options}
+    return ShardSequence(url, decode, **options)
+
+
+def epoch_of(seq) -> list[list[int]]:
+    """The next epoch's batches as lists of sample numbers; no batch is kept."""
+    got = []
+    for batch in seq:
+        got.append(numbers(batch))
+        del batch
+    return got
+
+
+def epochs_of(seq, count: int = 2) -> list[list[list[int]]]:
+    return [epoch_of(seq) for _ in range(count)]
+
+
+def tar_gets(server) -> collections.Counter:
+    """GET requests per shard number."""
+    return collections.Counter(int(request.path[-7:-4]) for request in server.log
+                               if request.method == "GET" and request.path.endswith(".tar"))
+
+
+def tar_bytes(server) -> int:
+    """Bytes of the shards the server sent."""
+    return sum(request.sent for request in server.log if request.path.endswith(".tar"))
+
+
+# -- one rank -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_workers, thread_type", [(2, "proc"), (2, "thread"), (0, "proc")])
+def test_every_shard_is_fetched_once_and_every_sample_read_once(server, web, data, cache_dir,
+                                                                num_workers, thread_type):
+    seq = make(web + data, cache_dir, num_workers=num_workers, thread_type=thread_type)
+    assert seq.cache is not None and (seq.shuffle_shards, seq.shuffle_window) == (8, None)
+    with seq.start():
+        epochs = epochs_of(seq)
+    plan = ShardPlan(seq.worker.reader.index, 8, shuffle=True, seed=5, shuffle_shards=8)
+    for epoch, batches in enumerate(epochs):
+        assert batches == [ids.tolist() for ids in plan.batches(epoch)]  # ids are the numbers
+        assert sorted(n for batch in batches for n in batch) == list(range(COUNT))
+    assert tar_gets(server) == {shard: 1 for shard in range(SHARDS)}  # the budget holds all
+    stats = seq.stats
+    index = seq.worker.reader.index
+    assert stats.shard_fetches == SHARDS and stats.shard_refetches == 0
+    samples_bytes = sum(shard.end for shard in index.shards)
+    assert samples_bytes < stats.shard_fetch_bytes == tar_bytes(server) <= 1.05 * samples_bytes
+    assert stats.remote_bytes == stats.shard_fetch_bytes
+    assert stats.shard_read_bytes >= 2 * samples_bytes  # 2 epochs (and batches built ahead)
+    assert stats.read_amplification == stats.shard_fetch_bytes / stats.shard_read_bytes
+    assert stats.shard_fetch_requests == stats.remote_requests == SHARDS  # a range each
+    assert stats.cache_peak_bytes <= seq.cache.budget
+
+
+def test_local_shards_are_read_where_they_lie_unless_asked(tmp_path, data, cache_dir):
+    index = str(tmp_path) + data
+    seq = make(index, cache_dir=None)
+    assert seq.cache is None and (seq.shuffle_window, seq.shuffle_shards) == (1000, None)
+    with pytest.raises(ValueError, match=r"cache_bytes set the shard cache, which is off for "
+                                         r"these shards \(local files\): pass cache=True"):
+        make(index, cache_dir=None, cache_bytes=10 ** 6)
+    with pytest.raises(ValueError, match="give one of them"):
+        make(index, cache_dir=None, shuffle_window=10, shuffle_shards=2)
+    cached = make(index, cache_dir, cache=True)  # a local path (on NFS, say) cached all the same
+    with cached.start():
+        assert sorted(n for batch in epoch_of(cached) for n in batch) == list(range(COUNT))
+    assert cached.stats.shard_fetches == SHARDS
+
+
+def test_a_window_of_samples_over_http_reads_by_range_without_the_cache(server, web, data,
+                                                                       cache_dir):
+    seq = make(web + data, cache_dir=None, shuffle_window=40)
+    assert seq.cache is None
+    with seq.start():
+        assert sorted(n for batch in epoch_of(seq) for n in batch) == list(range(COUNT))
+    assert sum(tar_gets(server).values()) > SHARDS  # a request per run of samples
+
+
+# -- the budget ---------------------------------------------------------------------------------
+def least_budget(url, cache_dir, **options) -> int:
+    """What a budget too small is refused with, at start: the budget it says to give."""
+    seq = make(url, cache_dir, cache_bytes=1, **options)
+    with pytest.raises(ValueError) as info:
+        seq.start()
+    message = str(info.value)
+    assert re.match(r"cache_bytes=1 is less than the shard cache needs: [\d,]+ bytes, the \d+ "
+                    r"shards \([\d,]+ bytes\) that \d+ batches in a row read at most \(batch_size"
+                    r"=8, buffer=2, num_workers=2, shuffle_shards=2\) and one more being fetched",
+                    message), message
+    return int(re.search(r"Pass cache_bytes >= ([\d,]+)", message)[1].replace(",", ""))
+
+
+def test_a_budget_smaller_than_the_data_keeps_under_it_and_fetches_once_per_epoch(
+        server, web, data, cache_dir):
+    options = {"shuffle_shards": 2, "buffer": 2}
+    budget = least_budget(web + data, cache_dir, **options)  # nothing started, nothing left
+    seq = make(web + data, cache_dir, cache_bytes=budget, **options)
+    assert budget < seq.cache.estimates.sum() / 2  # the data is much larger
+    with seq.start():
+        epochs = epochs_of(seq, 3)
+    folder = os.path.join(seq.cache.folder, "shards")
+    on_disk = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder))
+    for batches in epochs:
+        assert sorted(n for batch in batches for n in batch) == list(range(COUNT))
+    stats = seq.stats
+    assert stats.cache_peak_bytes <= budget and on_disk <= budget
+    assert stats.shard_refetches == 0  # no shard evicted while an epoch still needed it
+    gets = tar_gets(server)
+    assert set(gets) == set(range(SHARDS)) and max(gets.values()) <= 4  # 3 epochs, and the next
+    assert sum(gets.values()) >= stats.shard_fetches > 2 * SHARDS  # evicted, fetched again
+
+
+def test_a_budget_larger_than_the_disk_is_refused(web, data, cache_dir):
+    seq = make(web + data, cache_dir, cache_bytes=1 << 62)
+    with pytest.raises(ValueError, match=r"cache_bytes=4,611,686,018,427,387,904 is more than "
+                                         r"the file system of the shard cache .* can give: "):
+        seq.start()
+
+
+# -- ranks, jobs, crashes -------------------------------------------------------------------------
+def run_rank(url, cache_dir, rank, epochs, out, options):
+    """A local rank in a process of its own: its batches' numbers and stats, as JSON."""
+    seq = make(url, cache_dir, rank=rank, world_size=2, **options)
+    with seq.start():
+        got = epochs_of(seq, epochs)
+    with open(out, "w") as file:
+        json.dump({"epochs": got, "stats": seq.stats.as_dict()}, file)
+
+
+def run_ranks(url, cache_dir, tmp_path, epochs, **options) -> list[dict]:
+    context = multiprocessing.get_context("fork")
+    outs = [tmp_path / f"rank{rank}.json" for rank in (0, 1)]
+    ranks = [context.Process(target=run_rank, args=(url, cache_dir, rank, epochs, str(out), options))
+             for rank, out in enumerate(outs)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(60)
+        assert process.exitcode == 0
+    return [json.loads(out.read_text()) for out in outs]
+
+
+@pytest.mark.parametrize("budget", ["all", "least"])
+def test_two_local_ranks_share_one_cache_and_fetch_each_shard_once(server, web, data, tmp_path,
+                                                                   cache_dir, monkeypatch, budget):
+    options = {"shuffle_shards": 2, "buffer": 2}
+    if budget == "least":  # with room for little more than one rank's window
+        options["cache_bytes"] = least_budget(web + data, cache_dir, **options) + 4 * 200_000
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # what torchrun says: wait for both
+    ranks = run_ranks(web + data, cache_dir, tmp_path, 2, **options)
+    for epoch in range(2):
+        seen = [n for rank in ranks for batch in rank["epochs"][epoch] for n in batch]
+        assert sorted(seen) == list(range(COUNT))  # every sample once over the ranks
+    stats = [rank["stats"] for rank in ranks]
+    assert sum(s["shard_refetches"] for s in stats) == 0
+    gets = tar_gets(server)  # stats miss a worker's fetch for a batch built ahead, never delivered
+    assert sum(gets.values()) >= sum(s["shard_fetches"] for s in stats)
+    if budget == "all":
+        assert gets == {shard: 1 for shard in range(SHARDS)}  # once for the node
+        read = sum(s["shard_read_bytes"] for s in stats)
+        assert sum(s["shard_fetch_bytes"] for s in stats) / read * 2 <= 1.05
+    else:
+        assert max(s["cache_peak_bytes"] for s in stats) <= options["cache_bytes"]
+        assert max(gets.values()) <= 3  # 2 epochs, and the next one's first shards
+
+
+def test_two_jobs_on_one_node_keep_two_caches(server, web, data, cache_dir):
+    runs = [make(web + data, cache_dir, job="a"), make(web + data, cache_dir, job="b")]
+    assert runs[0].cache.folder != runs[1].cache.folder
+    for seq in runs:
+        with seq.start():
+            assert sorted(n for batch in epoch_of(seq) for n in batch) == list(range(COUNT))
+    assert tar_gets(server) == {shard: 2 for shard in range(SHARDS)}
+    again = make(web + data, cache_dir, job="a")  # job a once more: everything is cached
+    with again.start():
+        assert len(epoch_of(again)) == COUNT // 8
+    assert again.stats.shard_fetches == 0 and tar_gets(server) == {shard: 2 for shard in range(SHARDS)}
+    first, second = make(web + data, cache_dir), make(web + data, cache_dir)
+    with first.start():
+        with pytest.raises(ValueError, match=r"in use by another process as rank 0 \(pid "
+                                             rf"{os.getpid()}\): .* give each its own job="):
+            second.start()
+
+
+def test_the_job_is_named_by_the_launcher(monkeypatch):
+    for variable in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(variable, raising=False)
+    assert job_name() == "default" and job_name("mine") == "mine"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's when no id was given
+    assert job_name() == "default"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3fa85f64")
+    assert job_name() == "3fa85f64"
+    monkeypatch.setenv("SLURM_JOB_ID", "123456")
+    assert job_name() == "123456"
+    index = index_of([3, 4])
+    assert cache_folder(index, "/scratch", "run/7").startswith("/scratch/run_7/")
+    assert cache_folder(index, "/scratch") != cache_folder(index_of([4, 3]), "/scratch")
+    with pytest.raises(ValueError, match="job must be a non-empty string"):
+        job_name(" ")
+
+
+def crash_after(url, cache_dir, steps, state_file, budget):
+    """Deliver ``steps`` batches, save the state, and die by SIGKILL (fetches in flight)."""
+    seq = make(url, cache_dir, shuffle_shards=2, buffer=2, cache_bytes=budget)
+    with seq.start():
+        batches = iter(seq)
+        for _ in range(steps):
+            next(batches)
+        with open(state_file, "w") as file:
+            json.dump(seq.state_dict(), file)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_killed_run_resumed_fetches_only_the_shards_it_needs_that_are_not_cached(
+        server, web, data, tmp_path, cache_dir):
+    """The killed run's budget holds a few shards; the resumed one's all of them (so that
+    each shard it fetches, it fetches once)."""
+    state_file = tmp_path / "state.json"
+    budget = least_budget(web + data, cache_dir, shuffle_shards=2, buffer=2)
+    child = multiprocessing.get_context("fork").Process(
+        target=crash_after, args=(web + data, cache_dir, 15, str(state_file), budget))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    state = json.loads(state_file.read_text())
+    seq = make(web + data, cache_dir, shuffle_shards=2, buffer=2)
+    seq.cache.prepare()  # what the killed run left: kept if whole, the rest removed
+    cached = {number for number in range(SHARDS) if os.path.exists(seq.cache.path(number))}
+    assert not [name for name in os.listdir(os.path.join(seq.cache.folder, "shards"))
+                if name.endswith(".part")]
+    before = tar_gets(server)
+    assert cached <= set(before) and max(before.values()) == 1
+    seq.load_state_dict(state)
+    plan = ShardPlan(seq.worker.reader.index, 8, shuffle=True, seed=5, shuffle_shards=2)
+    done = [n for ids in plan.batches(0)[:15] for n in ids.tolist()]
+    with seq.start():
+        rest = [n for batch in epoch_of(seq) for n in batch]
+    assert sorted(done + rest) == list(range(COUNT))
+    needed = set(seq.worker.reader.index.locate(np.array(rest))[0].tolist())
+    assert needed - cached, "the run must die before it fetched all it needs"
+    fetched = tar_gets(server) - before
+    assert {shard: fetched[shard] for shard in needed} == {s: int(s not in cached) for s in needed}
+    assert max(fetched.values()) <= 1  # the others: the next epoch's, prefetched
+    assert seq.stats.shard_refetches == 0
+
+
+# -- the order: shuffle_shards ------------------------------------------------------------------
+plans = st.fixed_dictionaries({
+    "sizes": st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    "batch_size": st.integers(1, 16),
+    "world_size": st.integers(1, 8),
+    "policy": st.sampled_from(["keep", "discard"]),
+    "shuffle_shards": st.integers(1, 6),
+    "seed": st.integers(0, 2**32),
+    "epoch": st.integers(0, 5),
+})
+
+
+@settings(max_examples=200, deadline=None)
+@given(plans)
+def test_shuffled_by_shards_every_sample_once_as_many_batches_and_the_steps_a_prefix(case):
+    index = index_of(case["sizes"])
+    total, ranks, size = len(index), case["world_size"], case["batch_size"]
+    options = dict(shuffle=True, seed=case["seed"], shuffle_shards=case["shuffle_shards"])
+    dealt = rank_batches(index, size, ranks, case["policy"], case["epoch"], **options)
+    assert len({tuple(len(b) for b in batches) for batches in dealt}) == 1
+    seen = collections.Counter(i for batches in dealt for batch in batches for i in batch)
+    first = ShardPlan(index, size, **options).global_order(case["epoch"])
+    assert sorted(first.tolist()) == list(range(total))
+    if case["policy"] == "keep":
+        assert set(seen) == set(range(total))
+        steps = max(len(dealt[0]) - 1, 0)
+        taken = sorted(i for batches in dealt for batch in batches[:steps] for i in batch)
+        assert taken == sorted(np.resize(first, steps * size * ranks).tolist())
+    else:
+        assert max(seen.values(), default=1) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(plans)
+def test_each_point_of_the_stream_draws_from_shuffle_shards_consecutive_shards(case):
+    """A sample never comes after one of a shard ``W`` or more places later in the shards'
+    order: every prefix of the stream has finished all but the last W shards it started."""
+    index = index_of(case["sizes"])
+    window = case["shuffle_shards"]
+    plan = ShardPlan(index, 1, shuffle=True, seed=case["seed"], shuffle_shards=window)
+    order = plan.global_order(case["epoch"])
+    shard_order = np.random.default_rng([case["seed"], case["epoch"]]).permutation(len(index.shards))
+    place = np.empty(len(shard_order), np.int64)
+    place[shard_order] = np.arange(len(shard_order))
+    places = place[index.locate(order)[0]]
+    if len(places):
+        assert (np.maximum.accumulate(places) - places < window).all()
+    within = ShardPlan(index, 1, shuffle=True, seed=case["seed"], shuffle_shards=1)
+    shards = index.locate(within.global_order(case["epoch"]))[0]
+    assert (np.diff(place[shards]) >= 0).all()  # W=1: shard after shard, each shuffled within
+
+
+def test_a_state_says_how_the_shuffle_was_bounded(tmp_path, data, cache_dir):
+    index = str(tmp_path) + data
+    state = make(index, cache_dir=None, shuffle_shards=3).state_dict()
+    assert (state["shuffle_shards"], state["shuffle_window"]) == (3, None)
+    with pytest.raises(ValueError, match="state shuffle_window=None does not match this "
+                                         "sequence's shuffle_window=1000"):
+        make(index, cache_dir=None).load_state_dict(state)
