@@ -648,12 +648,12 @@ class ShardPlan(EpochPlan):
     n * world_size of the epoch, whatever the number of workers. That prefix is what lets a run
     resume on another world size: the rest of the epoch is dealt anew (``resume_after``).
 
-    With ``shuffle_shards`` (W) instead, the window is measured in shards: a sample of the
-    shard in place q of the shards' order is keyed q plus a uniform draw in [0, W), and the
-    epoch is the samples in key order. Each point of the stream draws from W consecutive
-    shards of the order (a shard cache holds those), and each shard is read in one stretch, W
-    shards' worth of the stream long. ``on_release`` hears where the consumer is (a shard
-    cache's prefetcher follows it)."""
+    With ``shuffle_shards`` (W) instead, the window is measured in shards: the shards, in the
+    epoch's order, are dealt to W lanes in turn, each shard's samples shuffled within, and the
+    lanes are read in a uniformly random interleaving. Every point of the stream, its first and
+    last batches too, draws from W shards (one per lane: what a shard cache holds), and each
+    shard is read in one stretch. ``on_release`` hears where the consumer is (a shard cache's
+    prefetcher follows it)."""
 
     def __init__(self, index: ShardIndex, batch_size: int, *, shuffle_window: int = 1000,
                  shuffle_shards: int | None = None, **options):
@@ -673,10 +673,12 @@ class ShardPlan(EpochPlan):
         shards = rng.permutation(len(index.shards))
         ids = np.concatenate([np.arange(index.starts[s], index.starts[s + 1]) for s in shards])
         if self.shuffle_shards is not None:
-            # sample keys: its shard's place in the shards' order, plus up to shuffle_shards
             places = np.repeat(np.arange(len(shards)), np.diff(index.starts)[shards])
-            ids = ids[np.argsort(places + rng.uniform(0, self.shuffle_shards, len(ids)),
-                                 kind="stable")]
+            lanes = places % self.shuffle_shards
+            in_lanes = ids[np.lexsort((rng.random(len(ids)), places, lanes))]  # shuffled within
+            interleaved = np.argsort(rng.permutation(lanes), kind="stable")  # each lane's places
+            ids = np.empty_like(ids)
+            ids[interleaved] = in_lanes
         elif self.shuffle_window > 1:
             ids = ids[np.argsort(np.arange(len(ids)) + rng.uniform(0, self.shuffle_window, len(ids)),
                                  kind="stable")]
