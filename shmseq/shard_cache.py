@@ -49,6 +49,7 @@ crash finds its shards again (each checked by size before it is read).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import functools
@@ -471,14 +472,17 @@ class ShardCache:
 
     def _no_room(self, number: int) -> str:
         table = self.ledger.table()
-        cached = np.flatnonzero(table["state"] == CACHED)
-        live = self.board.live()
+        cached = table["state"] == CACHED
+        kept = collections.Counter(table["tag"][cached].tolist())
+        ranks = "; ".join(f"epoch {epoch}, done with {int((done != 0).sum())} shards of it"
+                          for epoch, _, done in self.board.live())
         return (f"no room in the shard cache {self.folder} for shard "
                 f"{self.index.shards[number].url} ({self.estimates[number]:,} bytes) for "
                 f"{self.timeout / 2:g} s: its budget of {self.budget:,} bytes holds "
-                f"{len(cached)} shards ({self.ledger.usage(table):,} bytes) that the node's "
-                f"{len(live)} rank(s) (epochs {sorted(epoch for epoch, _, _ in live)}) still need. "
-                "Ranks far apart need more room: raise cache_bytes, or lower shuffle_shards")
+                f"{int(cached.sum())} shards ({self.ledger.usage(table):,} bytes with those being "
+                f"fetched) kept for epochs {dict(sorted(kept.items()))}, which the node's ranks "
+                f"({ranks or 'none'}) still need. Ranks far apart need more room: raise "
+                "cache_bytes, or lower shuffle_shards")
 
     # -- the prefetcher ---------------------------------------------------------------------------
     def prefetch(self, number: int, epoch: int, counters: remote.Counters) -> Callable[[], None] | str:
@@ -750,8 +754,9 @@ class Prefetcher:
         return epoch + int(position + self._depth > self._plan.length(epoch))
 
     def _fetch_ahead(self, epoch: int, position: int) -> bool:
-        """Start what can start, claim the cached shards before the first that cannot; True
-        while something is left for others to finish (a shard another process fetches, room)."""
+        """Start what can start, claim the cached shards before the first that cannot (no room
+        for it, or another process waits for room for it): what is kept is always what is read
+        next. True while something is left for others to finish (a fetch, room)."""
         for key, future in list(self._fetching.items()):
             if future.done():
                 del self._fetching[key]
@@ -770,15 +775,17 @@ class Prefetcher:
                 stop = at
                 break
             started = self.cache.prefetch(number, wanted, self.counters)
-            if started is BUSY:
+            if started is BUSY and state[number] == FETCHING:  # its room is reserved
                 waiting = True
                 continue
-            if started is FULL:
-                stop, waiting = at, True
-                break
-            self._fetching[key] = self._pool.submit(started)
-            self._fetching[key].add_done_callback(self._fetch_ended)
-            fetching.add(number)
+            if started is not BUSY and started is not FULL:
+                self._fetching[key] = self._pool.submit(started)
+                self._fetching[key].add_done_callback(self._fetch_ended)
+                fetching.add(number)
+                continue
+            # no room, or its fetcher waits for room: what comes after it must not take the room
+            stop, waiting = at, True
+            break
         claim = cached[:stop] & (tags[shards[:stop]] < epochs[:stop])
         self.cache.claim(shards[:stop][claim], epochs[:stop][claim])
         return waiting
