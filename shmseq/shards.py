@@ -43,6 +43,7 @@ import posixpath
 import sys
 import tarfile
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -828,7 +829,9 @@ class ShardSequence(ShmSequence):
         except BaseException:
             prefetcher.close()
             raise
-        self._prefetcher = prefetcher.start()
+        # closed by finish(), or with the sequence if nobody references it any more
+        self._prefetcher = weakref.finalize(self, prefetcher.close)
+        prefetcher.start()
         return self
 
     def start_test(self, test_mode: str = "default") -> "ShardSequence":
@@ -859,9 +862,9 @@ class ShardSequence(ShmSequence):
 
     def finish(self) -> None:
         super().finish()
-        prefetcher, self._prefetcher = self._prefetcher, None
-        if prefetcher is not None:
-            prefetcher.close()
+        closer, self._prefetcher = self._prefetcher, None
+        if closer is not None:
+            closer()
         if self.cache is not None:
             self._stats.add_counts(self.worker.pop_counts())
         self.worker.reader.close()  # the files read in this process, by num_workers=0 or threads

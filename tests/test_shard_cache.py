@@ -118,6 +118,18 @@ def test_every_shard_is_fetched_once_and_every_sample_read_once(server, web, dat
     assert stats.cache_peak_bytes <= seq.cache.budget
 
 
+def test_a_sequence_nobody_references_stops_its_prefetcher(web, data, cache_dir):
+    """As any sequence, closed by its finalizer: no thread left (conftest), the rank left the
+    board (a new sequence takes rank 0 at once)."""
+    seq = make(web + data, cache_dir).start()
+    batches = iter(seq)
+    numbers(next(batches))
+    del seq, batches
+    again = make(web + data, cache_dir)
+    with again.start():
+        assert len(epoch_of(again)) == COUNT // 8
+
+
 def test_local_shards_are_read_where_they_lie_unless_asked(tmp_path, data, cache_dir):
     index = str(tmp_path) + data
     seq = make(index, cache_dir=None)
