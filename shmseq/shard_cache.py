@@ -135,7 +135,10 @@ def _is_held(path: str) -> bool:
 def job_name(job: str | None = None) -> str:
     """The job a cache belongs to: ``job``, else the launcher's id of the run, else "default"."""
     if job is not None:
-        if not isinstance(job, str) or not job.strip():
+        if not isinstance(job, str):
+            raise TypeError(f"job must be a string naming the job, got {job!r} "
+                            f"({type(job).__name__})")
+        if not job.strip():
             raise ValueError(f"job must be a non-empty string naming the job, got {job!r}")
         return job
     for variable in JOB_VARIABLES:
@@ -257,10 +260,10 @@ class RankBoard:
         while (fd := _lock(self.path(rank), wait=False)) is None:
             if time.monotonic() > deadline:
                 raise ValueError(
-                    f"the shard cache {os.path.dirname(self.folder)} is in use by another "
-                    f"process as rank {rank} (pid {self._owner(rank)}): two jobs, or two "
-                    "sequences of one job over the same shards, need caches of their own: give "
-                    "each its own job= (or cache_dir=)")
+                    f"the shard cache {os.path.dirname(self.folder)} has a rank {rank} already, "
+                    f"running in pid {self._owner(rank)}: two jobs, or two sequences of one job "
+                    "over the same shards, need caches of their own: give each its own job= "
+                    "(or cache_dir=)")
             time.sleep(WAIT_POLL_S)
         progress = RankProgress(fd, self.count)
         progress.publish_ahead(ahead)
@@ -349,6 +352,7 @@ class ShardCache:
         self.index = index
         self.folder = folder
         self.budget = budget
+        self.budget_given = budget is not None
         self.storage_options = storage_options
         self.policy = policy
         self.timeout = timeout  # a reader waits for room half of it, then says why
@@ -675,8 +679,9 @@ def check_room(cache: ShardCache, plan, epoch: int, position: int, depth: int, a
     held, shards = ShardUses(plan, cache.index).most_held(epoch, position, depth, cache.estimates)
     need = min(held + int(cache.estimates.max()), int(cache.estimates.sum()))  # or all of it
     if cache.budget < need:
+        given = "" if cache.budget_given else " (the default: half the free space there)"
         raise ValueError(
-            f"cache_bytes={cache.budget:,} is less than the shard cache needs: {need:,} bytes, "
+            f"cache_bytes={cache.budget:,}{given} is less than the shard cache needs: {need:,} bytes, "
             f"the {shards} shards ({held:,} bytes) that {depth} batches in a row read at most "
             f"({arguments}) and one more being fetched ({int(cache.estimates.max()):,} bytes). "
             f"Pass cache_bytes >= {need:,}, or read fewer shards at once: a smaller "

@@ -255,8 +255,8 @@ def test_two_jobs_on_one_node_keep_two_caches(server, web, data, cache_dir):
     assert again.stats.shard_fetches == 0 and tar_gets(server) == {shard: 2 for shard in range(SHARDS)}
     first, second = make(web + data, cache_dir), make(web + data, cache_dir)
     with first.start():
-        with pytest.raises(ValueError, match=r"in use by another process as rank 0 \(pid "
-                                             rf"{os.getpid()}\): .* give each its own job="):
+        with pytest.raises(ValueError, match=rf"has a rank 0 already, running in pid "
+                                             rf"{os.getpid()}: .* give each its own job="):
             second.start()
 
 
@@ -275,6 +275,8 @@ def test_the_job_is_named_by_the_launcher(monkeypatch):
     assert cache_folder(index, "/scratch") != cache_folder(index_of([4, 3]), "/scratch")
     with pytest.raises(ValueError, match="job must be a non-empty string"):
         job_name(" ")
+    with pytest.raises(TypeError, match=r"job must be a string naming the job, got 7 \(int\)"):
+        job_name(7)
 
 
 def crash_after(url, cache_dir, steps, state_file, budget):
