@@ -26,7 +26,7 @@ import numpy as np
 
 from shmseq.demo.data import SHAPES, _made_once
 from shmseq.shards import ShardIndex, write_shards
-from shmseq.vision import ImageFolderWorker, _resize_into, _simplejpeg
+from shmseq.vision import MAX_PIXELS, ImageFolderWorker, _resize_into, _simplejpeg
 
 from .workloads import _head, _tail
 
@@ -142,6 +142,7 @@ class JpegCrop:
                  ratio: tuple[float, float] = (3 / 4, 4 / 3)):
         self.size, self.seed, self.scale, self.ratio = int(size), int(seed), scale, ratio
         self.augment = self.flip = True
+        self.max_pixels = MAX_PIXELS  # the image worker's limit, which its JPEG path checks
         _simplejpeg()  # an ImportError with the fix now, not in a worker
 
     def __call__(self, sample: dict) -> tuple[np.ndarray, int]:
