@@ -371,9 +371,13 @@ def write_batch(batch, region: np.ndarray, allocator: SlotAllocator | None = Non
     return packed.size
 
 
+def packed_size(batch) -> int:
+    """The bytes ``batch`` takes in a slot (nothing is copied)."""
+    return _pack(batch, None, PAYLOAD_START, {}).size
+
+
 def encode_batch(batch) -> np.ndarray:
-    """The batch in slot format in a buffer of its own (the overflow path, and the first
-    batches, built before there is a ring)."""
+    """The batch in slot format in a buffer of its own (the overflow path)."""
     packed = _pack(batch, None, PAYLOAD_START, {})
     buffer = np.empty(packed.size, np.uint8)
     _emit(packed, buffer)

@@ -8,8 +8,8 @@ in it sits in a reference cycle, so that a front end nobody references any more 
 its finalizer at once, without the garbage collector. ``close()`` works from any thread.
 
 The ring is sized without a lone first batch: with no ``slot_bytes`` given, the first batch of
-each worker is built at once by all of them and sent back encoded, and the first of those to
-arrive sizes the ring; the batches after them go through the ring.
+each worker is built at once by all of them, each held by its worker, and the first size told
+sizes the ring; each worker then writes its batch into a slot, as every batch after it.
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ class Pipeline:
     def _start(self, timeout: float | None) -> None:
         """Return once every worker built its worker object and mapped the ring, and the ring's
         memory is reserved: a ring sized by the first batches, made once the first of them
-        came back (or the first failed: it is raised at its turn)."""
+        was built (or the first failed: it is raised at its turn)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.pool.started() or (self.ring is None and not self.output.waiting
                                           and self.stream.peek() is not None):
@@ -131,22 +131,17 @@ class Pipeline:
         self.device.attach(ring)
         self.pool.use_ring(ring)
 
-    def _sized_by(self, replies: list[Reply]) -> None:
-        """The first batches came back encoded (no ring yet): the ring is made to hold them."""
-        sizes = [len(reply.payload) for reply in replies if reply.payload is not None]
+    def _sized_by(self, sizes: list[int]) -> None:
+        """The first batches were built (no ring yet): the ring is made to hold them."""
         if sizes:
             self._use_ring(self._new_ring(slot_bytes_for(max(sizes))))
 
-    def _into_ring(self, reply: Reply) -> Reply:
-        """A batch built before there was a ring: copied into a slot, to be delivered as views
-        of the ring as every batch is. One larger than a slot is delivered as it came, as an
-        overflow; with no slot free (a ring smaller than the workers), as it came."""
-        if reply.payload is None or reply.overflowed or reply.number < self.output.floor:
-            return reply  # an error, an overflow; a stale one is dropped on reply
-        if len(reply.payload) > self.ring.spec.slot_bytes:
+    def _unplaced(self, reply: Reply) -> Reply:
+        """A batch built without a slot and given none came back encoded: an overflow if it is
+        larger than a slot; else there was no slot free (a ring smaller than the workers)."""
+        if reply.payload is not None and len(reply.payload) > self.ring.spec.slot_bytes:
             return reply._replace(overflowed=True)
-        slot = self.ring.store(reply.payload)
-        return reply if slot is None else reply._replace(slot=slot, payload=None)
+        return reply
 
     # -- the consumer's step ----------------------------------------------------------------------
     def _step(self, timeout: float | None, read: bool = True) -> None:
@@ -157,12 +152,12 @@ class Pipeline:
             self.ring.collect()  # slots freed, and copies failed, in other threads
         replies = self.pool.exchange(timeout, waiting=self.output.waiting, read=read)
         if self.ring is None:
-            self._sized_by(replies)
+            self._sized_by(self.pool.built_sizes())
         for reply in replies:
-            if self.ring is None:  # a failure, or a stream's end: no batch has come back yet
+            if self.ring is None:  # a failure, or a stream's end: no batch has been built yet
                 self.output.put(reply.number, Delivery(None, error=reply.error, ended=reply.ended))
             else:
-                self.converter.arrive(reply if reply.slot is not None else self._into_ring(reply))
+                self.converter.arrive(reply if reply.slot is not None else self._unplaced(reply))
 
     # -- the consumer's side ---------------------------------------------------------------------
     @property

@@ -9,10 +9,11 @@ The consumer's thread drives the pool (``exchange``) at each of its steps (pipel
    which other threads use to cut the wait short), so that a worker that dies is reported
    at once, as ``concurrent.futures`` and ``loky`` do;
 3. each reply becomes a ``Reply``: a batch written in its slot, an encoded batch (too
-   large for its slot, or built before there was a ring), or the worker's error.
+   large for its slot), or the worker's error.
 
 Before there is a ring (its slot size is not known yet), each worker gets one batch at a
-time without a slot and sends it back encoded: the first of them sizes the ring.
+time without a slot, builds it and tells its size: the first size sizes the ring, and each
+of these batches is then given a slot, which its worker writes it into (``use_ring``).
 
 Doing this in the consumer's thread spares two thread hand-offs per batch; the ring
 bounds how far workers run ahead anyway, so nothing is lost while the consumer computes.
@@ -42,11 +43,11 @@ from .workers import WorkerInfo
 
 
 class Reply(NamedTuple):
-    """What a reply brings: batch ``number`` in ``slot``, or as ``payload`` bytes (built before
-    there was a ring, or ``overflowed`` its slot), or ``error``, which makes the error to
-    raise in its place (made when raised: an exception kept in a frame of its own traceback
-    is a reference cycle, which would keep the consumer's batches, and their ring, until a
-    garbage collection)."""
+    """What a reply brings: batch ``number`` in ``slot``, or as ``payload`` bytes (it
+    ``overflowed`` its slot, or was built without one and given none), or ``error``, which
+    makes the error to raise in its place (made when raised: an exception kept in a frame of
+    its own traceback is a reference cycle, which would keep the consumer's batches, and their
+    ring, until a garbage collection)."""
     number: int
     slot: int | None
     payload: np.ndarray | None = None
@@ -172,8 +173,9 @@ class WorkerPool:
         self._skipped: dict[int, tuple] = {}  # batch number -> what its worker left out
         self._turn = 0  # the worker after the last one given a task in turn
         self._pace = Pace(n_slots)
-        self._unslotted = 0  # batches sent before there was a ring, not stored yet: each takes a slot
-        self._unslotted_back = 0  # of those, the ones back: the consumer stores them (_into_ring)
+        self._unslotted = 0  # batches sent without a slot, not given one yet: each may take one
+        self._built: list[tuple[WorkerHandle, int, int]] = []  # (worker, number, bytes) of
+        # batches built without a slot, held by their worker until there is a ring to place them
         self._stopped = False
         self._restarts = restarts
         self._killers: set[int] = set()  # batches a death was charged on once
@@ -215,10 +217,29 @@ class WorkerPool:
         return handle
 
     def use_ring(self, ring: Ring) -> None:
-        """Send the ring to every worker, which maps it."""
+        """Send the ring to every worker, which maps it, and give the batches they hold slots."""
         self.ring = ring
         for handle in self._workers:
             self._send(handle, framed(("ring", ring.spec)))
+        self._place_built()
+
+    def built_sizes(self) -> list[int]:
+        """The sizes of the batches built without a slot, waiting for a ring to hold them."""
+        return [size for _, _, size in self._built]
+
+    def _place_built(self) -> None:
+        """Give each batch a worker holds a free slot if it fits one, else none (it then comes
+        back encoded: as an overflow, or as it came where the ring has fewer slots than
+        workers). A dead worker's are not placed: its heir builds them again."""
+        for handle, number, size in self._built:
+            if not handle.accepting or handle not in self._workers:
+                continue
+            slot = self.ring.acquire() if size <= self.ring.spec.slot_bytes else None
+            if slot is not None:
+                self._unslotted -= 1
+                handle.open[number] = (handle.open[number][0], slot)
+            self._send(handle, framed(("slot", number, slot)))
+        self._built.clear()
 
     def started(self) -> bool:
         """Every worker built its worker object and, once there is a ring, mapped it."""
@@ -237,8 +258,6 @@ class WorkerPool:
         (replies left in the pipes are read at its next look).
 
         Raises what went wrong with a worker (it died, or failed to start)."""
-        self._unslotted -= self._unslotted_back  # stored by the consumer since the last exchange
-        self._unslotted_back = 0
         if not read:
             self._dispatch(waiting)
             return []
@@ -271,10 +290,9 @@ class WorkerPool:
         self._waker.drain()
 
     def _dispatch(self, waiting: int) -> None:
-        """Send the next batches of the stream with free slots, but for those the batches built
-        before there was a ring will take (before there is a ring, one batch without a slot to
-        each worker that has none, while fewer than a ring's worth of failures wait for the
-        consumer)."""
+        """Send the next batches of the stream with free slots, but for those the batches sent
+        without one may take (before there is a ring, one batch without a slot to each worker
+        that has none, while fewer than a ring's worth of failures wait for the consumer)."""
         stream = self.stream
         if self.ring is None:
             while waiting < self._n_slots and (task := stream.peek()) is not None:
@@ -373,6 +391,11 @@ class WorkerPool:
                     f"(sample indices {brief(indices)})")
             received.append(Reply(number, None, error=functools.partial(
                 raised_in_worker, info, what=what, batch_indices=indices, batch_number=number)))
+        elif kind == "built":  # held by its worker until it is given a slot (or none)
+            _, number, size = message
+            self._built.append((handle, number, size))
+            if self.ring is not None:
+                self._place_built()
         elif kind == "ended":
             _, number, slot = message
             handle.closed(number)
@@ -405,8 +428,8 @@ class WorkerPool:
             self.stream.end_pass()
 
     def _give_back(self, slot: int | None) -> None:
-        if slot is None:  # sent before there was a ring: the consumer copies it into one
-            self._unslotted_back += 1
+        if slot is None:  # sent without a slot, and back without one: it takes none
+            self._unslotted -= 1
         else:
             self.ring.unused(slot)
 

@@ -151,15 +151,6 @@ class Ring:
         """The writer gave the slot back without a batch in it (an error, an overflow)."""
         self._move(slot, DISPATCHED, FREE)
 
-    def store(self, payload: np.ndarray) -> int | None:
-        """A batch built before there was a ring, copied into a free slot, now written; None
-        when every slot is busy."""
-        slot = self.acquire()
-        if slot is not None:
-            self.region(slot)[:len(payload)] = payload
-            self.written(slot)
-        return slot
-
     def discard(self, slot: int) -> None:
         """A written batch nobody will read (its epoch was left)."""
         self._move(slot, WRITTEN, FREE)

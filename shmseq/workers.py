@@ -7,6 +7,12 @@ workers), writes the batch into the slot (``layout.write_batch``) and replies
 too large for its slot goes back encoded in the reply instead (the overflow path);
 a failure goes back as its type, message and traceback. The consumer's side of the
 pipes is ``pool.py``.
+
+A task without a slot (the first batches, which size the ring) is built, its size told
+(``("built", number, size)``), and held until the consumer answers ``("slot", number,
+slot)``: the worker then writes it into that slot as any batch, so that the first batch
+crosses no pipe and the consumer copies nothing; with no slot for it (larger than a slot,
+or none free), it goes back encoded.
 """
 from __future__ import annotations
 
@@ -26,7 +32,7 @@ import numpy as np
 
 from .board import BoardSpec, WorkerCell
 from .errors import UnsupportedBatch
-from .layout import SlotAllocator, SlotOverflow, encode_batch, write_batch
+from .layout import SlotAllocator, SlotOverflow, encode_batch, packed_size, write_batch
 from .lifeline import Lifeline, ProcessId
 from .ragged import Ragged, is_tensor
 from .segments import WorkerRing, drop_inherited_rings
@@ -133,28 +139,60 @@ class StreamEnded(Exception):
     no more in the pass."""
 
 
+class Built(NamedTuple):
+    """A batch built for a task without a slot, held until the consumer gives it one."""
+    number: int
+    batch: object
+    size: int        # bytes it takes in a slot
+    told: bytes      # the ("skipped", ...) frame that goes with its reply, if any
+    seconds: float   # how long building it took
+
+
 def _run_task(worker_obj, ring: WorkerRing | None, number: int, slot: int | None,
-              indices: np.ndarray, first: bool) -> bytes:
+              indices: np.ndarray, first: bool) -> bytes | Built:
     """Build and write one batch (``first``: the worker's first); the framed reply, with its
-    size and the time it took."""
+    size and the time it took. Without a slot, the batch built, to be held (``place``)."""
     began = time.perf_counter()
     try:
         region = ring.region(slot) if slot is not None else None  # may find /dev/shm full
         batch, allocator = build_batch(worker_obj, indices, region, first)
         skipped = skipped_by(worker_obj)
         told = framed(("skipped", number, skipped)) if skipped else b""
-        if region is not None:
-            try:
-                size = write_batch(batch, region, allocator)
-                return told + done_frame(number, slot, size, time.perf_counter() - began)
-            except SlotOverflow:
-                pass
-        payload = encode_batch(batch)
-        return told + framed(("overflow", number, slot, payload, time.perf_counter() - began))
+        if slot is None:
+            return Built(number, batch, packed_size(batch), told, time.perf_counter() - began)
+        return _written(number, slot, region, batch, allocator, told, began)
     except StreamEnded:
         return framed(("ended", number, slot))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
-        return framed(("error", number, slot, describe_exception(exc)))
+        return _failed(number, slot, exc)
+
+
+def place(built: Built, ring: WorkerRing | None, slot: int | None) -> bytes:
+    """The reply for a held batch, given ``slot`` (None: it goes back encoded)."""
+    began = time.perf_counter() - built.seconds
+    try:
+        region = ring.region(slot) if slot is not None else None
+        return _written(built.number, slot, region, built.batch, None, built.told, began)
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
+        return _failed(built.number, slot, exc)
+
+
+def _written(number: int, slot: int | None, region: np.ndarray | None, batch,
+             allocator: SlotAllocator | None, told: bytes, began: float) -> bytes:
+    """The batch written into its slot (a done reply), or encoded where it has none or does
+    not fit (an overflow reply)."""
+    if region is not None:
+        try:
+            size = write_batch(batch, region, allocator)
+            return told + done_frame(number, slot, size, time.perf_counter() - began)
+        except SlotOverflow:
+            pass
+    payload = encode_batch(batch)
+    return told + framed(("overflow", number, slot, payload, time.perf_counter() - began))
+
+
+def _failed(number: int, slot: int | None, exc: BaseException) -> bytes:
+    return framed(("error", number, slot, describe_exception(exc)))
 
 
 class WorkerInfo(NamedTuple):
@@ -266,6 +304,18 @@ class _Inbox:
             return self._again.popleft()
         return self._queued.popleft()
 
+    def next_answer(self):
+        """The next message that is not a task (the ring, a held batch's slot), the tasks left
+        queued: a worker holding a batch builds no other, which could reuse its buffers.
+        None when asked to stop. Raises EOFError once the pipe closed."""
+        while None not in self._queued:
+            answer = next((message for message in self._queued if message[0] != "task"), None)
+            if answer is not None:
+                self._queued.remove(answer)
+                return answer
+            self._queue(self._reader.read())
+        return None
+
     def _queue(self, messages: list) -> None:
         """The latest batches given again go first: they begin with the latest suspect."""
         again = []
@@ -311,22 +361,27 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
     except BaseException as exc:  # noqa: BLE001
         results.send_bytes(encode(("init_error", info.id, describe_exception(exc))))
         return
-    ring = None
+    ring = held = None
     cell = WorkerCell(ties.board, info.id) if ties is not None and ties.board is not None else None
     inbox, replies, first = _Inbox(tasks), results.fileno(), True
     try:
         write_all(replies, framed(("ready", info.id)))
-        while (message := inbox.next()) is not None:
+        while (message := inbox.next() if held is None else inbox.next_answer()) is not None:
             if message[0] == "ring":
                 ring = WorkerRing(message[1])
                 write_all(replies, framed(("attached", info.id)))
+            elif message[0] == "slot":
+                write_all(replies, place(held, ring, message[2]))
+                held = None
             else:
                 _, number, slot, indices = message
                 if cell is not None:
                     cell.begin(number)
                 reply = _run_task(worker_obj, ring, number, slot, indices, first)
-                write_all(replies, _counted_frame(worker_obj) + reply)  # counted, then delivered
                 first = False
+                if isinstance(reply, Built):
+                    held, reply = reply, framed(("built", number, reply.size))
+                write_all(replies, _counted_frame(worker_obj) + reply)  # counted, then delivered
     except (EOFError, OSError):
         return  # the consumer closed the pipes: it is shutting down, or gone
     finally:

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from shmseq.convert import Converter, Delivery, OrderedOutput
 from shmseq.devices import HostDevice
 from shmseq.errors import PipelineClosed
-from shmseq.layout import encode_batch
+from shmseq.layout import write_batch
 from shmseq.pool import Reply, Pace
 from shmseq.ring import FREE, Ring
 from shmseq.stats import LoaderStats
@@ -62,7 +62,10 @@ def converter():
 
 def _deliver(converter, seq: int) -> None:
     """Batch ``seq`` written into a slot by a worker, then arrived."""
-    slot = converter.ring.store(encode_batch({"x": np.full(1000, seq, np.int32)}))
+    ring = converter.ring
+    slot = ring.acquire()
+    write_batch({"x": np.full(1000, seq, np.int32)}, ring.region(slot))
+    ring.written(slot)
     converter.arrive(Reply(seq, slot))
 
 

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import shmseq.worker_handle
 from shmseq import ShmSequence, WorkerError
 from shmseq.testing import planned_batches, ring_of
 from workers import DtypeWorker, FillWorker, ImageWorker, IndexWorker, Pair, SizedWorker, WhoBuilt
@@ -91,23 +90,26 @@ def test_in_place_worker_writes_once_into_the_slot():
             assert (values[:, 3] == labels).all()
 
 
-def test_only_slot_ids_cross_the_middle_pipe(monkeypatch):
+@pytest.mark.parametrize("slot_bytes", [1 << 17, None])
+def test_only_slot_ids_cross_the_middle_pipe(monkeypatch, slot_bytes):
+    """From start() on: the first batches, which size the ring when no slot_bytes is given,
+    are written into their slots by their workers too."""
     read = os.read
-    replies = []
+    reads = []
 
     def recording(fd, size):
         data = read(fd, size)
-        if fd in reply_fds:
-            replies.append(len(data))
+        reads.append((fd, len(data)))
         return data
 
-    with make(ImageWorker(64), 1000, slot_bytes=1 << 17, start_method="fork").start() as seq:
+    monkeypatch.setattr(os, "read", recording)
+    with make(ImageWorker(64), 1000, slot_bytes=slot_bytes, start_method="fork").start() as seq:
         reply_fds = {handle.replies.fd for handle in seq._runtime.pool.handles}
-        monkeypatch.setattr(shmseq.worker_handle.os, "read", recording)
         batches = sum(1 for _ in seq)
     monkeypatch.undo()
-    assert batches == 250 and 0 < sum(replies) / batches < 100, (
-        f"{sum(replies)} bytes crossed the reply pipes for {batches} batches")
+    replies = sum(size for fd, size in reads if fd in reply_fds)
+    assert batches == 250 and 0 < replies / batches < 100, (
+        f"{replies} bytes crossed the reply pipes for {batches} batches")
 
 
 def test_keeping_every_batch_neither_deadlocks_nor_corrupts():
