@@ -108,9 +108,11 @@ class Pipeline:
 
     # -- the ring ---------------------------------------------------------------------------------
     def _start(self, timeout: float | None) -> None:
-        """Return once every worker built its worker object and mapped the ring, and the ring's
-        memory is reserved: a ring sized by the first batches, made once the first of them
-        was built (or the first failed: it is raised at its turn)."""
+        """Return once every worker built its worker object and mapped the ring: a ring sized
+        by the first batches, made once the first of them was built (or the first failed: it
+        is raised at its turn). A ring made up front is reserved by then too (its reservation
+        ran while the workers started); one sized by the first batches is reserved while they
+        are written and delivered, not before: a failure is raised at the next step."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.pool.started() or (self.ring is None and not self.output.waiting
                                           and self.stream.peek() is not None):
@@ -119,7 +121,7 @@ class Pipeline:
                 raise ShmSeqError(f"the workers did not start within timeout={timeout} s: "
                                   f"{self.pool.which_not_started()}")
             self._step(remaining)
-        if self.ring is not None:
+        if self.spec.slot_bytes is not None:
             self.ring.wait_reserved()
 
     def _new_ring(self, slot_bytes: int) -> Ring:

@@ -4,8 +4,8 @@ The consumer makes the segment and unlinks its name at once (``unlinked_segment`
 it through the consumer's descriptor (``/proc/PID/fd/N``, ``owners_segment``), so a trainer
 killed at any moment leaves nothing in /dev/shm. Its memory is reserved as soon as it exists,
 slot by slot in the order they are first used, on a thread of the consumer (``Reservation``):
-the first batch need not wait for the whole ring, ``start()`` returns once all of it is the
-sequence's, and no write can later find /dev/shm full. Each writer maps a slot's pages in one
+the first batch need not wait for the whole ring, a writer allocates a slot the thread has not
+reached yet, and no write can find /dev/shm full. Each writer maps a slot's pages in one
 call the first time it writes the slot (``MADV_POPULATE_WRITE``), rather than a page fault at a
 time while the batch is written; the consumer's reads fault in 16 pages at a time. Segments are
 made with posix_ipc so that Python's resource tracker never warns about, or unlinks, a segment
@@ -255,9 +255,11 @@ class Reservation:
         self._thread.join()
 
     def check(self) -> None:
-        """Raise the reservation's failure, if it failed already."""
+        """Raise the reservation's failure, if it failed already: a new exception each time,
+        since one kept here would keep the frames it was raised through (and the batches they
+        hold) until a garbage collection."""
         if self.error is not None:
-            raise self.error
+            raise SharedMemoryFull(*self.error.args) from self.error.__cause__
 
 
 

@@ -1,3 +1,4 @@
+import gc
 import os
 import threading
 import time
@@ -261,6 +262,53 @@ def test_a_reservation_that_fails_says_what_was_missing_and_is_raised_at_the_nex
             ring.collect()
     finally:
         ring.close()
+
+
+def refusing_once_a_batch_came(delivered: threading.Event):
+    """``os.posix_fallocate`` as /dev/shm does once another program took it: the reservation's
+    thread is refused its second slot on, once ``delivered`` is set (workers are not)."""
+    real = os.posix_fallocate
+
+    def fallocate(fd, start, size):
+        if start and threading.current_thread().name == "shmseq-reservation":
+            delivered.wait(10)
+            raise OSError(28, "No space left on device")
+        real(fd, start, size)
+    return fallocate
+
+
+def _full_after_a_batch(seq, delivered: threading.Event) -> bool:
+    """Whether reading ``seq`` raised ``SharedMemoryFull`` once its first batch was in hand;
+    the exception is dropped with the loop and the last batch it held."""
+    try:
+        with seq.start():
+            for _ in seq:
+                delivered.set()
+    except SharedMemoryFull:
+        return delivered.is_set()
+    return False
+
+
+@pytest.mark.parametrize("thread_type", ["proc", "thread"])
+def test_a_reservation_failure_raised_mid_epoch_leaves_nothing_before_any_garbage_collection(
+        monkeypatch, thread_type):
+    """/dev/shm taken by another program once the ring passed its check: a ring sized by the
+    first batches is reserved while they are delivered, and the failure is raised at a step of
+    the loop. Kept anywhere, that exception would keep the frames it went through, with the
+    loop's last batch, and so the ring's memory, until a garbage collection."""
+    from shmseq import ShmSequence
+    from workers import ImageWorker
+
+    delivered = threading.Event()
+    monkeypatch.setattr(os, "posix_fallocate", refusing_once_a_batch_came(delivered))
+    seq = ShmSequence(ImageWorker(64), 400, batch_size=8, num_workers=2, buffer=4,
+                      thread_type=thread_type, out_type="null", start_method="fork", timeout=30)
+    gc.disable()
+    try:
+        assert _full_after_a_batch(seq, delivered)
+        assert mapped_rings() == {} and shm_entries() == set()
+    finally:
+        gc.enable()
 
 
 def test_the_space_held_by_a_finished_rings_views_is_named_until_they_die(monkeypatch):
