@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import math
+import mmap
 import pickle
 import struct
 import sys
@@ -69,8 +70,9 @@ class SlotAllocator:
     A worker with a ``fill(indices, out)`` method calls ``out.empty(shape, dtype)``
     for each array of its batch, writes into it (decodes an image straight into it,
     say) and returns the nesting of those arrays. They are then already where the
-    consumer will read them, and nothing is copied. When the slot is full, ``empty``
-    returns ordinary memory and the batch takes the overflow path.
+    consumer will read them, and nothing is copied. When the slot is full (or there is none
+    yet: the first batches), ``empty`` returns memory of its own (``outside_slot``) and the
+    batch is copied into its slot, or takes the overflow path.
     """
 
     def __init__(self, region: np.ndarray | None):
@@ -85,7 +87,7 @@ class SlotAllocator:
         nbytes = int(math.prod(shape)) * dtype.itemsize
         offset = place(self.used, nbytes)
         if self.region is None or offset + nbytes > len(self.region):
-            return np.empty(shape, dtype)
+            return outside_slot(shape, dtype, nbytes)
         array = np.ndarray(shape, dtype, buffer=self.region, offset=offset)
         self.placed[id(array)] = (array, offset)  # known in place without pointer arithmetic
         self.used = offset + nbytes
@@ -95,6 +97,16 @@ class SlotAllocator:
         array = self.empty(shape, dtype)
         array.fill(0)
         return array
+
+
+def outside_slot(shape: tuple, dtype: np.dtype, nbytes: int) -> np.ndarray:
+    """An array of ``nbytes`` for a batch built outside its slot, given back to the system when
+    it dies: a page or more is a mapping of its own, since the heap of a worker keeps what it
+    freed (``workers._keep_large_buffers``), and a batch built outside its slot once (the
+    first one, sizing the ring) would stay there for good."""
+    if nbytes < PAGE:
+        return np.empty(shape, dtype)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype, math.prod(shape)).reshape(shape)
 
 
 @dataclass

@@ -1,4 +1,8 @@
 import collections
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -6,6 +10,8 @@ import pytest
 from shmseq.errors import UnsupportedBatch
 from shmseq.layout import (ALIGN, SlotAllocator, SlotOverflow, encode_batch, read_batch,
                            write_batch)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def roundtrip(batch, size=1 << 16):
@@ -163,3 +169,28 @@ def test_any_batch_survives_the_slot_exactly():
             write_batch(batch, np.zeros(len(encoded) - 1, np.uint8))
 
     check()
+
+
+def test_an_array_built_outside_a_slot_is_given_back_to_the_system_when_it_dies():
+    """In a worker, whose heap keeps what it frees (workers._keep_large_buffers): the first
+    batch, built before there is a ring, would otherwise stay in every worker for good."""
+    script = textwrap.dedent("""
+        import numpy as np
+        from shmseq.layout import SlotAllocator
+        from shmseq.workers import _keep_large_buffers
+
+        def anonymous_kib():
+            with open("/proc/self/smaps_rollup") as rollup:
+                return next(int(line.split()[1]) for line in rollup if line.startswith("Anonymous:"))
+
+        _keep_large_buffers()
+        before = anonymous_kib()
+        images = SlotAllocator(None).empty((64, 224, 224, 3), np.uint8)
+        images.fill(1)
+        del images
+        print(anonymous_kib() - before)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) < 1024, f"{done.stdout.strip()} KiB kept of a 9,408 KiB batch"
