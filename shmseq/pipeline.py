@@ -124,8 +124,9 @@ class Pipeline:
         if self.spec.slot_bytes is not None:
             self.ring.wait_reserved()
 
-    def _new_ring(self, slot_bytes: int) -> Ring:
-        return Ring.create(self.spec.buffer, slot_bytes, wake=self.waker.wake_if_waiting)
+    def _new_ring(self, slot_bytes: int, expected: int = 0) -> Ring:
+        return Ring.create(self.spec.buffer, slot_bytes, wake=self.waker.wake_if_waiting,
+                           expected=expected)
 
     def _use_ring(self, ring: Ring) -> None:
         self.ring = ring
@@ -134,9 +135,10 @@ class Pipeline:
         self.pool.use_ring(ring)
 
     def _sized_by(self, sizes: list[int]) -> None:
-        """The first batches were built (no ring yet): the ring is made to hold them."""
+        """The first batches were built (no ring yet): the ring is made to hold them, and room
+        for larger ones that is allocated only if one comes."""
         if sizes:
-            self._use_ring(self._new_ring(slot_bytes_for(max(sizes))))
+            self._use_ring(self._new_ring(slot_bytes_for(max(sizes)), expected=max(sizes)))
 
     def _unplaced(self, reply: Reply) -> Reply:
         """A batch built without a slot and given none came back encoded: an overflow if it is

@@ -78,11 +78,13 @@ class Ring:
         self._releaser: Releaser | None = None
 
     @classmethod
-    def create(cls, n_slots: int, slot_bytes: int, *, wake: Callable[[], None]) -> "Ring":
-        """A new ring, its name already unlinked, its memory being reserved (``wait_reserved``);
-        ``SharedMemoryFull`` when /dev/shm has not the room for it now. ``wake`` is called
-        (from any thread) when a slot's lease dies or its copies complete."""
-        return cls(RingSegment(n_slots, slot_bytes), wake=wake)
+    def create(cls, n_slots: int, slot_bytes: int, *, wake: Callable[[], None],
+               expected: int = 0) -> "Ring":
+        """A new ring, its name already unlinked, its memory being reserved (``wait_reserved``:
+        the ``expected`` bytes of each slot, if given, see ``RingSpec``); ``SharedMemoryFull``
+        when /dev/shm has not the room for it now. ``wake`` is called (from any thread) when a
+        slot's lease dies or its copies complete."""
+        return cls(RingSegment(n_slots, slot_bytes, expected), wake=wake)
 
     @property
     def address(self) -> int:

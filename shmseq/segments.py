@@ -5,8 +5,10 @@ it through the consumer's descriptor (``/proc/PID/fd/N``, ``owners_segment``), s
 killed at any moment leaves nothing in /dev/shm. Its memory is reserved as soon as it exists,
 slot by slot in the order they are first used, on a thread of the consumer (``Reservation``):
 the first batch need not wait for the whole ring, a writer allocates a slot the thread has not
-reached yet, and no write can find /dev/shm full. Each writer maps a slot's pages in one
-call the first time it writes the slot (``MADV_POPULATE_WRITE``), rather than a page fault at a
+reached yet, and no write can find /dev/shm full. A ring sized by its first batches is
+allocated as far as they took in each slot (``RingSpec.expected``); the room left for larger
+batches, only when one comes. Each writer maps a slot's pages in one call the first time it
+writes the slot (``MADV_POPULATE_WRITE``), rather than a page fault at a
 time while the batch is written; the consumer's reads fault in 16 pages at a time. Segments are
 made with posix_ipc so that Python's resource tracker never warns about, or unlinks, a segment
 in use. A ring closed while the consumer still holds views of it stays mapped until the last of
@@ -41,12 +43,16 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14; older kernels fault the pages in as the
 
 
 class RingSpec(NamedTuple):
-    """What a worker needs to attach the ring (picklable): the consumer's descriptor of it."""
+    """What a worker needs to attach the ring (picklable): the consumer's descriptor of it.
+    ``expected``: the bytes of a slot its batches are expected to take (0: all of them), which
+    are allocated up front; the rest of a slot only once a batch needs it (a ring sized by its
+    first batches leaves room for larger ones that may never come)."""
     name: str
     n_slots: int
     slot_bytes: int
     owner_pid: int = -1
     owner_fd: int = -1
+    expected: int = 0
 
     @property
     def stride(self) -> int:
@@ -55,6 +61,16 @@ class RingSpec(NamedTuple):
     @property
     def total_bytes(self) -> int:
         return self.stride * self.n_slots
+
+    @property
+    def reserved(self) -> int:
+        """The bytes of each slot allocated up front."""
+        return min(self.stride, -(-self.expected // PAGE) * PAGE) if self.expected else self.stride
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The bytes of the ring allocated up front."""
+        return self.reserved * self.n_slots
 
 
 def shm_free_bytes() -> int:
@@ -168,27 +184,38 @@ class SlotPages:
         self._array = np.frombuffer(memory, np.uint8)
         self._fd = fd
         self._mapped = bytearray(spec.n_slots)  # 1: populated in this process
+        self._whole = bytearray(spec.n_slots)  # 1: a batch needed the whole slot (``whole``)
 
     def region(self, slot: int) -> np.ndarray:
-        """The slot's bytes, its pages allocated and mapped."""
-        start = slot * self.spec.stride
+        """The slot's bytes batches are expected to take (``RingSpec.expected``; all of them
+        once one needed more), its pages allocated and mapped."""
+        start, reserved = slot * self.spec.stride, self.spec.reserved
         if not self._mapped[slot]:
-            self._allocate(slot)
-            _populate(self._array.ctypes.data + start, self.spec.stride)
+            self._allocate(slot, start, reserved)
+            _populate(self._array.ctypes.data + start, reserved)
             self._mapped[slot] = 1
-        return self._array[start:start + self.spec.slot_bytes]
+        size = self.spec.slot_bytes if self._whole[slot] else min(reserved, self.spec.slot_bytes)
+        return self._array[start:start + size]
 
-    def _allocate(self, slot: int) -> None:
-        """Allocate the slot's pages unless the whole ring is (a page /dev/shm could not supply
-        would kill its writer with SIGBUS): it may be used before the reservation reaches it."""
-        if os.fstat(self._fd).st_blocks * 512 >= self.spec.total_bytes:
+    def whole(self, slot: int) -> np.ndarray:
+        """The whole slot, for a batch larger than expected: the rest of it allocated first."""
+        if not self._whole[slot]:
+            reserved = self.spec.reserved
+            self._allocate(slot, slot * self.spec.stride + reserved, self.spec.stride - reserved)
+            self._whole[slot] = 1
+        return self.region(slot)
+
+    def _allocate(self, slot: int, start: int, size: int) -> None:
+        """Allocate ``size`` bytes of the slot from ``start`` unless the whole ring is (a page
+        /dev/shm could not supply would kill its writer with SIGBUS): the slot may be used before
+        the reservation reaches it."""
+        if not size or os.fstat(self._fd).st_blocks * 512 >= self.spec.total_bytes:
             return
-        stride = self.spec.stride
         try:
-            os.posix_fallocate(self._fd, slot * stride, stride)
+            os.posix_fallocate(self._fd, start, size)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                raise _refuse_space(stride, f"slot {slot} of the ring") from exc
+                raise _refuse_space(size, f"slot {slot} of the ring") from exc
             raise
 
 
@@ -237,9 +264,9 @@ class Reservation:
     def _allocate(spec: RingSpec, fd: int) -> SharedMemoryFull | None:
         for slot in range(spec.n_slots):
             try:
-                os.posix_fallocate(fd, slot * spec.stride, spec.stride)
+                os.posix_fallocate(fd, slot * spec.stride, spec.reserved)
             except OSError as exc:
-                error = _refuse_space((spec.n_slots - slot) * spec.stride,
+                error = _refuse_space((spec.n_slots - slot) * spec.reserved,
                                       f"the slot ring ({spec.n_slots} slots of {spec.stride:,} "
                                       f"bytes; {slot} reserved)")
                 error.__cause__ = exc
@@ -267,12 +294,12 @@ class Reservation:
 class RingSegment(SlotPages):
     """The consumer's segment: made, reserved, mapped; unmapped at close, or with the last view."""
 
-    def __init__(self, n_slots: int, slot_bytes: int):
+    def __init__(self, n_slots: int, slot_bytes: int, expected: int = 0):
         name = f"/{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-        spec = RingSpec(name, n_slots, slot_bytes)
-        if spec.total_bytes > shm_free_bytes():
-            raise _refuse_space(spec.total_bytes, f"the slot ring ({n_slots} slots of "
-                                                  f"{spec.stride:,} bytes)")
+        spec = RingSpec(name, n_slots, slot_bytes, expected=expected)
+        if spec.reserved_bytes > shm_free_bytes():
+            raise _refuse_space(spec.reserved_bytes, f"the slot ring ({n_slots} slots of "
+                                                     f"{spec.stride:,} bytes)")
         segment = unlinked_segment(name)
         try:
             os.ftruncate(segment.fd, spec.total_bytes)
@@ -284,7 +311,7 @@ class RingSegment(SlotPages):
                          segment.fd)
         self._segment = segment  # its descriptor stays open: workers map the ring through it
         self.reservation = Reservation(spec, segment.fd)
-        _hold(spec.name, spec.total_bytes, "a live sequence's ring")
+        _hold(spec.name, spec.reserved_bytes, "a live sequence's ring")
 
     @property
     def address(self) -> int:
@@ -318,7 +345,7 @@ class RingSegment(SlotPages):
         try:
             memory.close()
         except BufferError:  # views alive: the mapping goes with the last of them
-            _hold(self.spec.name, self.spec.total_bytes,
+            _hold(self.spec.name, self.spec.reserved_bytes,
                   "a finished sequence's ring, kept by batches of it still referenced",
                   weakref.ref(memory, functools.partial(_held_here.pop, self.spec.name)))
         else:

@@ -160,7 +160,7 @@ def _run_task(worker_obj, ring: WorkerRing | None, number: int, slot: int | None
         told = framed(("skipped", number, skipped)) if skipped else b""
         if slot is None:
             return Built(number, batch, packed_size(batch), told, time.perf_counter() - began)
-        return _written(number, slot, region, batch, allocator, told, began)
+        return _written(number, ring, slot, region, batch, allocator, told, began)
     except StreamEnded:
         return framed(("ended", number, slot))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
@@ -172,23 +172,35 @@ def place(built: Built, ring: WorkerRing | None, slot: int | None) -> bytes:
     began = time.perf_counter() - built.seconds
     try:
         region = ring.region(slot) if slot is not None else None
-        return _written(built.number, slot, region, built.batch, None, built.told, began)
+        return _written(built.number, ring, slot, region, built.batch, None, built.told, began)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
         return _failed(built.number, slot, exc)
 
 
-def _written(number: int, slot: int | None, region: np.ndarray | None, batch,
-             allocator: SlotAllocator | None, told: bytes, began: float) -> bytes:
+def _written(number: int, ring: WorkerRing | None, slot: int | None, region: np.ndarray | None,
+             batch, allocator: SlotAllocator | None, told: bytes, began: float) -> bytes:
     """The batch written into its slot (a done reply), or encoded where it has none or does
     not fit (an overflow reply)."""
     if region is not None:
         try:
-            size = write_batch(batch, region, allocator)
+            size = _write(batch, ring, slot, region, allocator)
             return told + done_frame(number, slot, size, time.perf_counter() - began)
         except SlotOverflow:
             pass
     payload = encode_batch(batch)
     return told + framed(("overflow", number, slot, payload, time.perf_counter() - began))
+
+
+def _write(batch, ring: WorkerRing, slot: int, region: np.ndarray,
+           allocator: SlotAllocator | None) -> int:
+    """Write the batch into ``region``, the part of its slot batches are expected to take, or
+    into the whole slot if it is larger (see ``segments.RingSpec.expected``)."""
+    try:
+        return write_batch(batch, region, allocator)
+    except SlotOverflow as overflow:
+        if len(region) == ring.spec.slot_bytes or overflow.needed > ring.spec.slot_bytes:
+            raise
+    return write_batch(batch, ring.whole(slot), allocator)
 
 
 def _failed(number: int, slot: int | None, exc: BaseException) -> bytes:

@@ -147,6 +147,55 @@ def test_auto_sized_slots_fit_the_batches():
         assert ring_of(seq).spec.slot_bytes >= 8 * 8 * 8 * 3
 
 
+def allocated_bytes(ring) -> int:
+    """Bytes of the ring's segment /dev/shm has given it."""
+    return os.fstat(ring.spec.owner_fd).st_blocks * 512
+
+
+GROWING = [100_000] * 6 + [120_000] + [100_000] * 5  # batch 6 is a fifth larger than the first
+
+
+@pytest.mark.parametrize("backend", ["proc", "thread"])
+def test_a_ring_sized_by_its_first_batch_allocates_room_for_larger_ones_when_one_comes(backend):
+    """A slot holds a quarter more than the first batch, for larger batches that may never
+    come: only what the first batch took is allocated in each slot up front; a larger one
+    allocates the rest of its slot first, and arrives in it, with no overflow."""
+    with make(SizedWorker(GROWING), dset_size=12, batch_size=1, num_workers=1, buffer=4,
+              thread_type=backend).start() as seq:
+        ring = ring_of(seq)
+        ring.wait_reserved()
+        before = allocated_bytes(ring)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            batches = [(data.copy(), labels.copy()) for data, labels in seq]
+        after = allocated_bytes(ring)
+    spec = ring.spec
+    assert before == spec.reserved_bytes < spec.total_bytes
+    assert after == before + spec.stride - spec.reserved  # the rest of one slot
+    assert [len(data) for data, _ in batches] == GROWING and seq.stats.overflow_count == 0
+    assert all((data == k).all() and labels.tolist() == [k] for k, (data, labels) in enumerate(batches))
+
+
+def test_room_for_a_larger_batch_dev_shm_cannot_give_is_refused_at_that_batch(monkeypatch):
+    """Never a SIGBUS: the rest of a slot is allocated before a larger batch is written there."""
+    from shmseq import SharedMemoryFull
+
+    real = os.posix_fallocate
+
+    def refusing_the_rest_of_a_slot(fd, start, size):
+        if start % stride:
+            raise OSError(28, "No space left on device")
+        real(fd, start, size)
+
+    seq = make(SizedWorker(GROWING), dset_size=12, batch_size=1, num_workers=1, buffer=4,
+               thread_type="thread")
+    with seq.start():
+        stride = ring_of(seq).spec.stride
+        monkeypatch.setattr(os, "posix_fallocate", refusing_the_rest_of_a_slot)
+        kind, message, _, _ = first_error_after(seq, 6)
+    assert kind is SharedMemoryFull and "slot" in message and "of the ring needs" in message
+
+
 def test_breaking_out_mid_epoch_then_a_whole_next_epoch():
     with make(dset_size=40, buffer=4).start() as seq:
         for k, batch in enumerate(seq):
@@ -179,6 +228,14 @@ def first_error(seq):
     except Exception as exc:  # noqa: BLE001 - the exception is what is looked at
         return type(exc), str(exc), exc.__cause__, getattr(exc, "__notes__", [])
     raise AssertionError("the first batch did not fail")
+
+
+def first_error_after(seq, batches: int):
+    """What the epoch raises once ``batches`` batches came (as ``first_error``)."""
+    iterator = iter(seq)
+    for _ in range(batches):
+        next(iterator)
+    return first_error(iterator)
 
 
 @pytest.mark.parametrize("backend", ["proc", "thread"])
