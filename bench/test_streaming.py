@@ -139,7 +139,8 @@ def test_the_report_takes_ratios_repeat_by_repeat():
             Run(TORCH, "shards-uint8", 1, 50.0, 2000.0, 0.06, 50.0),
             Run(SHMSEQ, "shards-uint8", 1, 300.0, 200.0, 0.05, 300.0),
             Run(LIMIT, "shards-uint8", 1, 300.0)]
-    assert ratios(runs, "shards-uint8") == {"rate": [4.0, 6.0], "cpu": [10.0, 10.0]}
+    assert ratios(runs, "shards-uint8") == {"rate": [4.0, 6.0], "cpu": [10.0, 10.0],
+                                            "first": [0.05 / 0.06] * 2}
     assert ratios(runs, "shards-jpeg") is None
     text = markdown(runs, WORKLOADS, {"nproc": 2, "cpu": "x", "ram": "1 GiB", "python": "3",
                                       "numpy": "2", "torch": "2"},
@@ -181,3 +182,16 @@ def test_a_ratio_above_the_limit_is_marked_in_images_per_second():
     assert "| shards-jpeg | shmseq-shards | 2,112 | 33.0 | 300 | 4.7 | 0.100 | 0.61 | 1.10† |" in text
     assert "† Above the limit: shards-jpeg shmseq-shards 1.10." in text
     assert "(shards-jpeg 1,920 images/s)" in text and "GB/s" not in text
+
+
+def test_the_report_gives_each_loaders_tree_pss_and_shmseqs_ratio_to_torchs():
+    runs = [Run(SHMSEQ, "shards-uint8", 0, 400.0, 250.0, 0.05, 300.0, 360_000_000),
+            Run(TORCH, "shards-uint8", 0, 100.0, 2500.0, 0.10, 100.0, 300_000_000),
+            Run(LIMIT, "shards-uint8", 0, 500.0)]
+    text = markdown(runs, WORKLOADS, {"nproc": 2, "cpu": "x", "ram": "1 GiB", "python": "3",
+                                      "numpy": "2", "torch": "2"},
+                    {"repeats": 1, "seconds": 1.0, "buffer": 10}, ["shards"], ["idle"], "cmd")
+    assert "| × limit | tree PSS MB |" in text
+    assert "| 0.80 | 360 |" in text and "| 0.20 | 300 |" in text and "| 1.00 | — |" in text
+    assert "its first batch in 0.50x torch's time (0.050 against 0.100 s)" in text
+    assert "1.20x its process tree's PSS (360 against 300 MB)" in text

@@ -1,11 +1,14 @@
 """The bench's report, from made-up runs (no loader runs here): spreads, the × limit column and
 its mark, and the limit's rule (the faster of 1 and 2 processes)."""
+import multiprocessing
+import os
 import re
 
 import pytest
 
 from shmseq.bench import limit, report, systems
 from shmseq.bench.__main__ import ALL_SYSTEMS, main
+from shmseq.bench.memory import pss_bytes, tree_pss_bytes
 from shmseq.bench.runner import LIMIT, Run, run_matrix
 from shmseq.bench.workloads import WORKLOADS
 from shmseq.demo import load
@@ -131,3 +134,26 @@ def test_the_bench_warns_when_the_machine_was_busy(monkeypatch, tmp_path, capsys
     assert (warning in printed and warning in written) == bool(busy)
     assert re.search(r"^Load: load average [\d.]+ .* at the start, load average [\d.]+ .* at the end",
                      written, re.MULTILINE)
+
+
+def _hold_pages(ready, done, megabytes: int) -> None:
+    held = bytearray(megabytes << 20)
+    held[::4096] = b"\1" * len(held[::4096])  # every page touched: its own
+    ready.set()
+    done.wait(30)
+
+
+def test_the_tree_pss_counts_the_processes_under_the_trainer():
+    """What the streaming report's PSS column sums: this process and every one under it (a
+    loader's workers), each page they share counted once."""
+    context = multiprocessing.get_context("fork")
+    ready, done = context.Event(), context.Event()
+    child = context.Process(target=_hold_pages, args=(ready, done, 64))
+    child.start()
+    try:
+        assert ready.wait(30)
+        assert pss_bytes(child.pid) > 64 << 20
+        assert tree_pss_bytes() - pss_bytes(os.getpid()) > 64 << 20
+    finally:
+        done.set()
+        child.join()

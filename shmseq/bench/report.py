@@ -55,6 +55,8 @@ class Cell:
     of_limit: float | None
     early_of_steady: float | None = None
     runs: int = 1  # the repeats summarised: a spread needs two or more
+    pss_bytes: float | None = None  # the process tree's peak PSS, median over the repeats
+    pss_spread: tuple[int, int] | None = None
 
 
 def _median(values: list) -> float | None:
@@ -72,11 +74,13 @@ def summarize(runs: list[Run], workloads: Mapping = WORKLOADS) -> list[Cell]:
     for (workload, system), group in groups.items():
         rates = [r.batches_per_second for r in group]
         gigabytes = workloads[workload].batch_bytes / 1e9
+        peaks = [r.peak_pss_bytes for r in group if r.peak_pss_bytes is not None]
         cells.append(Cell(workload, system, _median(rates) * gigabytes,
                           (min(rates) * gigabytes, max(rates) * gigabytes), _median(rates),
                           _median([r.cpu_us_per_batch for r in group]),
                           _median([r.first_batch_seconds for r in group]), None,
-                          _early_of_steady(group), len(group)))
+                          _early_of_steady(group), len(group), _median(peaks),
+                          (min(peaks), max(peaks)) if peaks else None))
     limits = {c.workload: c.gb_per_s for c in cells if c.system == LIMIT}
     for cell in cells:
         if cell.workload in limits:

@@ -21,8 +21,9 @@ The consumer checks every batch: its labels (each sample's id) against the plan'
 the uint8 shards each image's marker bytes; the stage's images are read whole, as a trainer's
 first layer reads them (a mean per image, which on a GPU also waits for the decode). The runs
 interleave the systems, as the transport matrix's do; the report gives images/s and the
-trainer's CPU a batch and an image, medians and min-max over the repeats, shmseq's ratio to
-torch (and the stage's to both) within each repeat, and each worker-decoding loader's rate
+trainer's CPU a batch and an image, the first batch, the PSS of the trainer and its workers
+(``memory.py``), medians and min-max over the repeats, shmseq's ratio to torch (and the
+stage's to both) within each repeat, and each worker-decoding loader's rate
 over the limit: the same ``worker[ids]`` calls by 1 and by 2 processes with no transport
 (``limit_rate``).
 """
@@ -287,6 +288,11 @@ What the columns mean:
   decode it runs there).
 - first batch s: from creating the loader (workers started) to the first batch in hand.
 - first N × steady: the rate over the N batches after the first, over the steady rate.
+- tree PSS MB: the proportional set size of the trainer and its workers together (a page they
+  share counted once), the largest of samples taken every 0.2 s from the first batch to the end
+  of the timed window; median of the repeats (min-max). With as many batches in flight, shmseq's
+  ring holds all its slots for the whole run, where torch's DataLoader holds the batches done
+  and not yet taken: fewer than its prefetch while the workers are the slower side.
 - × limit: images/s over the limit's. The limit is the workers' own work: the same
   ``worker[ids]`` calls (reading the samples at their offsets, decoding, stacking) on the same
   batches, by 1 and by 2 processes in turn, with no transport, no consumer and no batch kept;
@@ -325,8 +331,8 @@ def table(cells: list[Cell], workloads: dict[str, ShardWorkload]) -> str:
     early = sorted({w.early_batches for w in workloads.values()})
     lines = [f"| workload | system | images/s{spread} | batches/s | trainer CPU µs/batch | "
              f"trainer CPU µs/image | first batch s | first {'/'.join(map(str, early))} × steady | "
-             "× limit |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "× limit | tree PSS MB |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for c in cells:
         workload = workloads[c.workload]
         rate, rates = images_per_s(c, workload)
@@ -334,8 +340,16 @@ def table(cells: list[Cell], workloads: dict[str, ShardWorkload]) -> str:
                      f"{with_spread(rate, rates, ',.0f', c.runs)} | "
                      f"{c.batches_per_s:.1f} | {_fmt(c.cpu_us_per_batch, ',.0f')} | "
                      f"{_fmt(_per_image(c, workload), ',.1f')} | {_fmt(c.first_batch_s, '.3f')} | "
-                     f"{_fmt(c.early_of_steady, '.2f')} | {of_limit(c.of_limit)} |")
+                     f"{_fmt(c.early_of_steady, '.2f')} | {of_limit(c.of_limit)} | "
+                     f"{_pss(c)} |")
     return "\n".join(lines)
+
+
+def _pss(cell: Cell) -> str:
+    if cell.pss_bytes is None:
+        return "—"
+    low, high = cell.pss_spread
+    return with_spread(cell.pss_bytes / 1e6, (low / 1e6, high / 1e6), ",.0f", cell.runs)
 
 
 def drift_note(cells: list[Cell], workloads: dict[str, ShardWorkload]) -> str | None:
@@ -357,16 +371,22 @@ def drift_note(cells: list[Cell], workloads: dict[str, ShardWorkload]) -> str | 
 
 def ratios(runs: list[Run], workload: str, ours: str = SHMSEQ,
            theirs: str = TORCH) -> dict[str, list[float]] | None:
-    """``ours``' rate over ``theirs``' and their CPU a batch over ours, repeat by repeat (the
-    two were run side by side); None unless both ran."""
+    """``ours``' rate over ``theirs``', their CPU a batch over ours and ours' first batch over
+    theirs, repeat by repeat (the two were run side by side), and ours' tree PSS over theirs
+    where both were sampled; None unless both ran."""
     by = {(r.system, r.repeat): r for r in runs if r.workload == workload}
     repeats = sorted({repeat for system, repeat in by if (ours, repeat) in by
                       and (theirs, repeat) in by})
     if not repeats:
         return None
     pairs = [(by[ours, r], by[theirs, r]) for r in repeats]
-    return {"rate": [mine.batches_per_second / other.batches_per_second for mine, other in pairs],
-            "cpu": [other.cpu_us_per_batch / mine.cpu_us_per_batch for mine, other in pairs]}
+    found = {"rate": [mine.batches_per_second / other.batches_per_second for mine, other in pairs],
+             "cpu": [other.cpu_us_per_batch / mine.cpu_us_per_batch for mine, other in pairs],
+             "first": [mine.first_batch_seconds / other.first_batch_seconds
+                       for mine, other in pairs]}
+    if all(mine.peak_pss_bytes and other.peak_pss_bytes for mine, other in pairs):
+        found["pss"] = [mine.peak_pss_bytes / other.peak_pss_bytes for mine, other in pairs]
+    return found
 
 
 def _ratio(values: list[float]) -> str:
@@ -392,8 +412,13 @@ def _workers_line(runs: list[Run], get: dict[str, Cell], workload: ShardWorkload
             f"{_ratio(found['rate'])} torch's DataLoader over the same shards and decode "
             f"({images_per_s(theirs, workload)[0]:,.0f} images/s), with "
             f"{_less_or_more(found['cpu'])} trainer CPU a batch "
-            f"({ours.cpu_us_per_batch:,.0f} against {theirs.cpu_us_per_batch:,.0f} µs); ratios "
-            "taken repeat by repeat, median (min-max)"
+            f"({ours.cpu_us_per_batch:,.0f} against {theirs.cpu_us_per_batch:,.0f} µs), its "
+            f"first batch in {_ratio(found['first'])} torch's time ({ours.first_batch_s:.3f} "
+            f"against {theirs.first_batch_s:.3f} s)"
+            + (f", {_ratio(found['pss'])} its process tree's PSS "
+               f"({ours.pss_bytes / 1e6:,.0f} against {theirs.pss_bytes / 1e6:,.0f} MB)"
+               if "pss" in found else "")
+            + "; ratios taken repeat by repeat, median (min-max)"
             + "".join(f"; {c.system} at {c.of_limit:.2f}x the limit" for c in (ours, theirs)
                       if c.of_limit is not None))
 
