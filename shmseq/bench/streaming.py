@@ -6,7 +6,8 @@ decode), batch_size=None, sampler=<the ShardPlan's batches, epoch after epoch>, 
 persistent_workers=True, prefetch_factor=5, fork)``, so each of its workers calls
 ``worker[ids]`` as shmseq's do, on the same ids in the same order; ``ShardSequence`` is given
 that plan's arguments (seed, ``shuffle_window``, ``last_batch='discard'``), 2 workers, 10 slots
-sized to the batch, fork. Both hand over torch CPU tensors. Two kinds of shards
+sized by its first batches (no ``slot_bytes``, as a user writes it), fork. Both hand over torch
+CPU tensors. Two kinds of shards
 (``shard_data``): photo-like JPEGs decoded and random-resized-cropped to 224 x 224 in the
 workers (``shards-jpeg``: decode-bound), and raw 224 x 224 x 3 uint8 images (``shards-uint8``:
 no decoding, the transport and the reading are what is left).
@@ -112,14 +113,16 @@ class EpochBatches:
 
 
 @contextmanager
-def _shard_sequence(prepared: Prepared, decode: Callable[[dict], object], batch_bytes: int,
-                    **options) -> Iterator[Iterator]:
-    """``ShardSequence`` over the plan's batches, slots sized to ``batch_bytes`` up front (as
-    the transport matrix's), so that no batch takes the overflow path."""
+def _shard_sequence(prepared: Prepared, decode: Callable[[dict], object],
+                    batch_bytes: int | None, **options) -> Iterator[Iterator]:
+    """``ShardSequence`` over the plan's batches, slots sized to ``batch_bytes`` up front
+    where batches vary in size (so that none takes the overflow path), else (None) by the first
+    batches."""
     workload = prepared.workload
+    slot_bytes = None if batch_bytes is None else batch_bytes + systems.SLOT_SLACK
     seq = ShardSequence(prepared.index, decode, shuffle_window=workload.shuffle_window,
                         batch_size=workload.batch_size, shuffle=True, seed=SEED,
-                        last_batch="discard", slot_bytes=batch_bytes + systems.SLOT_SLACK,
+                        last_batch="discard", slot_bytes=slot_bytes,
                         buffer=systems.IN_FLIGHT, num_workers=systems.NUM_WORKERS,
                         start_method=systems.START_METHOD, **options)
     try:
@@ -129,8 +132,9 @@ def _shard_sequence(prepared: Prepared, decode: Callable[[dict], object], batch_
 
 
 def shmseq_shards(prepared: Prepared) -> ContextManager[Iterator]:
-    """``ShardSequence`` decoding in its workers."""
-    return _shard_sequence(prepared, prepared.decode, prepared.workload.batch_bytes,
+    """``ShardSequence`` decoding in its workers, its ring sized by its first batches (its
+    default: crops of one size, batches of one size)."""
+    return _shard_sequence(prepared, prepared.decode, None,
                            out_type="cpu" if torch_available() else "null")
 
 
