@@ -28,7 +28,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from shmseq.demo import load
@@ -38,8 +38,8 @@ from .report import machine, markdown, summarize, write_chart, write_json
 from .runner import LIMIT, run_matrix
 from . import systems
 from .systems import OPT_IN, SYSTEMS, TORCH_SYSTEMS
-from .streaming import (STAGE, STAGE_DEVICE, STREAM_SYSTEM_NAMES, STREAM_TORCH_SYSTEMS,
-                        STREAM_WORKLOADS)
+from .streaming import (QUICK_IMAGES, STAGE, STAGE_DEVICE, STREAM_SYSTEM_NAMES,
+                        STREAM_TORCH_SYSTEMS, STREAM_WORKLOADS)
 from .workloads import TRANSPORT_WORKLOADS, WORKLOADS, image_pool
 
 ALL_SYSTEMS = [LIMIT, *SYSTEMS]
@@ -80,6 +80,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help=f"--streaming: keep the shards for later runs, in {cache_dir()} "
                              "(reused by later runs with --keep-shards); by default they are "
                              "made in a temporary directory and deleted at the end")
+    parser.add_argument("--images", type=int,
+                        help="--streaming: images in each set of shards (default: 1,024; "
+                             f"quick: {QUICK_IMAGES})")
     parser.add_argument("--shards-dir", type=Path,
                         help="--streaming: make the shards here, or reuse those made here "
                              "earlier, and keep them (instead of --keep-shards' place)")
@@ -101,6 +104,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if names is not None and any(name not in among for name in names):
             parser.error(f"--{option}: the {kind} benchmark{'' if args.streaming else ' (no --streaming)'} "
                          f"runs {', '.join(among)}")
+    if args.images is not None and (not args.streaming or args.images < 1):
+        parser.error("--images: a positive number of images, with --streaming")
     if args.workloads is None:
         args.workloads = list(STREAM_WORKLOADS) if args.streaming else TRANSPORT_WORKLOADS
     if args.systems is None:
@@ -215,6 +220,9 @@ def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) ->
         return 1
     workloads = {name: quick(STREAM_WORKLOADS[name]) if args.quick else STREAM_WORKLOADS[name]
                  for name in args.workloads}
+    if args.images is not None:
+        workloads = {name: replace(workload, images=args.images)
+                     for name, workload in workloads.items()}
     began = time.perf_counter()
     scratch = args.shards_dir is None and not args.keep_shards
     root = (Path(tempfile.mkdtemp(prefix="shmseq-bench-shards-")) if scratch
