@@ -12,26 +12,11 @@ import os
 import threading
 import time
 
+from shmseq.bench.memory import children
+
 SHM_DIR = "/dev/shm"
 PREFIX = "shmseq-"
 BOARD = "-board-"
-
-
-def children(pid: int | None = None) -> set[int]:
-    """Live child processes of ``pid`` (default: this process)."""
-    pid = os.getpid() if pid is None else pid
-    found: set[int] = set()
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as listed:
-                found.update(int(child) for child in listed.read().split())
-        except OSError:
-            pass
-    return found
 
 
 def made_by(name: str, pids: set[int]) -> bool:
