@@ -108,20 +108,22 @@ class Pipeline:
 
     # -- the ring ---------------------------------------------------------------------------------
     def _start(self, timeout: float | None) -> None:
-        """Return once every worker built its worker object and mapped the ring: a ring sized
-        by the first batches, made once the first of them was built (or the first failed: it
-        is raised at its turn). A ring made up front is reserved by then too (its reservation
-        ran while the workers started); one sized by the first batches is reserved while they
-        are written and delivered, not before: a failure is raised at the next step."""
+        """Return once every worker built its worker object and there is a ring (or the first
+        batch failed: it is raised at its turn). A ring made up front is mapped by every worker
+        and reserved by then (which they did while they started). One sized by the first
+        batches is made once the first of them was built; each worker maps it once its own
+        first batch is built, and it is reserved while they are written and delivered: the
+        first batch waits for neither, and a failure is raised at the next step."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.pool.started() or (self.ring is None and not self.output.waiting
-                                          and self.stream.peek() is not None):
+        up_front = self.spec.slot_bytes is not None
+        while not self.pool.started(mapped=up_front) or (
+                self.ring is None and not self.output.waiting and self.stream.peek() is not None):
             remaining = _remaining(deadline)
             if remaining is not None and remaining <= 0:
                 raise ShmSeqError(f"the workers did not start within timeout={timeout} s: "
-                                  f"{self.pool.which_not_started()}")
+                                  f"{self.pool.which_not_started(mapped=up_front)}")
             self._step(remaining)
-        if self.spec.slot_bytes is not None:
+        if up_front:
             self.ring.wait_reserved()
 
     def _new_ring(self, slot_bytes: int, expected: int = 0) -> Ring:

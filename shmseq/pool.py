@@ -241,13 +241,16 @@ class WorkerPool:
             self._send(handle, framed(("slot", number, slot)))
         self._built.clear()
 
-    def started(self) -> bool:
-        """Every worker built its worker object and, once there is a ring, mapped it."""
-        return all(h.ready and (self.ring is None or h.attached) for h in self._workers)
+    def started(self, mapped: bool = True) -> bool:
+        """Every worker built its worker object and (``mapped``), once there is a ring, mapped
+        it."""
+        return all(self._started(h, mapped) for h in self._workers)
 
-    def which_not_started(self) -> str:
-        return ", ".join(h.describe() for h in self._workers
-                         if not (h.ready and (self.ring is None or h.attached)))
+    def which_not_started(self, mapped: bool = True) -> str:
+        return ", ".join(h.describe() for h in self._workers if not self._started(h, mapped))
+
+    def _started(self, handle: WorkerHandle, mapped: bool) -> bool:
+        return handle.ready and (not mapped or self.ring is None or handle.attached)
 
     # -- the consumer's thread -----------------------------------------------------------------
     def exchange(self, timeout: float | None, waiting: int, read: bool = True) -> list[Reply]:
