@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
-SAMPLE_SECONDS = 0.2  # reading one process's smaps_rollup took 2.6 ms (a trainer with torch)
+SAMPLE_SECONDS = 0.1  # reading one process's smaps_rollup took 2.6 ms (a trainer with torch)
 
 
 def children(pid: int | None = None) -> set[int]:
@@ -55,30 +54,28 @@ def tree_pss_bytes(pid: int | None = None) -> int:
 
 class PeakPss:
     """While entered, samples this process tree's PSS every ``SAMPLE_SECONDS`` on a thread of
-    its own, and once more on leaving: ``peak`` is the largest sample, in bytes. The thread's
-    CPU time (``cpu_seconds``) is the caller's to leave out of what it measures."""
+    its own, on entering and on leaving too, and whenever ``sample()`` is called: ``peak`` is
+    the largest sample, in bytes. (Each sample costs the CPU a few milliseconds: keep it out of
+    windows whose rates are measured.)"""
 
     def __init__(self):
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shmseq-bench-pss", daemon=True)
 
-    def _sample(self) -> None:
+    def sample(self) -> None:
         self.peak = max(self.peak, tree_pss_bytes())
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_SECONDS):
-            self._sample()
-
-    def cpu_seconds(self) -> float:
-        """The CPU time the sampling thread has taken so far."""
-        return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+            self.sample()
 
     def __enter__(self) -> "PeakPss":
+        self.sample()
         self._thread.start()
         return self
 
     def __exit__(self, *exc_info) -> None:
         self._stop.set()
         self._thread.join()
-        self._sample()
+        self.sample()

@@ -31,7 +31,7 @@ class Run:
     cpu_us_per_batch: float | None = None
     first_batch_seconds: float | None = None
     early_batches_per_second: float | None = None  # over the EARLY_BATCHES after the first
-    peak_pss_bytes: int | None = None  # the trainer's and its children's, after the first batch
+    peak_pss_bytes: int | None = None  # the trainer's and its children's (memory.py)
 
 
 def _consume(batches, check: Callable[[int, object], None], k: int, minimum: int,
@@ -70,20 +70,20 @@ def timed_run(name: str, workload: str, repeat: int, system: Callable[[], Contex
     """``measure``'s timing for any system (``system()`` makes it, on the clock: a context
     manager giving its batches) and any ``check(k, batch)`` of the ``k``-th batch: the first
     batch, the ``early_batches`` after it, a warm-up, then ``seconds`` of the steady state; the
-    process tree's peak PSS from the first batch on (its sampling thread's CPU left out of the
-    consumer's)."""
+    process tree's peak PSS, sampled during the warm-up and at the end (none of its timed
+    windows pays for the sampling)."""
     start = time.perf_counter()
     with system() as batches:
         k = _consume(batches, check, 0, 1, 0)
         first_batch = time.perf_counter() - start
+        k = _consume(batches, check, k, early_batches, 0)
+        early = early_batches / (time.perf_counter() - start - first_batch)
         with PeakPss() as memory:
-            k = _consume(batches, check, k, early_batches, 0)
-            early = early_batches / (time.perf_counter() - start - first_batch)
             k = _consume(batches, check, k, 0, warmup_seconds)
-            cpu0, t0, sampling0 = time.process_time(), time.perf_counter(), memory.cpu_seconds()
-            timed = _consume(batches, check, k, MIN_BATCHES, seconds) - k
-            elapsed = time.perf_counter() - t0
-            cpu = time.process_time() - cpu0 - (memory.cpu_seconds() - sampling0)
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        timed = _consume(batches, check, k, MIN_BATCHES, seconds) - k
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        memory.sample()
     return Run(name, workload, repeat, timed / elapsed, cpu / timed * 1e6, first_batch, early,
                memory.peak)
 

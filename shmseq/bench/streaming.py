@@ -293,8 +293,9 @@ What the columns mean:
 - first batch s: from creating the loader (workers started) to the first batch in hand.
 - first N × steady: the rate over the N batches after the first, over the steady rate.
 - tree PSS MB: the proportional set size of the trainer and its workers together (a page they
-  share counted once), the largest of samples taken every 0.2 s from the first batch to the end
-  of the timed window; median of the repeats (min-max). With as many batches in flight, shmseq's
+  share counted once), the largest of samples taken every 0.1 s while the loader warms up
+  (after the first N batches) and at the end of the timed window; median of the repeats
+  (min-max). With as many batches in flight, shmseq's
   ring holds all its slots for the whole run, where torch's DataLoader holds the batches done
   and not yet taken: fewer than its prefetch while the workers are the slower side.
 - × limit: images/s over the limit's. The limit is the workers' own work: the same
