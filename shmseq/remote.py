@@ -6,10 +6,14 @@ What the shard reader and the node-local shard cache call::
     read_range(url, start, end, *, storage_options=None, counters=None, policy=None) -> bytes
         bytes start to end (end excluded) of the object; fewer where it ends before ``end``, as
         a file's read (none when it ends before ``start``). One request per attempt.
-    fetch(url, path, *, storage_options=None, counters=None, policy=None) -> int
+    fetch(url, path, *, storage_options=None, counters=None, policy=None, stop=None) -> int
         the whole object into the local file ``path``, in ranges of ``FETCH_CHUNK_BYTES``, each
         retried on its own; written under a temporary name in ``path``'s folder and renamed, so
-        a reader never sees part of an object. Returns its size.
+        a reader never sees part of an object. Returns its size. ``stop`` (a
+        ``threading.Event``): once set, the fetch ends within ``STOP_POLL_S``, its request
+        cancelled, its back-off cut short, nothing written, with ``FetchStopped``; so that a
+        loader that closes does not wait for fetches nobody needs any more (a request may
+        take ``timeout`` seconds, and a retried one several times that).
     size(url, *, storage_options=None, counters=None, policy=None) -> int
     open_file(url, storage_options=None, *, policy=None) -> a binary file object (its opening
         retried; its reads are fsspec's own): for tar headers (``ShardIndex.scan``), an index.
@@ -44,6 +48,7 @@ consumer with each batch: ``seq.stats.remote_requests``, ``remote_bytes``, ``rem
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import functools
@@ -61,6 +66,7 @@ from typing import Callable, TypeVar
 from .checks import check_int, check_timeout
 
 FETCH_CHUNK_BYTES = 32 << 20  # one request of a whole-object fetch: memory held, and a retry's loss
+STOP_POLL_S = 0.05  # how often a request that can be stopped looks at its stop event
 RETRIED_STATUS = frozenset({408, 429})  # and every 5xx
 RETRIED_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout",
                            "Throttling", "ThrottlingException"})
@@ -101,6 +107,10 @@ class RemotePolicy:
 
 
 DEFAULT_POLICY = RemotePolicy()
+
+
+class FetchStopped(Exception):
+    """A fetch ended early because its ``stop`` event was set: not a failure of the server."""
 
 
 class Counters:
@@ -146,8 +156,10 @@ def _local_path(url: str) -> str:
 
 
 def read_range(url: str, start: int, end: int, *, storage_options: dict | None = None,
-               counters: Counters | None = None, policy: RemotePolicy | None = None) -> bytes:
-    """Bytes ``start`` to ``end`` of an object (fewer where it ends first), retried."""
+               counters: Counters | None = None, policy: RemotePolicy | None = None,
+               stop: threading.Event | None = None) -> bytes:
+    """Bytes ``start`` to ``end`` of an object (fewer where it ends first), retried (and
+    stopped by ``stop``, as ``fetch``)."""
     if not is_remote(url):
         with open(_local_path(url), "rb") as file:
             file.seek(start)
@@ -157,7 +169,7 @@ def read_range(url: str, start: int, end: int, *, storage_options: dict | None =
 
     def request() -> bytes:
         try:
-            data = _call(fs, "cat_file", path, policy, start=start, end=end)
+            data = _call(fs, "cat_file", path, policy, stop, start=start, end=end)
         except Exception as exc:  # noqa: BLE001 - judged, and raised again unless past the end
             if _judge(exc)[0] != "range":
                 raise
@@ -169,18 +181,19 @@ def read_range(url: str, start: int, end: int, *, storage_options: dict | None =
         counters.add(bytes=len(data))
         return data
 
-    return _with_retries(url, request, policy, counters)
+    return _with_retries(url, request, policy, counters, stop)
 
 
 def fetch(url: str, path: str | os.PathLike, *, storage_options: dict | None = None,
-          counters: Counters | None = None, policy: RemotePolicy | None = None) -> int:
+          counters: Counters | None = None, policy: RemotePolicy | None = None,
+          stop: threading.Event | None = None) -> int:
     """The whole object into the local file ``path`` (atomically: renamed into place); its size."""
     folder, name = os.path.split(os.path.abspath(path))
     part = tempfile.NamedTemporaryFile(dir=folder, prefix=f".{name}.", suffix=".part", delete=False)
     try:
         with part:
             if is_remote(url):
-                size = _fetch_ranges(url, part, storage_options, counters, policy)
+                size = _fetch_ranges(url, part, storage_options, counters, policy, stop)
             else:
                 with open(_local_path(url), "rb") as source:
                     shutil.copyfileobj(source, part)
@@ -193,12 +206,12 @@ def fetch(url: str, path: str | os.PathLike, *, storage_options: dict | None = N
     return size
 
 
-def _fetch_ranges(url: str, out, storage_options, counters, policy) -> int:
+def _fetch_ranges(url: str, out, storage_options, counters, policy, stop) -> int:
     """Chunk after chunk until one comes short: no request for the size first."""
     start = 0
     while True:
         data = read_range(url, start, start + FETCH_CHUNK_BYTES, storage_options=storage_options,
-                          counters=counters, policy=policy)
+                          counters=counters, policy=policy, stop=stop)
         out.write(data)
         start += len(data)
         if len(data) < FETCH_CHUNK_BYTES:
@@ -246,28 +259,42 @@ def _filesystem(url: str, storage_options: dict | None):
     return fs, path
 
 
-def _call(fs, method: str, path: str, policy: RemotePolicy, **kwargs):
-    """One request: on an asynchronous file system, cancelled after ``policy.timeout``."""
-    if getattr(fs, "async_impl", False):
-        from fsspec.asyn import sync
-        return sync(fs.loop, getattr(fs, f"_{method}"), path, timeout=policy.timeout, **kwargs)
-    return getattr(fs, method)(path, **kwargs)
+def _call(fs, method: str, path: str, policy: RemotePolicy, stop: threading.Event | None = None,
+          **kwargs):
+    """One request: on an asynchronous file system, run on fsspec's event loop and cancelled
+    after ``policy.timeout`` or once ``stop`` is set."""
+    if not getattr(fs, "async_impl", False):
+        return getattr(fs, method)(path, **kwargs)
+    request = asyncio.wait_for(getattr(fs, f"_{method}")(path, **kwargs), policy.timeout)
+    future = asyncio.run_coroutine_threadsafe(request, fs.loop)
+    while not concurrent.futures.wait([future], STOP_POLL_S if stop else 1.0).done:
+        if stop is not None and stop.is_set():  # a short wait also lets Ctrl-C in
+            future.cancel()
+            raise FetchStopped(f"{path}: stopped")
+    return future.result()
 
 
 def _with_retries(url: str, request: Callable[[], T], policy: RemotePolicy,
-                  counters: Counters) -> T:
+                  counters: Counters, stop: threading.Event | None = None) -> T:
     began = time.perf_counter()
     try:
         for attempt in itertools.count(1):
+            if stop is not None and stop.is_set():
+                raise FetchStopped(f"{url}: stopped")
             counters.add(requests=1)
             try:
                 return request()
+            except FetchStopped:
+                raise
             except Exception as exc:  # noqa: BLE001 - judged: retried, or raised with the URL
                 kind, cause = _judge(exc)
                 if kind not in TRANSIENT or attempt == policy.attempts:
                     raise _failure(url, kind, cause, attempt, policy) from exc
             counters.add(retries=1)
-            time.sleep(policy.delay(attempt))
+            if stop is None:
+                time.sleep(policy.delay(attempt))
+            elif stop.wait(policy.delay(attempt)):
+                raise FetchStopped(f"{url}: stopped")
     finally:
         counters.add(wait_s=time.perf_counter() - began)
 

@@ -489,10 +489,12 @@ class ShardCache:
                 "cache_bytes, or lower shuffle_shards")
 
     # -- the prefetcher ---------------------------------------------------------------------------
-    def prefetch(self, number: int, epoch: int, counters: remote.Counters) -> Callable[[], None] | str:
+    def prefetch(self, number: int, epoch: int, counters: remote.Counters,
+                 stop: threading.Event) -> Callable[[], None] | str:
         """The fetch of shard ``number`` for ``epoch``, ready to run (its lock held, its bytes
-        reserved); or BUSY (another process fetches it) or FULL (no room now, without taking a
-        waiting reader's or evicting what a rank still needs)."""
+        reserved; ``stop`` ends it early, see ``remote.fetch``); or BUSY (another process
+        fetches it) or FULL (no room now, without taking a waiting reader's or evicting what a
+        rank still needs)."""
         fd = _lock(self._lock_path(number), wait=False)
         if fd is None:
             return BUSY
@@ -509,11 +511,12 @@ class ShardCache:
         except BaseException:
             _unlock(fd)
             raise
-        return functools.partial(self._fetch_holding, fd, number, epoch, counters)
+        return functools.partial(self._fetch_holding, fd, number, epoch, counters, stop)
 
-    def _fetch_holding(self, fd: int, number: int, epoch: int, counters: remote.Counters) -> None:
+    def _fetch_holding(self, fd: int, number: int, epoch: int, counters: remote.Counters,
+                       stop: threading.Event) -> None:
         try:
-            self._fetch_reserved(number, epoch, counters)
+            self._fetch_reserved(number, epoch, counters, stop)
         finally:
             _unlock(fd)
 
@@ -571,13 +574,14 @@ class ShardCache:
                 if table["state"][number] == FETCHING:
                     table["state"][number], table["bytes"][number] = ABSENT, 0
 
-    def _fetch_reserved(self, number: int, epoch: int | None, counters: remote.Counters) -> None:
+    def _fetch_reserved(self, number: int, epoch: int | None, counters: remote.Counters,
+                        stop: threading.Event | None = None) -> None:
         """Fetch shard ``number`` (its lock held, its bytes reserved) and record it cached."""
         these = remote.Counters()  # this fetch's own, then added to the reader's
         try:
             size = remote.fetch(self.index.shards[number].url, self.path(number),
                                 storage_options=self.storage_options, counters=these,
-                                policy=self.policy)
+                                policy=self.policy, stop=stop)
         except BaseException:
             with self.ledger.changing() as table:
                 table["state"][number], table["bytes"][number] = ABSENT, 0
@@ -697,7 +701,8 @@ class Prefetcher:
     fetch failed is left to the workers, who say why.
 
     Made before the workers start (it joins the rank board: their first fetches are then
-    kept for the right epoch), ``start()`` after; ``close()`` waits for the fetches started.
+    kept for the right epoch), ``start()`` after; ``close()`` stops the fetches started (their
+    requests cancelled: a slow or failing server does not hold up ``finish()``).
     ``depth``: how many batches past the consumer's may be in flight (built by the workers);
     ``counters``: where its fetches' remote requests are counted."""
 
@@ -712,6 +717,7 @@ class Prefetcher:
         self._moved = threading.Condition()
         self._news = True         # the consumer moved, or a fetch ended: look again
         self._stopping = False
+        self._stop = threading.Event()  # set by close(): the fetches in flight end early
         self._fetching: dict[tuple[int, int], Future] = {}  # (shard, epoch) -> its fetch
         self._failed: set[tuple[int, int]] = set()
         self._depth = depth
@@ -779,7 +785,7 @@ class Prefetcher:
             if len(self._fetching) >= FETCH_THREADS:
                 stop = at
                 break
-            started = self.cache.prefetch(number, wanted, self.counters)
+            started = self.cache.prefetch(number, wanted, self.counters, self._stop)
             if started is BUSY and state[number] == FETCHING:  # its room is reserved
                 waiting = True
                 continue
@@ -796,9 +802,10 @@ class Prefetcher:
         return waiting
 
     def close(self) -> None:
-        """Stop, once the fetches started are done, and leave the board."""
+        """Stop the fetches in flight and leave the board."""
         if os.getpid() != self._owner:
             return  # a forked child's copy: the thread and the board are the parent's
+        self._stop.set()
         with self._moved:
             self._stopping = True
             self._moved.notify()

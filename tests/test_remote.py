@@ -5,6 +5,8 @@ and a ShardSequence over either delivers every sample once, its workers' reads c
 ``seq.stats``. Nothing leaks (conftest; the fixtures check threads)."""
 import os
 import sys
+import threading
+import time
 
 import pytest
 
@@ -74,6 +76,49 @@ def test_a_failed_fetch_leaves_the_file_there_as_it_was_and_no_part(server, tmp_
     with pytest.raises(OSError, match="overloaded or failing"):
         remote.fetch(f"{server.url}/data.bin", target, policy=QUICK)
     assert os.listdir(target.parent) == ["data.bin"] and target.read_bytes() == b"old"
+
+
+def stopped_fetch(url: str, target, options=None, policy=None) -> tuple[BaseException, float]:
+    """Fetch ``url`` in a thread, set its stop event 0.2 s in: (what it raised, the seconds from
+    the stop to its end)."""
+    stop, raised = threading.Event(), []
+
+    def run():
+        try:
+            remote.fetch(url, target, storage_options=options, policy=policy, stop=stop)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            raised.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(0.2)
+    stop.set()
+    stopped = time.monotonic()
+    thread.join(10)
+    assert not thread.is_alive()
+    return raised[0], time.monotonic() - stopped
+
+
+def test_a_stopped_fetch_ends_in_flight_and_writes_nothing(store, tmp_path):
+    """A request the server holds for 30 s is cancelled once its stop is set (a loader closing
+    does not wait for it), and no part file stays behind."""
+    root, options, served = store
+    served.delay = 30.0  # cut short when the server stops
+    target = tmp_path / "fetched" / "data.bin"
+    target.parent.mkdir()
+    raised, took = stopped_fetch(f"{root}/data.bin", target, options)
+    assert isinstance(raised, remote.FetchStopped) and took < 5  # not the 30 s of the request
+    assert os.listdir(target.parent) == []
+
+
+def test_a_stopped_fetch_ends_in_its_back_off(server, tmp_path):
+    """A server that fails: the retry's back-off (4 s at least here) is cut short by the stop."""
+    (tmp_path / "data.bin").write_bytes(DATA)
+    server.fail_next(2)
+    raised, took = stopped_fetch(f"{server.url}/data.bin", tmp_path / "copy.bin",
+                                 policy=RemotePolicy(backoff=8.0, max_backoff=8.0))
+    assert isinstance(raised, remote.FetchStopped) and took < 3
+    assert server.requests == 1 and not (tmp_path / "copy.bin").exists()
 
 
 @pytest.mark.parametrize("fault", ["503", "500"])

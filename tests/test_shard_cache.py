@@ -11,13 +11,14 @@ import os
 import re
 import shutil
 import signal
+import time
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 
 from shmseq.shard_cache import cache_folder, default_cache_dir, job_name
-from shmseq.shards import ShardPlan, ShardSequence, write_shards
+from shmseq.shards import ShardIndex, ShardPlan, ShardSequence, write_shards
 from servers import server, web  # noqa: F401 - the server fixtures
 from test_shard_plan import index_of, plans as window_plans, rank_batches
 
@@ -128,6 +129,20 @@ def test_a_sequence_nobody_references_stops_its_prefetcher(web, data, cache_dir)
     again = make(web + data, cache_dir)
     with again.start():
         assert len(epoch_of(again)) == COUNT // 8
+
+
+def test_finish_does_not_wait_for_the_fetches_ahead(server, web, data, cache_dir):
+    """A server that holds every request for 30 s: ``finish()`` cancels the prefetcher's fetches
+    in flight instead of waiting for them (it took 122 s, four fetches of 30 s in turn)."""
+    index = ShardIndex.load(web + data)
+    server.delay = 30.0  # cut short when the server stops
+    seq = make(index, cache_dir, num_workers=0, slot_bytes=4096).start()
+    while not any(request.path.endswith(".tar") for request in server.log):
+        time.sleep(0.01)
+    began = time.monotonic()
+    seq.finish()
+    assert time.monotonic() - began < 10
+    assert not [name for name in os.listdir(seq.cache.folder) if name.endswith(".part")]
 
 
 def test_local_shards_are_read_where_they_lie_unless_asked(tmp_path, data, cache_dir):
