@@ -25,13 +25,12 @@ EXPECTED = {"keep": {"steps": 6, "per_rank": 43, "overlap": 1, "covered": 85},
             "discard": {"steps": 5, "per_rank": 40, "overlap": 0, "covered": 80}}
 
 
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    """Seven shards of uneven sizes (one write_shards call each), under one index."""
-    folder = tmp_path_factory.mktemp("shards")
+def write_index(folder: Path, sizes: tuple[int, ...]) -> Path:
+    """Shards of ``sizes`` samples (one write_shards call each, ``<shard>/part-00.tar``) under
+    one index, ``folder/shards.json``."""
     rng = np.random.default_rng(0)
     parts, number = [], 0
-    for shard, size in enumerate(SIZES):
+    for shard, size in enumerate(sizes):
         samples = []
         for _ in range(size):
             x = rng.normal(size=2).astype(np.float32)
@@ -45,17 +44,38 @@ def shards(tmp_path_factory):
     return folder / "shards.json"
 
 
-def run_ranks(shards: Path, report: Path, last_batch: str) -> list[dict]:
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Seven shards of uneven sizes."""
+    return write_index(tmp_path_factory.mktemp("shards"), SIZES)
+
+
+def run_ranks(shards: Path | str, report: Path, last_batch: str,
+              *options: str) -> tuple[list[dict], float]:
+    """Each rank's report of a torchrun run of the example (2 ranks, 2 workers each), and the
+    run's seconds."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(EXAMPLE), "--shards", str(shards), "--epochs", str(EPOCHS),
                "--batch-size", str(BATCH), "--workers", "2", "--seed", str(SEED),
-               "--shuffle-window", str(WINDOW), "--last-batch", last_batch, "--timeout", "30",
-               "--report", str(report)]
+               "--last-batch", last_batch, "--timeout", "30", "--report", str(report), *options]
     began = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - began
     assert done.returncode == 0, done.stdout + done.stderr
-    print(f"torchrun --last-batch {last_batch}: {time.monotonic() - began:.1f} s")
-    return [json.loads((report / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    return [json.loads((report / f"rank{rank}.json").read_text()) for rank in (0, 1)], seconds
+
+
+def planned(index: ShardIndex, epoch: int, last_batch: str, **shuffle) -> list[list[list[int]]]:
+    """Each rank's batches of ``epoch`` as its plan deals them, computed here."""
+    return [[b.tolist() for b in ShardPlan(index, BATCH, shuffle=True, seed=SEED, rank=rank,
+                                           world_size=2, last_batch=last_batch,
+                                           **shuffle).batches(epoch)]
+            for rank in (0, 1)]
+
+
+def samples(rank: dict, epoch: int) -> list[int]:
+    """The sample numbers a rank saw in ``epoch``."""
+    return [i for batch in rank["epochs"][epoch]["batches"] for i in batch]
 
 
 def coverage_table(last_batch: str, total: int, ranks: list[dict]) -> str:
@@ -64,7 +84,7 @@ def coverage_table(last_batch: str, total: int, ranks: list[dict]) -> str:
              f"{'epoch':>5} {'rank0':>6} {'rank1':>6} {'overlap':>8} {'coverage':>9} "
              f"{'missing':>8} {'steps/rank':>11}"]
     for epoch in range(EPOCHS):
-        seen = [[i for batch in r["epochs"][epoch]["batches"] for i in batch] for r in ranks]
+        seen = [samples(r, epoch) for r in ranks]
         union = set(seen[0]) | set(seen[1])
         steps = "/".join(str(r["epochs"][epoch]["steps"]) for r in ranks)
         lines.append(f"{epoch:>5} {len(seen[0]):>6} {len(seen[1]):>6} "
@@ -78,18 +98,15 @@ def test_two_ranks_stream_shards_in_step(shards, tmp_path, last_batch):
     index = ShardIndex.load(str(shards))
     total = len(index)
     assert total == sum(SIZES) == 85 and total % (2 * BATCH)
-    ranks = run_ranks(shards, tmp_path / "report", last_batch)
+    ranks, seconds = run_ranks(shards, tmp_path / "report", last_batch,
+                               "--shuffle-window", str(WINDOW))
+    print(f"torchrun --last-batch {last_batch}: {seconds:.1f} s")
     print(coverage_table(last_batch, total, ranks))
     expected = EXPECTED[last_batch]
     orders = []
     for epoch in range(EPOCHS):
         got = [r["epochs"][epoch]["batches"] for r in ranks]
-        # each rank's batches are exactly what its plan says, computed here
-        planned = [[b.tolist() for b in ShardPlan(index, BATCH, shuffle=True, seed=SEED,
-                                                   shuffle_window=WINDOW, rank=rank, world_size=2,
-                                                   last_batch=last_batch).batches(epoch)]
-                   for rank in (0, 1)]
-        assert got == planned
+        assert got == planned(index, epoch, last_batch, shuffle_window=WINDOW)
         order = ShardPlan(index, BATCH, shuffle=True, seed=SEED,
                           shuffle_window=WINDOW).global_order(epoch).tolist()
         orders.append(order)
@@ -97,7 +114,7 @@ def test_two_ranks_stream_shards_in_step(shards, tmp_path, last_batch):
         # as many steps on each rank, and as many samples in each step
         assert [r["epochs"][epoch]["steps"] for r in ranks] == [expected["steps"]] * 2
         assert [len(b) for b in got[0]] == [len(b) for b in got[1]]
-        seen = [[i for batch in batches for i in batch] for batches in got]
+        seen = [samples(r, epoch) for r in ranks]
         assert [len(s) for s in seen] == [expected["per_rank"]] * 2
         assert all(len(set(s)) == len(s) for s in seen)  # no sample twice on one rank
         overlap = set(seen[0]) & set(seen[1])
@@ -117,3 +134,4 @@ def test_two_ranks_stream_shards_in_step(shards, tmp_path, last_batch):
         first, second = (ranks[rank]["epochs"][e]["batches"] for e in (0, 1))
         assert first != second
         assert {i for b in first for i in b} != {i for b in second for i in b}
+
