@@ -1,20 +1,28 @@
 """Two ranks under torchrun stream tar shards: as many steps on each, shares that overlap only
-in the padding, the whole epoch covered (or all but its cut tail), a new order every epoch."""
+in the padding, the whole epoch covered (or all but its cut tail), a new order every epoch. Over
+HTTP, through the node's shard cache, the server sends each shard once for the node."""
+import collections
 import json
+import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from leaks import shm_entries
+from servers import serving
 from shmseq.shards import ShardIndex, ShardPlan, write_shards
+from test_shard_cache import cache_dir  # noqa: F401 - a cache root, removed after the test
 
 pytest.importorskip("torch.distributed")
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "ddp_shards.py"
 SIZES = (3, 23, 8, 15, 5, 19, 12)  # 85 samples: odd, and not a multiple of 2 x BATCH
+EVEN_SIZES = (16, 24, 8, 20, 12, 16)  # 96 samples: 6 batches of 8 on each rank, none cut
 BATCH, SEED, WINDOW, EPOCHS = 8, 3, 16, 2
 # What ShardPlan.order deals to 2 ranks of 85 samples in batches of 8:
 #   keep:    ceil(85 / 2) = 43 each, 86 dealt: the epoch's first sample pads (wraps) on rank 1;
@@ -135,3 +143,41 @@ def test_two_ranks_stream_shards_in_step(shards, tmp_path, last_batch):
         assert first != second
         assert {i for b in first for i in b} != {i for b in second for i in b}
 
+
+def test_two_ranks_fetch_each_remote_shard_once_for_the_node_and_read_every_sample_once(
+        tmp_path, cache_dir):
+    """2 ranks x 2 workers read shards served over HTTP through one cache on the node, for 2
+    epochs: the server sends every shard once in all (the budget holds them: the second epoch
+    reads the cache), the ranks read every sample once an epoch, in as many steps. Both name
+    the same cache: the job is torchrun's run id (with --standalone a fresh uuid, the same for
+    both ranks), and a cache per rank would have fetched every shard twice."""
+    folder = tmp_path / "web"
+    index = ShardIndex.load(str(write_index(folder, EVEN_SIZES)))
+    total = len(index)
+    assert total == sum(EVEN_SIZES) and total % (2 * BATCH) == 0
+    paths = ["/" + Path(shard.url).relative_to(folder).as_posix() for shard in index.shards]
+    with serving(lambda servers: servers.FileServer(folder)) as server:
+        ranks, seconds = run_ranks(f"{server.url}/shards.json", tmp_path / "report", "discard",
+                                   "--shuffle-shards", "2", "--cache-dir", cache_dir)
+    requests = collections.Counter(r.path for r in server.log if r.path.endswith(".tar"))
+    gets = collections.Counter(r.path for r in server.log
+                               if r.method == "GET" and r.path.endswith(".tar"))
+    caches = [r["cache"] for r in ranks]
+    print(f"torchrun over HTTP, 2 ranks x 2 workers, {len(paths)} shards, {EPOCHS} epochs: "
+          f"requests per shard at the server {[requests[path] for path in paths]} (GETs "
+          f"{[gets[path] for path in paths]}), fetched by rank 0/1 "
+          f"{caches[0]['fetches']}/{caches[1]['fetches']}, {seconds:.1f} s")
+    assert requests == gets == {path: 1 for path in paths}  # once for the node, both epochs
+    assert [c["refetches"] for c in caches] == [0, 0]
+    cache = Path(caches[0]["folder"])
+    assert caches[1]["folder"] == caches[0]["folder"] and cache.parent.parent == Path(cache_dir)
+    uuid.UUID(cache.parent.name)  # the job: torchrun's run id, not "default"
+    assert sorted(os.listdir(cache / "shards")) == [
+        f"{number:06d}-part-00.tar" for number in range(len(paths))]
+    for epoch in range(EPOCHS):
+        assert [r["epochs"][epoch]["batches"] for r in ranks] == planned(
+            index, epoch, "discard", shuffle_shards=2)
+        assert [r["epochs"][epoch]["steps"] for r in ranks] == [total // (2 * BATCH)] * 2
+        seen = [samples(r, epoch) for r in ranks]
+        assert sorted(seen[0] + seen[1]) == list(range(total))  # every sample once
+    assert not shm_entries({r["pid"] for r in ranks})
