@@ -1,12 +1,20 @@
 """Train a tiny model with DistributedDataParallel (gloo, CPU) on tar shards read by offset.
 
     torchrun --standalone --nproc_per_node=2 examples/ddp_shards.py --shards DIR/shards.json
+    torchrun --standalone --nproc_per_node=2 examples/ddp_shards.py \
+        --shards https://HOST/DIR/shards.json --cache-dir /scratch/shard-cache
 
 Each rank's ``ShardSequence`` takes its rank and world size from torch.distributed and gets its
 share of every epoch: as many batches as every other rank (padded by wrapping, or cut with
 ``--last-batch discard``), so none waits on another in the gradient all-reduce. Unequal batch
 counts would leave one rank alone in a collective: the process group's timeout turns that hang
 into an error, and the ranks also compare their step counts after every epoch.
+
+Remote shards (a URL) are read through the node's shard cache (``shmseq.shard_cache``): every
+shard fetched whole, once for all the node's ranks and their workers, into ``--cache-dir``, in a
+folder named after torchrun's run id (``TORCHELASTIC_RUN_ID``: the same for every rank it starts;
+with ``--standalone`` a new one at every launch, so a relaunched run fetches its shards again
+unless ``SLURM_JOB_ID`` names the job).
 
 A sample is a WebDataset-style group of members: ``<key>.id`` (its number, as text, also the
 last part of its key), ``<key>.x`` (2 float32s) and ``<key>.cls`` (its label)::
@@ -16,11 +24,13 @@ last part of its key), ``<key>.x`` (2 float32s) and ``<key>.cls`` (its label)::
                    "cls": int(x[i, 0] > x[i, 1])} for i in range(500)),
                  "DIR/part-%02d.tar", samples_per_shard=64)
 
-Each rank writes (``--report``) the sample numbers it saw and its steps, epoch by epoch.
+Each rank writes (``--report``) the sample numbers it saw and its steps, epoch by epoch, its
+pid, and with the cache its folder and counts.
 """
 import argparse
 import datetime
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -41,12 +51,22 @@ def decode(sample: dict):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shards", required=True, help="a shard index (shards.json)")
+    parser.add_argument("--shards", required=True,
+                        help="a shard index (shards.json): a path, or a URL (http://, s3://, ...)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--shuffle-window", type=int, default=16)
+    parser.add_argument("--shuffle-window", type=int,
+                        help="how far a sample may move from its shard's order (the default for "
+                             "local shards: 1000)")
+    parser.add_argument("--shuffle-shards", type=int,
+                        help="instead, over how many shards a shard's samples are spread (the "
+                             "default for remote shards: 8)")
+    parser.add_argument("--cache-dir", type=Path,
+                        help="read the shards through the node's shard cache, rooted here "
+                             "(remote shards are read through it anyway, in $TMPDIR or /var/tmp "
+                             "unless this is given)")
     parser.add_argument("--last-batch", choices=("keep", "discard"), default="keep")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds a collective (or a batch) may wait before the run fails")
@@ -60,8 +80,10 @@ def main():
     model = DistributedDataParallel(torch.nn.Linear(2, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     seq = ShardSequence(args.shards, decode, batch_size=args.batch_size, num_workers=args.workers,
-                        seed=args.seed, shuffle_window=args.shuffle_window, out_type="cpu",
-                        last_batch=args.last_batch, timeout=args.timeout)
+                        seed=args.seed, shuffle_window=args.shuffle_window,
+                        shuffle_shards=args.shuffle_shards, cache=True if args.cache_dir else None,
+                        cache_dir=args.cache_dir, out_type="cpu", last_batch=args.last_batch,
+                        timeout=args.timeout)
     epochs = []
     with seq:
         for epoch in range(args.epochs):
@@ -84,8 +106,13 @@ def main():
     if args.report:
         args.report.mkdir(parents=True, exist_ok=True)
         report = {"rank": rank, "world_size": dist.get_world_size(), "epochs": epochs,
-                  "batch_size": args.batch_size, "seed": args.seed,
-                  "shuffle_window": args.shuffle_window, "last_batch": args.last_batch}
+                  "batch_size": args.batch_size, "seed": args.seed, "pid": os.getpid(),
+                  "shuffle_window": seq.shuffle_window, "shuffle_shards": seq.shuffle_shards,
+                  "last_batch": args.last_batch}
+        if seq.cache is not None:
+            stats = seq.stats
+            report["cache"] = {"folder": seq.cache.folder, "fetches": stats.shard_fetches,
+                               "refetches": stats.shard_refetches}
         (args.report / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
