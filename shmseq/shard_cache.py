@@ -45,7 +45,11 @@ the ranks to move on, and says why after half the sequence's timeout.
 
 The job: ``job=``, else ``SLURM_JOB_ID``, else ``TORCHELASTIC_RUN_ID`` (set by torchrun; not
 its "none"), else ``"default"``: two jobs on a node keep two caches, and a job resumed after a
-crash finds its shards again (each checked by size before it is read).
+crash finds its shards again (each checked by size before it is read). ``torchrun
+--standalone`` draws a new random id (a UUID) at every launch, so its caches are never found
+again: a cache starting removes those of drawn ids under its ``cache_dir`` that no live rank
+uses and whose ledger nobody changed for ``ABANDONED_AFTER_S`` (without it, every launch would
+leave up to half the disk behind).
 """
 from __future__ import annotations
 
@@ -72,6 +76,8 @@ TAR_TAIL = 11 * 1024        # what a tar writer adds after the last member: 2 ze
 WAIT_POLL_S = 0.01          # how often a worker waiting for a shard or for room looks again
 PREFETCH_POLL_S = 0.05      # how often the prefetcher looks again at what it could not start
 JOB_VARIABLES = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+DRAWN_JOB = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
+ABANDONED_AFTER_S = 600     # a drawn job's cache with no live rank, its ledger untouched this long
 ABSENT, FETCHING, CACHED = 0, 1, 2
 BUSY, FULL = "busy", "full"  # why a prefetch did not start: another process fetches it; no room
 LEDGER_RECORD = np.dtype([("state", "i1"), ("waiting", "i1"), ("tag", "<i4"), ("fetched", "<i4"),
@@ -146,6 +152,36 @@ def job_name(job: str | None = None) -> str:
         if value and value != "none":  # torchrun's run id when none was given
             return value
     return "default"
+
+
+def remove_abandoned(cache_dir: str) -> list[str]:
+    """Remove the caches under ``cache_dir`` of jobs named by a drawn id (see the module's
+    text) that nobody uses any more; the folders removed."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        for job in os.listdir(cache_dir):
+            if not DRAWN_JOB.fullmatch(job):
+                continue
+            for digest in os.listdir(os.path.join(cache_dir, job)):
+                folder = os.path.join(cache_dir, job, digest)
+                if _abandoned(folder):
+                    shutil.rmtree(folder, ignore_errors=True)
+                    removed.append(folder)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(cache_dir, job))  # if nothing is left in it
+    return removed
+
+
+def _abandoned(folder: str) -> bool:
+    """No rank holds its progress file, and its ledger is older than ``ABANDONED_AFTER_S``: a
+    job starting, not on the board yet, has just touched it (``prepare``)."""
+    try:
+        changed = os.stat(os.path.join(folder, "ledger")).st_mtime
+        ranks = os.listdir(os.path.join(folder, "ranks"))
+    except FileNotFoundError:
+        return False
+    return (time.time() - changed > ABANDONED_AFTER_S
+            and not any(_is_held(os.path.join(folder, "ranks", rank)) for rank in ranks))
 
 
 def default_cache_dir() -> str:
@@ -371,13 +407,16 @@ class ShardCache:
     # -- start: the folder, what a run before left, the budget ----------------------------------
     def prepare(self) -> int:
         """Make the folder, keep what an earlier run of the job cached (checked by size), drop
-        what it left half-done, and settle the budget (default: the whole data set, at most
-        half of the free space); raises if the file system cannot hold it. The bytes cached."""
+        what it left half-done, remove the caches of launches nobody will resume, and settle
+        the budget (default: the whole data set, at most half of the free space); raises if the
+        file system cannot hold it. The bytes cached."""
         for part in ("shards", "locks", "ranks"):
             os.makedirs(os.path.join(self.folder, part), exist_ok=True)
         with self.ledger.changing() as table:
             self._reconcile(table)
             cached = self.ledger.usage(table)
+        os.utime(self.ledger.path)  # in use: see remove_abandoned
+        remove_abandoned(os.path.dirname(os.path.dirname(self.folder)))
         stats = os.statvfs(self.folder)
         available = stats.f_bavail * stats.f_frsize + cached
         if self.budget is None:

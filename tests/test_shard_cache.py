@@ -5,6 +5,7 @@ start); a killed run resumed fetches only what is not cached; two jobs keep two 
 shuffle measured in shards keeps the order's guarantees. Nothing leaks (conftest), and every
 cache folder a test makes is removed by it."""
 import collections
+import fcntl
 import json
 import multiprocessing
 import os
@@ -12,6 +13,7 @@ import re
 import shutil
 import signal
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -273,6 +275,32 @@ def test_two_jobs_on_one_node_keep_two_caches(server, web, data, cache_dir):
         with pytest.raises(ValueError, match=rf"has a rank 0 already, running in pid "
                                              rf"{os.getpid()}: .* give each its own job="):
             second.start()
+
+
+def test_caches_of_launches_nobody_can_resume_are_removed_at_start(web, data, cache_dir):
+    """torchrun --standalone names each launch anew (a random UUID): its cache, once no rank
+    uses it and its ledger is old, is removed by the next cache to start under the same root.
+    A cache in use (a rank on its board, or its ledger just touched by a job starting) and a
+    named job's (which a resume finds again) are kept."""
+    made = {}
+    for name, job in [("abandoned", str(uuid.uuid4())), ("ranked", str(uuid.uuid4())),
+                      ("starting", str(uuid.uuid4())), ("named", "nightly")]:
+        seq = make(web + data, cache_dir, job=job, num_workers=0)
+        with seq.start():
+            epoch_of(seq)
+        made[name] = seq.cache.folder
+    hour_ago = time.time() - 3600
+    for name in ("abandoned", "ranked", "named"):
+        os.utime(os.path.join(made[name], "ledger"), (hour_ago, hour_ago))
+    rank = os.open(os.path.join(made["ranked"], "ranks", "rank-0"), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(rank, fcntl.LOCK_EX)  # a live rank of that job
+        with make(web + data, cache_dir, num_workers=0).start():
+            pass
+    finally:
+        os.close(rank)
+    assert not os.path.exists(os.path.dirname(made["abandoned"]))
+    assert all(os.path.isdir(made[name]) for name in ("ranked", "starting", "named"))
 
 
 def test_the_job_is_named_by_the_launcher(monkeypatch):
