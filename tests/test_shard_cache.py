@@ -201,6 +201,8 @@ def test_a_budget_smaller_than_the_data_keeps_under_it_and_fetches_once_per_epoc
     assert stats.cache_peak_bytes <= budget and on_disk <= budget
     assert stats.shard_refetches == 0  # no shard evicted while an epoch still needed it
     gets = tar_gets(server)
+    print(f"budget {budget:,} of {seq.cache.estimates.sum():,} bytes: peak {stats.cache_peak_bytes:,}, "
+          f"{stats.shard_fetches} fetches in 3 epochs, GETs per shard {sorted(gets.values())}")
     assert set(gets) == set(range(SHARDS)) and max(gets.values()) <= 4  # 3 epochs, and the next
     assert sum(gets.values()) >= stats.shard_fetches > 2 * SHARDS  # evicted, fetched again
 
@@ -362,6 +364,9 @@ def test_a_killed_run_resumed_fetches_only_the_shards_it_needs_that_are_not_cach
     needed = set(seq.worker.reader.index.locate(np.array(rest))[0].tolist())
     assert needed - cached, "the run must die before it fetched all it needs"
     fetched = tar_gets(server) - before
+    print(f"killed after 15 of {COUNT // 8} batches with {len(cached)} shards cached; the rest "
+          f"of the epoch reads {len(needed)}: {sum(fetched[s] for s in needed)} fetched, "
+          f"{len(needed & cached)} read from the cache, {sum(fetched.values())} fetches in all")
     assert {shard: fetched[shard] for shard in needed} == {s: int(s not in cached) for s in needed}
     assert max(fetched.values()) <= 1  # the others: the next epoch's, prefetched
     assert seq.stats.shard_refetches == 0
