@@ -1,5 +1,7 @@
 """The bench's report, from made-up runs (no loader runs here): spreads, the × limit column and
-its mark, and the limit's rule (the faster of 1 and 2 processes)."""
+its mark, and the limit's rule (the faster of 1 and 2 processes); the streaming bench's remote
+mode: its columns, budgets and lines from made-up runs, its parts (windows, servers, PSS) and
+one short run end to end."""
 import contextlib
 import itertools
 import json
@@ -8,15 +10,17 @@ import multiprocessing
 import os
 import re
 import urllib.request
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from shmseq.bench import limit, memory, report, runner, systems
+from shmseq.bench import limit, memory, remote_streaming, report, runner, streaming, systems
 from shmseq.bench.__main__ import ALL_SYSTEMS, main, parse_args
 from shmseq.bench.memory import pss_bytes, tree_pss_bytes
 from shmseq.bench.runner import LIMIT, Run, run_matrix
 from shmseq.bench.workloads import WORKLOADS
+from shmseq.shards import Shard, ShardIndex
 from shmseq.demo import load
 
 GB = WORKLOADS["imagenet64"].batch_bytes / 1e9
@@ -175,11 +179,8 @@ def test_the_remote_mode_reads_each_shard_once_an_epoch_and_reports_its_traffic(
     within their budget, one request a shard; torch's read each sample in place."""
     for package in REMOTE_PACKAGES:
         pytest.importorskip(package)
-    from dataclasses import replace
-    from shmseq.bench import remote_streaming
-    from shmseq.bench.streaming import STREAM_WORKLOADS
-    monkeypatch.setitem(STREAM_WORKLOADS, "shards-uint8",
-                        replace(STREAM_WORKLOADS["shards-uint8"], side=32))
+    monkeypatch.setitem(streaming.STREAM_WORKLOADS, "shards-uint8",
+                        replace(streaming.STREAM_WORKLOADS["shards-uint8"], side=32))
     main(["--streaming", "--quick", "--remote", "http,s3", "--workloads", "shards-uint8",
           "--images", "2048", "--repeats", "1", "--seconds", "0.2", "--delay-ms", "2",
           "--out", str(tmp_path)])
@@ -216,24 +217,15 @@ def remote_runs(repeat: int, rate: float, amplification: float, peak: int) -> li
                 requests_per_sample=0.9, read_amplification=1.0)]
 
 
-def remote_report(budget_bytes: int):
-    from shmseq.bench import remote_streaming as remote
-    from shmseq.bench.streaming import STREAM_WORKLOADS
-    workload = remote.workload(STREAM_WORKLOADS["shards-uint8"], 8192)
-    budget = remote.Budget(budget_bytes / 1_000_000_000, 1_000_000_000, 1)
-    return remote.Report(["http"], 30.0, None, {workload.name: budget}, {workload.name: workload})
-
-
 def remote_markdown(runs: list[Run], budget_bytes: int = 300_000_000) -> str:
-    from shmseq.bench import streaming
-    report = remote_report(budget_bytes)
-    return streaming.markdown(runs, report.workloads, report_info(), {"repeats": 2, "seconds": 3.0,
-                                                                      "buffer": 10},
-                              ["shards"], ["idle"], "cmd", remote=report)
-
-
-def report_info() -> dict:
-    return {"nproc": 2, "cpu": "x", "ram": "1 GiB", "python": "3", "numpy": "2", "torch": "2"}
+    """The streaming report of ``runs`` on 8,192 raw images, a cache of ``budget_bytes``."""
+    workload = remote_streaming.workload(streaming.STREAM_WORKLOADS["shards-uint8"], 8192)
+    budget = remote_streaming.Budget(budget_bytes / 1e9, 1_000_000_000, 1)
+    part = remote_streaming.Report(["http"], 30.0, None, {workload.name: budget},
+                                   {workload.name: workload})
+    info = {"nproc": 2, "cpu": "x", "ram": "1 GiB", "python": "3", "numpy": "2", "torch": "2"}
+    return streaming.markdown(runs, part.workloads, info, {"repeats": 2, "seconds": 3.0, "buffer": 10},
+                              ["shards"], ["idle"], "cmd", remote=part)
 
 
 def test_the_remote_columns_give_each_remote_figure_with_its_spread_and_none_for_local_reads():
@@ -267,22 +259,18 @@ def test_a_cache_above_its_budget_or_traffic_above_the_targets_is_said():
 
 
 def test_the_cache_budget_is_the_fraction_unless_the_batches_in_flight_need_more():
-    from shmseq.bench import remote_streaming as remote
-    from shmseq.bench.streaming import STREAM_WORKLOADS, Prepared
-    from shmseq.shards import Shard, ShardIndex
-
-    def budget(images: int) -> "remote.Budget":
+    def budget(images: int) -> remote_streaming.Budget:
         shards = [Shard(f"train-{n}.tar", np.arange(64) * 1024, 64 * 1024)
                   for n in range(images // 64)]
-        workload = remote.workload(STREAM_WORKLOADS["shards-uint8"], images)
-        return remote.budget(Prepared(workload, ShardIndex(shards), None), 0.25)
+        workload = remote_streaming.workload(streaming.STREAM_WORKLOADS["shards-uint8"], images)
+        return remote_streaming.budget(streaming.Prepared(workload, ShardIndex(shards), None), 0.25)
 
-    large, small = budget(remote.IMAGES), budget(remote.QUICK_IMAGES)
+    large, small = budget(remote_streaming.IMAGES), budget(remote_streaming.QUICK_IMAGES)
     assert not large.raised and large.bytes == math.ceil(large.set_bytes / 4)
     assert "(--cache-fraction 0.25)" in large.describe("w")
     assert small.raised and large.set_bytes / 4 > small.bytes > small.set_bytes / 2
     assert "raised from --cache-fraction 0.25: what 13 batches in flight read" in small.describe("w")
-    whole = remote.Budget(0.25, 1000, 1000)
+    whole = remote_streaming.Budget(0.25, 1000, 1000)
     assert whole.bytes == 1000 and "the whole set" in whole.describe("w")
 
 
@@ -334,10 +322,9 @@ def test_a_process_left_apart_is_not_in_the_trees_pss():
 
 
 def test_a_server_in_a_process_of_its_own_counts_what_it_serves(tmp_path):
-    pytest.importorskip("werkzeug")
-    from shmseq.bench.servers import ServerProcess
+    servers = pytest.importorskip("shmseq.bench.servers")  # needs werkzeug
     (tmp_path / "data.bin").write_bytes(bytes(5000))
-    with ServerProcess("http", tmp_path, delay=0.001) as server:
+    with servers.ServerProcess("http", tmp_path, delay=0.001) as server:
         assert server.storage_options is None and server.process.pid != os.getpid()
         with urllib.request.urlopen(f"{server.url}/data.bin") as answer:
             assert len(answer.read()) == 5000
