@@ -61,7 +61,6 @@ SAMPLES_PER_SHARD = 64      # one request a shard per 64 samples: 0.016 a sample
 IMAGES, QUICK_IMAGES = 8192, 2048  # 128 and 32 shards: the cache's need is 25 of them
 CACHE_FRACTION = 0.25
 DELAY_MS = 30.0
-NEED_EPOCHS = 32            # the cache's need is the most that any of these epochs takes
 NEEDS = {"http": ("werkzeug", "fsspec", "aiohttp"),
          "s3": ("werkzeug", "moto", "boto3", "fsspec", "aiohttp", "s3fs")}
 
@@ -121,12 +120,10 @@ class Budget:
 
 
 def budget(prepared: Prepared, fraction: float) -> Budget:
-    """The workload's budget: ``fraction`` of the set, or what the cache needs over the first
-    ``NEED_EPOCHS`` epochs with the sequence's batches in flight (``room_needed``), if more."""
-    plan = prepared.workload.plan(prepared.index)
-    depth = batches_in_flight(systems.IN_FLIGHT, systems.NUM_WORKERS)
-    needs = max(room_needed(prepared.index, plan, epoch, 0, depth)[0]
-                for epoch in range(NEED_EPOCHS))
+    """The workload's budget: ``fraction`` of the set, or what the cache needs with the
+    sequence's batches in flight if more (``room_needed``: below it, ``start()`` refuses it)."""
+    needs = room_needed(prepared.index, prepared.workload.plan(prepared.index), 0, 0,
+                        batches_in_flight(systems.IN_FLIGHT, systems.NUM_WORKERS))[0]
     return Budget(fraction, int(estimated_bytes(prepared.index).sum()), needs)
 
 
