@@ -395,7 +395,7 @@ class ShardCache:
         self.counters = CacheCounters()
         self.ledger = Ledger(os.path.join(folder, "ledger"), len(index.shards))
         self.board = RankBoard(os.path.join(folder, "ranks"), len(index.shards))
-        self.estimates = np.array([shard.end + TAR_TAIL for shard in index.shards], np.int64)
+        self.estimates = estimated_bytes(index)
 
     def path(self, number: int) -> str:
         name = os.path.basename(self.index.shards[number].url.rstrip("/")) or "shard"
@@ -716,11 +716,25 @@ class ShardUses:
         return int(held_bytes[at]), int(np.cumsum(count)[at])
 
 
+def estimated_bytes(index) -> np.ndarray:
+    """The most each shard of ``index`` takes in a cache: its samples and a tar writer's tail."""
+    return np.array([shard.end + TAR_TAIL for shard in index.shards], np.int64)
+
+
+def room_needed(index, plan, epoch: int, position: int, depth: int) -> tuple[int, int, int]:
+    """(need, held, shards): the bytes a cache of ``index``'s shards needs from ``position`` of
+    ``epoch`` through the next epoch with ``depth`` batches in flight: the ``shards`` (``held``
+    bytes) that ``depth`` batches in a row read at most, and one more being fetched; or the
+    whole data set, where that is less."""
+    sizes = estimated_bytes(index)
+    held, shards = ShardUses(plan, index).most_held(epoch, position, depth, sizes)
+    return min(held + int(sizes.max()), int(sizes.sum())), held, shards
+
+
 def check_room(cache: ShardCache, plan, epoch: int, position: int, depth: int, arguments: str) -> None:
     """Refuse a budget that cannot hold what ``depth`` batches in a row read, plus one shard
     being fetched: the ranks would wait for room forever."""
-    held, shards = ShardUses(plan, cache.index).most_held(epoch, position, depth, cache.estimates)
-    need = min(held + int(cache.estimates.max()), int(cache.estimates.sum()))  # or all of it
+    need, held, shards = room_needed(cache.index, plan, epoch, position, depth)
     if cache.budget < need:
         given = "" if cache.budget_given else " (the default: half the free space there)"
         raise ValueError(

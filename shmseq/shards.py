@@ -737,6 +737,12 @@ def as_shard_index(shards, storage_options: dict | None = None) -> ShardIndex:
     return ShardIndex.scan([os.fspath(url) for url in shards], storage_options)
 
 
+def batches_in_flight(buffer: int, num_workers: int) -> int:
+    """How many batches in a row a sequence's workers may be reading at once (``buffer`` slots,
+    one being built by each worker, and one more): what its shard cache must hold room for."""
+    return (buffer + num_workers if num_workers else 0) + 1
+
+
 class ShardSequence(ShmSequence):
     """A ``ShmSequence`` over tar shards: ``decode(sample)`` turns each sample (a dict of its
     members' bytes by field, e.g. ``sample["jpg"]``, plus ``__key__``, ``__url__`` and
@@ -844,7 +850,7 @@ class ShardSequence(ShmSequence):
         self.finish()
         self.cache.prepare()
         self._plan.refresh()
-        depth = (self.buffer + self.num_workers if self.num_workers else 0) + 1
+        depth = batches_in_flight(self.buffer, self.num_workers)
         check_room(self.cache, self._plan, self.epoch, self._resume_at, depth,
                    f"batch_size={self.batch_size}, buffer={self.buffer}, "
                    f"num_workers={self.num_workers}, " + (

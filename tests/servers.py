@@ -26,34 +26,9 @@ def serving(start):
     finally:
         served.stop()
         if asyn.iothread[0] is not None and asyn.iothread[0] not in threads:
-            stop_fsspec_io(asyn)
+            servers.stop_fsspec_io(asyn)
     left = [thread.name for thread in set(threading.enumerate()) - threads]
     assert not left, f"threads left behind: {left}"
-
-
-def stop_fsspec_io(asyn) -> None:
-    """Stop fsspec's event loop thread (``fsspecIO``, a daemon thread it starts for its HTTP and
-    S3 clients and never stops; it has no public call for this): close the clients on it, forget
-    the file systems made with it, stop it and its executor's threads, and let fsspec start a
-    fresh one when asked."""
-    from fsspec.implementations.http import HTTPFileSystem
-    loop, thread = asyn.loop[0], asyn.iothread[0]
-    for fs in list(HTTPFileSystem._cache.values()):
-        if fs._session is not None:
-            asyn.sync(loop, fs._session.close)
-    HTTPFileSystem.clear_instance_cache()
-    with contextlib.suppress(ImportError):
-        from s3fs import S3FileSystem
-        for fs in list(S3FileSystem._cache.values()):
-            if fs._s3creator is not None:
-                asyn.sync(loop, fs._s3creator.__aexit__, None, None, None)
-        S3FileSystem.clear_instance_cache()
-    asyn.sync(loop, loop.shutdown_default_executor)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    assert not thread.is_alive()
-    loop.close()
-    asyn.reset_lock()
 
 
 @pytest.fixture

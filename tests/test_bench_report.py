@@ -1,16 +1,26 @@
 """The bench's report, from made-up runs (no loader runs here): spreads, the × limit column and
-its mark, and the limit's rule (the faster of 1 and 2 processes)."""
+its mark, and the limit's rule (the faster of 1 and 2 processes); the streaming bench's remote
+mode: its columns, budgets and lines from made-up runs, its parts (windows, servers, PSS) and
+one short run end to end."""
+import contextlib
+import itertools
+import json
+import math
 import multiprocessing
 import os
 import re
+import urllib.request
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
-from shmseq.bench import limit, report, systems
-from shmseq.bench.__main__ import ALL_SYSTEMS, main
+from shmseq.bench import limit, memory, remote_streaming, report, runner, streaming, systems
+from shmseq.bench.__main__ import ALL_SYSTEMS, main, parse_args
 from shmseq.bench.memory import pss_bytes, tree_pss_bytes
 from shmseq.bench.runner import LIMIT, Run, run_matrix
 from shmseq.bench.workloads import WORKLOADS
+from shmseq.shards import Shard, ShardIndex
 from shmseq.demo import load
 
 GB = WORKLOADS["imagenet64"].batch_bytes / 1e9
@@ -157,3 +167,172 @@ def test_the_tree_pss_counts_the_processes_under_the_trainer():
     finally:
         done.set()
         child.join()
+
+
+# -- the streaming bench's remote mode -------------------------------------------------------------
+REMOTE_PACKAGES = ("werkzeug", "fsspec", "aiohttp", "moto", "boto3", "s3fs", "torch")
+
+
+def test_the_remote_mode_reads_each_shard_once_an_epoch_and_reports_its_traffic(monkeypatch, tmp_path):
+    """End to end, on raw 32 x 32 images (9 MB of shards, a cache of 0.78 of them) and 2 batches
+    timed apart after the first (torch's loaders read a request a sample): every system runs
+    and checks its batches; shmseq's remote runs fetch each shard at most once an epoch within
+    their budget, one request a shard; torch's read each sample in place."""
+    for package in REMOTE_PACKAGES:
+        pytest.importorskip(package)
+    monkeypatch.setitem(streaming.STREAM_WORKLOADS, "shards-uint8",
+                        replace(streaming.STREAM_WORKLOADS["shards-uint8"], side=32,
+                                early_batches=2))
+    main(["--streaming", "--quick", "--remote", "http,s3", "--workloads", "shards-uint8",
+          "--images", "2048", "--repeats", "1", "--seconds", "0.2", "--delay-ms", "1",
+          "--out", str(tmp_path)])
+    text = (tmp_path / "streaming.md").read_text()
+    assert "| tree PSS MB | requests/sample | read amp. | peak cache MB |" in text
+    assert "× limit" not in text.split("\n\n| workload")[1].split("\n")[0]
+    assert row(text, "shmseq-local")[-3:] == ["", "", ""]
+    document = json.loads((tmp_path / "streaming.json").read_text())
+    runs = {run["system"]: run for run in document["runs"]}
+    assert set(runs) == set(remote_streaming.SYSTEM_NAMES)
+    budget = document["settings"]["remote"]["budgets"]["shards-uint8"]
+    assert budget["raised"] and budget["bytes"] < budget["set_bytes"]
+    for backend in ("http", "s3"):
+        ours, theirs = runs[f"shmseq-{backend}"], runs[f"torch-{backend}"]
+        assert 0 < ours["read_amplification"] <= 1.05
+        assert 0 < ours["requests_per_sample"] <= 1 / 64
+        assert 0 < ours["cache_peak_bytes"] <= budget["bytes"]
+        assert theirs["requests_per_sample"] > 0.5 and 0.8 < theirs["read_amplification"] < 1.2
+        assert runs[f"ceiling-{backend}"]["requests_per_sample"] == 1 / 64
+        assert f"shards-uint8 over {backend}: shmseq-{backend}" in text
+    assert "WARNING: a shard cache held more than its budget" not in text
+
+
+def remote_runs(repeat: int, rate: float, amplification: float, peak: int) -> list[Run]:
+    """One repeat of the remote mode's systems on the uint8 shards, made up."""
+    workload = "shards-uint8"
+    return [Run("ceiling-http", workload, repeat, 40.0, requests_per_sample=1 / 64,
+                read_amplification=1.0),
+            Run("shmseq-local", workload, repeat, 400.0, 300.0, 0.05, 0.5, 300_000_000),
+            Run("shmseq-http", workload, repeat, rate, 3000.0, 0.5, 0.5, 400_000_000,
+                requests_per_sample=amplification / 64, read_amplification=amplification,
+                cache_peak_bytes=peak),
+            Run("torch-http", workload, repeat, 1.0, 1500.0, 2.0, 1.0, 300_000_000,
+                requests_per_sample=0.9, read_amplification=1.0)]
+
+
+def remote_markdown(runs: list[Run], budget_bytes: int = 300_000_000) -> str:
+    """The streaming report of ``runs`` on 8,192 raw images, a cache of ``budget_bytes``."""
+    workload = remote_streaming.workload(streaming.STREAM_WORKLOADS["shards-uint8"], 8192)
+    budget = remote_streaming.Budget(budget_bytes / 1e9, 1_000_000_000, 1)
+    part = remote_streaming.Report(["http"], 30.0, None, {workload.name: budget},
+                                   {workload.name: workload})
+    info = {"nproc": 2, "cpu": "x", "ram": "1 GiB", "python": "3", "numpy": "2", "torch": "2"}
+    return streaming.markdown(runs, part.workloads, info, {"repeats": 2, "seconds": 3.0, "buffer": 10},
+                              ["shards"], ["idle"], "cmd", remote=part)
+
+
+def test_the_remote_columns_give_each_remote_figure_with_its_spread_and_none_for_local_reads():
+    text = remote_markdown(remote_runs(0, 30.0, 0.9, 250_000_000)
+                           + remote_runs(1, 34.0, 1.0, 260_000_000))
+    assert "| tree PSS MB | requests/sample | read amp. | peak cache MB |" in text
+    assert row(text, "shmseq-local")[-3:] == ["", "", ""]
+    assert row(text, "shmseq-http")[-3:] == ["0.015 (0.014-0.016)", "0.95 (0.90-1.00)",
+                                            "255 (250-260)"]
+    assert row(text, "ceiling-http")[2:4] == ["2,560 (2,560-2,560)", "40.0"]
+    assert "× limit" not in text  # no limit ran: neither its column nor its legend
+
+
+def test_the_remote_line_compares_with_local_disk_torch_and_the_ceiling_repeat_by_repeat():
+    text = remote_markdown(remote_runs(0, 30.0, 0.9, 250_000_000)
+                           + remote_runs(1, 34.0, 1.0, 260_000_000))
+    line = next(line for line in text.splitlines() if line.startswith("- shards-uint8 over http"))
+    assert "shmseq-http 2,048 images/s, 0.08x (0.07-0.09) shmseq-local's (25,600)" in line
+    assert "32.00x (30.00-34.00) torch-http's (64) with 2.00x (2.00-2.00) more trainer CPU" in line
+    assert "read amplification 0.95 (targets per epoch: at most 0.02 and 1.05: met)" in line
+    assert "torch-http 0.900 and 1.00" in line
+    assert "the server sent 0.76x (0.68-0.85) the bytes a second of its ceiling" in line
+    assert "transport-bound, by the endpoint" in line
+    assert "WARNING: a shard cache" not in text
+
+
+def test_a_cache_above_its_budget_or_traffic_above_the_targets_is_said():
+    text = remote_markdown(remote_runs(0, 30.0, 1.2, 320_000_000), budget_bytes=300_000_000)
+    assert "WARNING: a shard cache held more than its budget: shards-uint8 shmseq-http 320 MB" in text
+    assert "(targets per epoch: at most 0.02 and 1.05: not met)" in text
+
+
+def test_the_cache_budget_is_the_fraction_unless_the_batches_in_flight_need_more():
+    def budget(images: int) -> remote_streaming.Budget:
+        shards = [Shard(f"train-{n}.tar", np.arange(64) * 1024, 64 * 1024)
+                  for n in range(images // 64)]
+        workload = remote_streaming.workload(streaming.STREAM_WORKLOADS["shards-uint8"], images)
+        return remote_streaming.budget(streaming.Prepared(workload, ShardIndex(shards), None), 0.25)
+
+    large, small = budget(remote_streaming.IMAGES), budget(remote_streaming.QUICK_IMAGES)
+    assert not large.raised and large.bytes == math.ceil(large.set_bytes / 4)
+    assert "(--cache-fraction 0.25)" in large.describe("w")
+    assert small.raised and large.set_bytes / 4 > small.bytes > small.set_bytes / 2
+    assert "raised from --cache-fraction 0.25: what 13 batches in flight read" in small.describe("w")
+    whole = remote_streaming.Budget(0.25, 1000, 1000)
+    assert whole.bytes == 1000 and "the whole set" in whole.describe("w")
+
+
+def test_a_window_of_whole_epochs_begins_and_ends_at_an_epochs_edge():
+    observed = []
+
+    class Edges(runner.Window):
+        def begin(self, k):
+            observed.append(k)
+
+        def end(self, k):
+            observed.append(k)
+            return {"requests_per_sample": 0.5}
+
+    run = runner.timed_run("s", "w", 0, lambda: contextlib.nullcontext(itertools.count()),
+                           lambda k, batch: None, 0.01, 0.0, early_batches=3, whole=7,
+                           window=Edges())
+    assert observed[0] == 7 and observed[1] % 7 == 0 and observed[1] - observed[0] >= 7
+    assert run.requests_per_sample == 0.5
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--streaming", "--delay-ms", "5"], "--delay-ms: with --remote"),
+    (["--remote"], "--remote http,s3: with --streaming"),
+    (["--streaming", "--remote", "ftp"], "choose among http, s3"),
+    (["--streaming", "--remote", "--cache-fraction", "0"], "--cache-fraction 0: a fraction"),
+    (["--streaming", "--remote", "s3", "--systems", "shmseq-http"], "runs ceiling-s3, shmseq-local"),
+])
+def test_the_remote_options_are_checked(argv, said, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert said in capsys.readouterr().err
+
+
+def test_a_process_left_apart_is_not_in_the_trees_pss():
+    context = multiprocessing.get_context("fork")
+    ready, done = context.Event(), context.Event()
+    child = context.Process(target=_hold_pages, args=(ready, done, 64))
+    child.start()
+    try:
+        assert ready.wait(30)
+        with_child = tree_pss_bytes()
+        with memory.apart(child.pid):
+            assert with_child - tree_pss_bytes() > 64 << 20
+        assert tree_pss_bytes() > with_child - (32 << 20)  # counted again after the block
+    finally:
+        done.set()
+        child.join()
+
+
+def test_a_server_in_a_process_of_its_own_counts_what_it_serves(tmp_path):
+    servers = pytest.importorskip("shmseq.bench.servers")  # needs werkzeug
+    (tmp_path / "data.bin").write_bytes(bytes(5000))
+    with servers.ServerProcess("http", tmp_path, delay=0.001) as server:
+        assert server.storage_options is None and server.process.pid != os.getpid()
+        with urllib.request.urlopen(f"{server.url}/data.bin") as answer:
+            assert len(answer.read()) == 5000
+        assert server.counts() == (1, 5000)
+        server.clear_log()
+        assert server.counts() == (0, 0)
+        with pytest.raises(AttributeError, match="upload"):
+            server.upload(tmp_path, "bucket")  # a file server has no buckets
+    assert not server.process.is_alive() and server.process.exitcode == 0

@@ -7,5 +7,7 @@ chart). Run it with ``python -m shmseq.bench`` (``--help`` for options).
 
 ``--streaming``: ``streaming`` (shmseq's ``ShardSequence`` against torch's ``DataLoader`` over
 the same tar shards, with its own limit and report) and ``shard_data`` (the JPEG and raw uint8
-shards, written once, and the decoders).
+shards, written once, and the decoders). ``--streaming --remote``: ``remote_streaming`` (the
+same shards over HTTP and S3 from ``servers``, each in a process of its own: shmseq through its
+shard cache against torch reading in place, with the servers' traffic and ceilings).
 """

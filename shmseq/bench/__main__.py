@@ -16,10 +16,19 @@ decodes them with ``shmseq.decode.DecodeStage`` (on the GPU where there is CUDA:
 155 MB of raw images; 20 and 40 MB with ``--quick``) are made in a temporary directory and
 deleted at the end; ``--keep-shards`` keeps them for later runs in
 ``$XDG_CACHE_HOME/shmseq/bench`` (``~/.cache/shmseq/bench``), ``--shards-dir`` where you say.
+
+``--streaming --remote`` reads the shards from local disk, over HTTP and over S3 (moto's
+server), each server on 127.0.0.1 in a process of its own with ``--delay-ms`` added to every
+request (and ``--bandwidth`` MB/s at most): shmseq's ``ShardSequence`` through its node shard
+cache (``--cache-fraction`` of the set) against torch's ``DataLoader`` reading in place, with
+the requests per sample, read amplification and peak cache of each remote run, and each
+endpoint's own ceiling. Its shards have 64 samples each, 8,192 of them per set (2,048 with
+``--quick``): a set four times the cache's budget (``shmseq.bench.remote_streaming``).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import shlex
@@ -38,6 +47,7 @@ from .report import machine, markdown, summarize, write_chart, write_json
 from .runner import LIMIT, run_matrix
 from . import systems
 from .systems import OPT_IN, SYSTEMS, TORCH_SYSTEMS
+from . import remote_streaming as remote
 from .streaming import (QUICK_IMAGES, STAGE, STAGE_DEVICE, STREAM_SYSTEM_NAMES,
                         STREAM_TORCH_SYSTEMS, STREAM_WORKLOADS)
 from .workloads import TRANSPORT_WORKLOADS, WORKLOADS, image_pool
@@ -68,21 +78,38 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "augment, whose workers spend their time augmenting images with "
                              "torch's operators); with --streaming, among "
                              f"{', '.join(STREAM_WORKLOADS)} (default: both)")
-    parser.add_argument("--systems", type=_names([*ALL_SYSTEMS, *STREAM_SYSTEM_NAMES[1:]]),
+    parser.add_argument("--systems",
+                        type=_names([*ALL_SYSTEMS, *STREAM_SYSTEM_NAMES[1:], *remote.SYSTEM_NAMES]),
                         help=f"comma-separated, among {', '.join(ALL_SYSTEMS)} "
                              f"(default: all but {', '.join(OPT_IN)}); with --streaming, among "
                              f"{', '.join(STREAM_SYSTEM_NAMES)} (default: all; {STAGE} runs on shards-jpeg "
-                             "only)")
+                             f"only); with --remote, among {', '.join(remote.SYSTEM_NAMES)} "
+                             "(default: those of the backends asked for)")
     parser.add_argument("--streaming", action="store_true",
                         help="run the streaming workloads instead: ShardSequence against torch's "
                              "DataLoader over the same tar shards (see above)")
+    parser.add_argument("--remote", nargs="?", const=",".join(remote.BACKENDS),
+                        type=_names(list(remote.BACKENDS)),
+                        help="--streaming: read the shards over these servers too, comma-separated "
+                             f"among {', '.join(remote.BACKENDS)} (alone: both; see above)")
+    parser.add_argument("--delay-ms", type=float,
+                        help=f"--remote: milliseconds added to every request (default: "
+                             f"{remote.DELAY_MS:g})")
+    parser.add_argument("--bandwidth", type=float,
+                        help="--remote: MB/s each server sends at most, over all its connections "
+                             "(default: no cap)")
+    parser.add_argument("--cache-fraction", type=float,
+                        help="--remote: shmseq's shard cache budget, a fraction of the set "
+                             f"(default: {remote.CACHE_FRACTION:g}; raised to what the batches in "
+                             "flight read, where that is more)")
     parser.add_argument("--keep-shards", action="store_true",
                         help=f"--streaming: keep the shards for later runs, in {cache_dir()} "
                              "(reused by later runs with --keep-shards); by default they are "
                              "made in a temporary directory and deleted at the end")
     parser.add_argument("--images", type=int,
                         help="--streaming: images in each set of shards (default: 1,024; "
-                             f"quick: {QUICK_IMAGES})")
+                             f"quick: {QUICK_IMAGES}; with --remote: {remote.IMAGES:,}, quick: "
+                             f"{remote.QUICK_IMAGES:,})")
     parser.add_argument("--shards-dir", type=Path,
                         help="--streaming: make the shards here, or reuse those made here "
                              "earlier, and keep them (instead of --keep-shards' place)")
@@ -96,9 +123,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="directory for results.md, .json and .png, or with --streaming "
                              "streaming.md and .json (default: bench-results)")
     args = parser.parse_args(argv)
+    _check_remote(parser, args)
     kind = "streaming" if args.streaming else "transport"
-    known = ((STREAM_WORKLOADS, STREAM_SYSTEM_NAMES) if args.streaming
-             else (WORKLOADS, ALL_SYSTEMS))
+    known = ((STREAM_WORKLOADS, _remote_systems(args.remote) if args.remote else STREAM_SYSTEM_NAMES)
+             if args.streaming else (WORKLOADS, ALL_SYSTEMS))
     for option, names, among in (("workloads", args.workloads, known[0]),
                                  ("systems", args.systems, known[1])):
         if names is not None and any(name not in among for name in names):
@@ -109,8 +137,38 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.workloads is None:
         args.workloads = list(STREAM_WORKLOADS) if args.streaming else TRANSPORT_WORKLOADS
     if args.systems is None:
-        args.systems = list(STREAM_SYSTEM_NAMES) if args.streaming else DEFAULT_SYSTEMS
+        args.systems = list(known[1]) if args.streaming else DEFAULT_SYSTEMS
     return args
+
+
+def _check_remote(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The remote options: only with --remote, which goes with --streaming; their values in
+    range; the defaults of those not given."""
+    given = [option for option, value in (("--delay-ms", args.delay_ms),
+                                          ("--bandwidth", args.bandwidth),
+                                          ("--cache-fraction", args.cache_fraction))
+             if value is not None]
+    if args.remote is None:
+        if given:
+            parser.error(f"{', '.join(given)}: with --remote (add --streaming --remote)")
+        return
+    if not args.streaming:
+        parser.error(f"--remote {','.join(args.remote)}: with --streaming (add --streaming)")
+    args.delay_ms = remote.DELAY_MS if args.delay_ms is None else args.delay_ms
+    args.cache_fraction = (remote.CACHE_FRACTION if args.cache_fraction is None
+                           else args.cache_fraction)
+    if args.delay_ms < 0:
+        parser.error(f"--delay-ms {args.delay_ms:g}: milliseconds >= 0")
+    if args.bandwidth is not None and args.bandwidth <= 0:
+        parser.error(f"--bandwidth {args.bandwidth:g}: MB/s > 0 (leave it out for no cap)")
+    if not 0 < args.cache_fraction <= 1:
+        parser.error(f"--cache-fraction {args.cache_fraction:g}: a fraction of the set, in (0, 1]")
+
+
+def _remote_systems(backends: list[str]) -> list[str]:
+    """The remote mode's systems that read from local disk or from one of ``backends``."""
+    return [name for name in remote.SYSTEM_NAMES
+            if remote.source_of(name) in (remote.LOCAL, *backends)]
 
 
 def cache_dir() -> Path:
@@ -204,55 +262,36 @@ def _stop_on_sigterm(signum, frame):
 
 def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) -> int:
     """The streaming workloads: shards made (or reused), the runs, the report."""
-    from .shard_data import decoder, jpeg_stats, load_index, make_shards, size_of
-    from .streaming import Prepared, cells_of, markdown, measurer, quick, runs_on
+    from .streaming import cells_of, markdown, measurer, runs_on
 
     systems.IN_FLIGHT = args.buffer
     if not torch_available():
-        args.systems = _without_torch(args.systems, STREAM_TORCH_SYSTEMS)
+        args.systems = _without_torch(args.systems, STREAM_TORCH_SYSTEMS + tuple(remote.TORCH_SYSTEM_NAMES))
     if importlib.util.find_spec("simplejpeg") is None and "shards-jpeg" in args.workloads:
         _log("simplejpeg is not installed: shards-jpeg skipped (pip install 'shmseq[vision]')")
         args.workloads = [name for name in args.workloads if name != "shards-jpeg"]
     if STAGE in args.systems and STAGE_DEVICE == "cuda" and not _imports_torchcodec():
         args.systems = [name for name in args.systems if name != STAGE]
+    if args.remote:
+        _servable(args)
     if not args.workloads or not args.systems:
         _log("nothing left to run")
         return 1
-    workloads = {name: quick(STREAM_WORKLOADS[name]) if args.quick else STREAM_WORKLOADS[name]
-                 for name in args.workloads}
-    if args.images is not None:
-        workloads = {name: replace(workload, images=args.images)
-                     for name, workload in workloads.items()}
+    workloads = _stream_workloads(args)
     began = time.perf_counter()
     scratch = args.shards_dir is None and not args.keep_shards
     root = (Path(tempfile.mkdtemp(prefix="shmseq-bench-shards-")) if scratch
             else args.shards_dir or cache_dir())
     previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
-        prepared, data, folders = {}, [], []
-        for name, workload in workloads.items():
-            made = time.perf_counter()
-            existed = (root / workload.folder).is_dir()
-            folder = make_shards(root / workload.folder, workload.kind, workload.images,
-                                 workload.samples_per_shard, workload.side)
-            index = load_index(folder)
-            line = (f"{name}: {len(index):,} samples in {len(index.shards)} shards, "
-                    f"{size_of(index) / 2**20:,.0f} MiB "
-                    f"({'reused' if existed else f'made in {time.perf_counter() - made:.1f} s'})")
-            if workload.kind == "jpeg":
-                stats = jpeg_stats(index)
-                line += (f", JPEGs of {stats['kB']:.0f} kB and {stats['pixels'] / 1e3:.0f} "
-                         f"kpixels on average ({stats['bits_per_pixel']:.1f} bits a pixel), "
-                         f"decoded and cropped to {workload.side} x {workload.side}")
-            else:
-                line += f", raw {workload.side} x {workload.side} x 3 uint8 images"
-            data.append(line + f", {workload.batch_size} a batch")
-            folders.append(folder)
-            prepared[name] = Prepared(workload, index, decoder(workload.kind, workload.side))
-        at_start = load.snapshot()
-        runs = run_matrix(args.systems, list(workloads.values()), log=_log,
-                          measure=measurer(prepared), runs_on=runs_on, **settings)
-        at_end = load.snapshot()
+        prepared, data, folders = _prepare_shards(workloads, root)
+        with (remote.mode(prepared, root, folders, args.remote, args.delay_ms, args.bandwidth,
+                          args.cache_fraction, _log) if args.remote
+              else contextlib.nullcontext((measurer(prepared), None))) as (measure, report):
+            at_start = load.snapshot()
+            runs = run_matrix(args.systems, list(workloads.values()), log=_log, measure=measure,
+                              runs_on=runs_on, **settings)
+        at_end = load.snapshot()  # the servers stopped: their CPU counted as the job's
     finally:
         signal.signal(signal.SIGTERM, previous)
         if scratch:
@@ -261,25 +300,80 @@ def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) ->
     info = machine()
     command = shlex.join(["python", "-m", "shmseq.bench", *argv])
     full = {**settings, "buffer": args.buffer}
-    text = markdown(runs, workloads, info, full, data, facts, command, warning)
+    text = markdown(runs, workloads, info, full, data, facts, command, warning, report)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "streaming.md").write_text(text)
     write_json(args.out / "streaming.json", runs, cells_of(runs, workloads), info,
                {**full, "workloads": {name: asdict(w) for name, w in workloads.items()},
                 "systems": args.systems, "decode_stage_device": STAGE_DEVICE, "shards": data,
-                "load": facts, "warning": warning})
+                "load": facts, "warning": warning,
+                **({"remote": report.as_json(runs)} if report else {})})
     if scratch:
         _log("shards: made in a temporary directory and deleted; --keep-shards keeps them for "
              f"later runs, in {cache_dir()}")
     else:
-        _log(f"shards kept: {', '.join(map(str, folders))}, reused by later runs with "
+        _log(f"shards kept: {', '.join(map(str, folders.values()))}, reused by later runs with "
              f"{'--keep-shards' if args.shards_dir is None else '--shards-dir ' + shlex.quote(str(root))}"
-             f"; delete them with: rm -r {' '.join(shlex.quote(str(f)) for f in folders)}")
+             f"; delete them with: rm -r {' '.join(shlex.quote(str(f)) for f in folders.values())}")
     _log(f"wrote streaming.{{md, json}} into {args.out} in {time.perf_counter() - began:.0f} s")
     if warning:
         _log(warning)
     return 0
+
+
+def _servable(args: argparse.Namespace) -> None:
+    """Leave out the backends whose packages are missing, and their systems, saying which."""
+    for backend in list(args.remote):
+        lacking = remote.missing(backend)
+        if lacking:
+            _log(f"{', '.join(lacking)} not installed: the {backend} server skipped "
+                 f"(pip install {' '.join(lacking)})")
+            args.remote.remove(backend)
+            args.systems = [name for name in args.systems if remote.source_of(name) != backend]
+
+
+def _stream_workloads(args: argparse.Namespace) -> dict:
+    """The streaming workloads asked for, by name: quick's smaller sets, --images', --remote's
+    shards."""
+    from .streaming import quick
+    workloads = {name: quick(STREAM_WORKLOADS[name]) if args.quick else STREAM_WORKLOADS[name]
+                 for name in args.workloads}
+    if args.remote:
+        images = args.images or (remote.QUICK_IMAGES if args.quick else remote.IMAGES)
+        return {name: remote.workload(workload, images) for name, workload in workloads.items()}
+    if args.images is not None:
+        workloads = {name: replace(workload, images=args.images)
+                     for name, workload in workloads.items()}
+    return workloads
+
+
+def _prepare_shards(workloads: dict, root: Path) -> tuple[dict, list[str], dict[str, Path]]:
+    """Each workload's shards made under ``root`` (or reused): (its ``Prepared``, a line saying
+    what they are, its folder), each by workload."""
+    from .shard_data import decoder, jpeg_stats, load_index, make_shards, size_of
+    from .streaming import Prepared
+    prepared, data, folders = {}, [], {}
+    for name, workload in workloads.items():
+        made = time.perf_counter()
+        existed = (root / workload.folder).is_dir()
+        folder = make_shards(root / workload.folder, workload.kind, workload.images,
+                             workload.samples_per_shard, workload.side)
+        index = load_index(folder)
+        line = (f"{name}: {len(index):,} samples in {len(index.shards)} shards, "
+                f"{size_of(index) / 2**20:,.0f} MiB "
+                f"({'reused' if existed else f'made in {time.perf_counter() - made:.1f} s'})")
+        if workload.kind == "jpeg":
+            stats = jpeg_stats(index)
+            line += (f", JPEGs of {stats['kB']:.0f} kB and {stats['pixels'] / 1e3:.0f} "
+                     f"kpixels on average ({stats['bits_per_pixel']:.1f} bits a pixel), "
+                     f"decoded and cropped to {workload.side} x {workload.side}")
+        else:
+            line += f", raw {workload.side} x {workload.side} x 3 uint8 images"
+        data.append(line + f", {workload.batch_size} a batch")
+        folders[name] = folder
+        prepared[name] = Prepared(workload, index, decoder(workload.kind, workload.side))
+    return prepared, data, folders
 
 
 if __name__ == "__main__":

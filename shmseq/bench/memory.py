@@ -9,8 +9,10 @@ moves a little with what else runs: compare systems measured side by side.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from typing import Collection, Iterator
 
 SAMPLE_SECONDS = 0.1  # reading one process's smaps_rollup took 2.6 ms (a trainer with torch)
 
@@ -32,9 +34,10 @@ def children(pid: int | None = None) -> set[int]:
     return found
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process under ``pid``."""
-    return [each for child in children(pid) for each in (child, *descendants(child))]
+def descendants(pid: int, apart: Collection[int] = ()) -> list[int]:
+    """Every live process under ``pid``, but those in ``apart`` and theirs."""
+    return [each for child in children(pid) if child not in apart
+            for each in (child, *descendants(child, apart))]
 
 
 def pss_bytes(pid: int) -> int:
@@ -47,9 +50,24 @@ def pss_bytes(pid: int) -> int:
 
 
 def tree_pss_bytes(pid: int | None = None) -> int:
-    """The PSS of ``pid`` (this process by default) and of every process under it."""
+    """The PSS of ``pid`` (this process by default) and of every process under it, but those
+    left ``apart``."""
     pid = os.getpid() if pid is None else pid
-    return sum(pss_bytes(each) for each in [pid, *descendants(pid)])
+    return sum(pss_bytes(each) for each in [pid, *descendants(pid, _APART)])
+
+
+_APART: set[int] = set()
+
+
+@contextlib.contextmanager
+def apart(pid: int) -> Iterator[None]:
+    """Within the block, leave process ``pid`` out of every tree's PSS: a process the bench runs
+    beside the loaders (a server), not theirs."""
+    _APART.add(pid)
+    try:
+        yield
+    finally:
+        _APART.discard(pid)
 
 
 class PeakPss:

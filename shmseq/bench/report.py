@@ -11,7 +11,7 @@ import json
 import os
 import platform
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -57,6 +57,14 @@ class Cell:
     runs: int = 1  # the repeats summarised: a spread needs two or more
     pss_bytes: float | None = None  # the process tree's peak PSS, median over the repeats
     pss_spread: tuple[int, int] | None = None
+    # a remote loader's figures (``Run``'s), median over the repeats, and their min-max by name
+    requests_per_sample: float | None = None
+    read_amplification: float | None = None
+    cache_peak_bytes: float | None = None
+    spreads: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+REMOTE_FIGURES = ("requests_per_sample", "read_amplification", "cache_peak_bytes")
 
 
 def _median(values: list) -> float | None:
@@ -80,12 +88,23 @@ def summarize(runs: list[Run], workloads: Mapping = WORKLOADS) -> list[Cell]:
                           _median([r.cpu_us_per_batch for r in group]),
                           _median([r.first_batch_seconds for r in group]), None,
                           _early_of_steady(group), len(group), _median(peaks),
-                          (min(peaks), max(peaks)) if peaks else None))
+                          (min(peaks), max(peaks)) if peaks else None, **_remote(group)))
     limits = {c.workload: c.gb_per_s for c in cells if c.system == LIMIT}
     for cell in cells:
         if cell.workload in limits:
             cell.of_limit = cell.gb_per_s / limits[cell.workload]
     return cells
+
+
+def _remote(group: list[Run]) -> dict:
+    """``Cell``'s remote figures of a group of runs: medians, and their min-max in ``spreads``."""
+    found: dict = {"spreads": {}}
+    for name in REMOTE_FIGURES:
+        values = [getattr(r, name) for r in group if getattr(r, name) is not None]
+        if values:
+            found[name] = _median(values)
+            found["spreads"][name] = (min(values), max(values))
+    return found
 
 
 def _early_of_steady(group: list[Run]) -> float | None:

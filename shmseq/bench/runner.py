@@ -32,14 +32,29 @@ class Run:
     first_batch_seconds: float | None = None
     early_batches_per_second: float | None = None  # over the EARLY_BATCHES after the first
     peak_pss_bytes: int | None = None  # the trainer's and its children's (memory.py)
+    # a remote loader's, over its timed window (streaming's remote mode):
+    requests_per_sample: float | None = None  # requests the server answered
+    read_amplification: float | None = None   # bytes it sent over the bytes of the samples
+    cache_peak_bytes: int | None = None       # the most its shard cache held
+
+
+class Window:
+    """What a run observes over its timed window besides the rate: ``begin(k)`` as it starts at
+    batch ``k``, ``end(k)`` as it ends before batch ``k``, returning ``Run`` fields."""
+
+    def begin(self, k: int) -> None:
+        pass
+
+    def end(self, k: int) -> dict:
+        return {}
 
 
 def _consume(batches, check: Callable[[int, object], None], k: int, minimum: int,
-             seconds: float) -> int:
+             seconds: float, whole: int = 1) -> int:
     """Take and check batches ``k``, ``k + 1``, ... for at least ``minimum`` batches and
-    ``seconds``; the next ``k``."""
+    ``seconds``, up to a multiple of ``whole``; the next ``k``."""
     first, since = k, time.perf_counter()
-    while k - first < minimum or time.perf_counter() - since < seconds:
+    while k - first < minimum or time.perf_counter() - since < seconds or k % whole:
         check(k, next(batches))
         k += 1
     return k
@@ -66,12 +81,15 @@ def measure(name: str, workload: Workload, repeat: int, seconds: float,
 
 def timed_run(name: str, workload: str, repeat: int, system: Callable[[], ContextManager[Iterator]],
               check: Callable[[int, object], None], seconds: float, warmup_seconds: float,
-              early_batches: int = EARLY_BATCHES) -> Run:
+              early_batches: int = EARLY_BATCHES, whole: int = 1,
+              window: Window | None = None) -> Run:
     """``measure``'s timing for any system (``system()`` makes it, on the clock: a context
     manager giving its batches) and any ``check(k, batch)`` of the ``k``-th batch: the first
     batch, the ``early_batches`` after it, a warm-up, then ``seconds`` of the steady state; the
     process tree's peak PSS, sampled during the warm-up and at the end (none of its timed
-    windows pays for the sampling)."""
+    windows pays for the sampling). ``whole``: the timed window begins and ends at a multiple
+    of that many batches (an epoch's); ``window`` observes it."""
+    window = window or Window()
     start = time.perf_counter()
     with system() as batches:
         k = _consume(batches, check, 0, 1, 0)
@@ -79,13 +97,15 @@ def timed_run(name: str, workload: str, repeat: int, system: Callable[[], Contex
         k = _consume(batches, check, k, early_batches, 0)
         early = early_batches / (time.perf_counter() - start - first_batch)
         with PeakPss() as memory:
-            k = _consume(batches, check, k, 0, warmup_seconds)
+            k = _consume(batches, check, k, 0, warmup_seconds, whole)
+        window.begin(k)
         cpu0, t0 = time.process_time(), time.perf_counter()
-        timed = _consume(batches, check, k, MIN_BATCHES, seconds) - k
+        timed = _consume(batches, check, k, MIN_BATCHES, seconds, whole) - k
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        observed = window.end(k + timed)
         memory.sample()
     return Run(name, workload, repeat, timed / elapsed, cpu / timed * 1e6, first_batch, early,
-               memory.peak)
+               memory.peak, **observed)
 
 
 def _everywhere(name: str, workload) -> bool:

@@ -13,6 +13,10 @@ connection)::
         root = s3.upload("shards", "bucket")       # "s3://bucket"
         seq = ShardSequence(f"{root}/shards.json", decode, storage_options=s3.storage_options)
 
+``ServerProcess("http", folder)`` or ``ServerProcess("s3")`` runs either in a process of its own,
+as the bench's remote mode does: the server's CPU, memory and interpreter lock are then not the
+trainer's, whose CPU and memory the bench measures.
+
 Both are werkzeug's threaded server, one connection per request (werkzeug closes each), with a
 request handler that adds the delay, paces what it writes to the cap (shared by all connections)
 and counts it. S3 is moto's application on that server rather than moto's own
@@ -22,6 +26,8 @@ faults too, answered as S3 answers them (a 503 is ``SlowDown``). Needs ``moto[se
 from __future__ import annotations
 
 import collections
+import contextlib
+import multiprocessing
 import os
 import socket
 import struct
@@ -195,6 +201,115 @@ class S3Server(ShapedServer):
         super().stop()
         BackendDict.reset()
         reset_model_data()
+
+
+class ServerProcess:
+    """A ``FileServer`` of ``directory`` (``kind`` "http") or an ``S3Server`` ("s3") in a forked
+    process of its own, with ``shaping`` (``delay``, ``bandwidth``), until ``stop()``: ``url``,
+    ``storage_options`` (S3's; None for HTTP), ``upload``, ``clear_log`` and ``counts`` as the
+    server's, each a message to that process."""
+
+    KINDS = ("http", "s3")
+
+    def __init__(self, kind: str, directory: str | os.PathLike | None = None, **shaping):
+        if kind not in self.KINDS:
+            raise ValueError(f"kind must be one of {', '.join(map(repr, self.KINDS))}, got {kind!r}")
+        context = multiprocessing.get_context("fork")
+        self._pipe, theirs = context.Pipe()
+        self.process = context.Process(target=_serve, args=(theirs, kind, directory, shaping),
+                                       name=f"shmseq-bench-{kind}-server", daemon=True)
+        self.process.start()
+        theirs.close()
+        try:
+            self.url, self.storage_options = self._answer()
+        except BaseException:
+            self.process.join()
+            raise
+
+    def _answer(self):
+        ok, value = self._pipe.recv()
+        if not ok:
+            raise value
+        return value
+
+    def _call(self, name: str, *args):
+        self._pipe.send((name, args))
+        return self._answer()
+
+    def upload(self, folder: str | os.PathLike, bucket: str) -> str:
+        """``S3Server.upload``: the bucket's URL."""
+        return self._call("upload", os.fspath(folder), bucket)
+
+    def clear_log(self) -> None:
+        self._call("clear_log")
+
+    def counts(self) -> tuple[int, int]:
+        """(requests, bytes sent) since the log was cleared."""
+        return self._call("counts")
+
+    def stop(self) -> None:
+        """Stop the server, and its process."""
+        if self.process.is_alive():
+            self._call("stop")
+        self.process.join()
+        self._pipe.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+_COMMANDS = {"upload": lambda server, folder, bucket: server.upload(folder, bucket),
+             "clear_log": lambda server: server.clear_log(),
+             "counts": lambda server: (server.requests, server.bytes_sent)}
+
+
+def _serve(pipe, kind: str, directory, shaping: dict) -> None:
+    """A ``ServerProcess``'s process: starts the server, answers each message until "stop"."""
+    try:
+        server = FileServer(directory, **shaping) if kind == "http" else S3Server(**shaping)
+    except Exception as exc:  # noqa: BLE001 - raised again in the parent
+        pipe.send((False, exc))
+        return
+    try:
+        pipe.send((True, (server.url, getattr(server, "storage_options", None))))
+        while (message := pipe.recv())[0] != "stop":
+            name, args = message
+            try:
+                pipe.send((True, _COMMANDS[name](server, *args)))
+            except Exception as exc:  # noqa: BLE001 - raised again in the parent
+                pipe.send((False, exc))
+    finally:
+        server.stop()
+    pipe.send((True, None))
+
+
+def stop_fsspec_io(asyn) -> None:
+    """Stop fsspec's event loop thread (``fsspecIO``, a daemon thread it starts for its HTTP and
+    S3 clients and never stops; it has no public call for this): close the clients on it, forget
+    the file systems made with it, stop it and its executor's threads, and let fsspec start a
+    fresh one when asked. ``asyn``: ``fsspec.asyn``."""
+    from fsspec.implementations.http import HTTPFileSystem
+    loop, thread = asyn.loop[0], asyn.iothread[0]
+    for fs in list(HTTPFileSystem._cache.values()):
+        if fs._session is not None:
+            asyn.sync(loop, fs._session.close)
+    HTTPFileSystem.clear_instance_cache()
+    with contextlib.suppress(ImportError):
+        from s3fs import S3FileSystem
+        for fs in list(S3FileSystem._cache.values()):
+            if fs._s3creator is not None:
+                asyn.sync(loop, fs._s3creator.__aexit__, None, None, None)
+        S3FileSystem.clear_instance_cache()
+    asyn.sync(loop, loop.shutdown_default_executor)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    if thread.is_alive():
+        raise RuntimeError("fsspec's IO thread did not stop within 10 s of its loop's stop")
+    loop.close()
+    asyn.reset_lock()
 
 
 class _Server(ThreadedWSGIServer):

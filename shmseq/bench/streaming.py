@@ -59,7 +59,8 @@ STAGE = "shmseq-gpu-decode" if STAGE_DEVICE == "cuda" else "shmseq-trainer-decod
 @dataclass(frozen=True)
 class ShardWorkload(ImageBatches):
     """Batches of ``batch_size`` ``side`` x ``side`` x 3 uint8 images and int64 labels, from
-    ``images`` samples of ``kind`` (``jpeg`` or ``uint8``) in shards of ``samples_per_shard``.
+    ``images`` samples of ``kind`` (``jpeg`` or ``uint8``) in shards of ``samples_per_shard``,
+    their shuffle bounded by ``shuffle_window`` samples or else (given) ``shuffle_shards`` shards.
     ``early_batches``: the batches after the first timed apart (``first N × steady``)."""
 
     name: str
@@ -69,6 +70,7 @@ class ShardWorkload(ImageBatches):
     samples_per_shard: int = 256
     side: int = 224
     shuffle_window: int = 1000
+    shuffle_shards: int | None = None
     early_batches: int = 10
 
     @property
@@ -76,10 +78,16 @@ class ShardWorkload(ImageBatches):
         """The name of its shards' folder: what they were made with."""
         return f"{self.kind}-{self.images}-{self.samples_per_shard}-{self.side}-{SEED}"
 
+    @property
+    def bounded(self) -> dict:
+        """How the shuffle is bounded, as ``ShardSequence`` takes it: one of the two."""
+        return ({"shuffle_shards": self.shuffle_shards} if self.shuffle_shards is not None
+                else {"shuffle_window": self.shuffle_window})
+
     def plan(self, index: ShardIndex) -> ShardPlan:
         """The epochs' batches, as both loaders take them."""
-        return ShardPlan(index, self.batch_size, shuffle_window=self.shuffle_window, shuffle=True,
-                         seed=SEED, last_batch="discard")
+        return ShardPlan(index, self.batch_size, **self.bounded, shuffle=True, seed=SEED,
+                         last_batch="discard")
 
 
 STREAM_WORKLOADS = {w.name: w for w in (ShardWorkload("shards-jpeg", "jpeg"),
@@ -112,30 +120,37 @@ class EpochBatches:
             yield from self.plan.batches(epoch)
 
 
-@contextmanager
-def _shard_sequence(prepared: Prepared, decode: Callable[[dict], object],
-                    batch_bytes: int | None, **options) -> Iterator[Iterator]:
-    """``ShardSequence`` over the plan's batches, slots sized to ``batch_bytes`` up front
-    where batches vary in size (so that none takes the overflow path), else (None) by the first
-    batches."""
-    workload = prepared.workload
+def shard_sequence(shards, workload: ShardWorkload, decode: Callable[[dict], object],
+                   batch_bytes: int | None = None, **options) -> ShardSequence:
+    """``ShardSequence`` over ``shards`` (an index, or its URL) with the plan's arguments,
+    slots sized to ``batch_bytes`` up front where batches vary in size (so that none takes the
+    overflow path), else (None) by the first batches."""
     slot_bytes = None if batch_bytes is None else batch_bytes + systems.SLOT_SLACK
-    seq = ShardSequence(prepared.index, decode, shuffle_window=workload.shuffle_window,
-                        batch_size=workload.batch_size, shuffle=True, seed=SEED,
-                        last_batch="discard", slot_bytes=slot_bytes,
-                        buffer=systems.IN_FLIGHT, num_workers=systems.NUM_WORKERS,
-                        start_method=systems.START_METHOD, **options)
+    return ShardSequence(shards, decode, **workload.bounded, batch_size=workload.batch_size,
+                         shuffle=True, seed=SEED, last_batch="discard", slot_bytes=slot_bytes,
+                         buffer=systems.IN_FLIGHT, num_workers=systems.NUM_WORKERS,
+                         start_method=systems.START_METHOD, **options)
+
+
+@contextmanager
+def started(seq: ShardSequence) -> Iterator[Iterator]:
+    """The sequence's batches, epoch after epoch; finished after the block."""
     try:
         yield systems._epochs(seq.start())
     finally:
         seq.finish()
 
 
+def cpu_out() -> str:
+    """What the worker-decoding systems hand over: torch CPU tensors, or numpy without torch."""
+    return "cpu" if torch_available() else "null"
+
+
 def shmseq_shards(prepared: Prepared) -> ContextManager[Iterator]:
     """``ShardSequence`` decoding in its workers, its ring sized by its first batches (its
     default: crops of one size, batches of one size)."""
-    return _shard_sequence(prepared, prepared.decode, None,
-                           out_type="cpu" if torch_available() else "null")
+    return started(shard_sequence(prepared.index, prepared.workload, prepared.decode,
+                                  out_type=cpu_out()))
 
 
 def decode_stage(side: int) -> DecodeStage:
@@ -147,15 +162,16 @@ def shmseq_decode_stage(prepared: Prepared) -> ContextManager[Iterator]:
     """``ShardSequence`` whose workers only read the encoded JPEGs, decoded in the trainer by a
     ``DecodeStage`` on ``STAGE_DEVICE`` into normalized float ``(N, 3, side, side)``."""
     workload = prepared.workload
-    return _shard_sequence(prepared, encoded_sample(),
-                           workload.batch_size * largest_sample(prepared.index),
-                           out_type=STAGE_DEVICE, device=decode_stage(workload.side))
+    return started(shard_sequence(prepared.index, workload, encoded_sample(),
+                                  workload.batch_size * largest_sample(prepared.index),
+                                  out_type=STAGE_DEVICE, device=decode_stage(workload.side)))
 
 
-def torch_shards(prepared: Prepared) -> ContextManager[Iterator]:
-    """torch's ``DataLoader`` over a ``ShardWorker``: one ``worker[ids]`` per batch."""
-    return systems._dataloader(ShardWorker(prepared.index, prepared.decode), "file_descriptor",
-                               batch_size=None,
+def torch_shards(prepared: Prepared, **options) -> ContextManager[Iterator]:
+    """torch's ``DataLoader`` over a ``ShardWorker``: one ``worker[ids]`` per batch
+    (``options``: the worker's, ``storage_options`` say)."""
+    return systems._dataloader(ShardWorker(prepared.index, prepared.decode, **options),
+                               "file_descriptor", batch_size=None,
                                sampler=EpochBatches(prepared.workload.plan(prepared.index)))
 
 
@@ -297,7 +313,8 @@ What the columns mean:
   (after the first N batches) and at the end of the timed window; median of the repeats
   (min-max). With as many batches in flight, shmseq's
   ring holds all its slots for the whole run, where torch's DataLoader holds the batches done
-  and not yet taken: fewer than its prefetch while the workers are the slower side.
+  and not yet taken: fewer than its prefetch while the workers are the slower side."""
+LIMIT_COLUMN = """\
 - × limit: images/s over the limit's. The limit is the workers' own work: the same
   ``worker[ids]`` calls (reading the samples at their offsets, decoding, stacking) on the same
   batches, by 1 and by 2 processes in turn, with no transport, no consumer and no batch kept;
@@ -331,23 +348,47 @@ def _per_image(cell: Cell, workload: ShardWorkload) -> float | None:
     return None if cell.cpu_us_per_batch is None else cell.cpu_us_per_batch / workload.batch_size
 
 
+# a remote loader's columns: (heading, ``Cell`` field, format, unit)
+REMOTE_COLUMNS = (("requests/sample", "requests_per_sample", ".3f", 1),
+                  ("read amp.", "read_amplification", ".2f", 1),
+                  ("peak cache MB", "cache_peak_bytes", ",.0f", 1e6))
+
+
 def table(cells: list[Cell], workloads: dict[str, ShardWorkload]) -> str:
+    """The cells as a markdown table; the × limit column where the limit ran, the remote
+    columns where a remote loader did (blank for the others)."""
     spread = " (min-max)" if any(c.runs > 1 for c in cells) else ""
     early = sorted({w.early_batches for w in workloads.values()})
-    lines = [f"| workload | system | images/s{spread} | batches/s | trainer CPU µs/batch | "
-             f"trainer CPU µs/image | first batch s | first {'/'.join(map(str, early))} × steady | "
-             "× limit | tree PSS MB |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    limit = any(c.system == LIMIT for c in cells)
+    remote = any(c.spreads for c in cells)
+    heads = ["workload", "system", f"images/s{spread}", "batches/s", "trainer CPU µs/batch",
+             "trainer CPU µs/image", "first batch s", f"first {'/'.join(map(str, early))} × steady",
+             *(["× limit"] * limit), "tree PSS MB",
+             *([heading for heading, *_ in REMOTE_COLUMNS] if remote else [])]
+    lines = [_row(heads), "| --- | --- |" + " ---: |" * (len(heads) - 2)]
     for c in cells:
         workload = workloads[c.workload]
         rate, rates = images_per_s(c, workload)
-        lines.append(f"| {c.workload} | {shown(c.system)} | "
-                     f"{with_spread(rate, rates, ',.0f', c.runs)} | "
-                     f"{c.batches_per_s:.1f} | {_fmt(c.cpu_us_per_batch, ',.0f')} | "
-                     f"{_fmt(_per_image(c, workload), ',.1f')} | {_fmt(c.first_batch_s, '.3f')} | "
-                     f"{_fmt(c.early_of_steady, '.2f')} | {of_limit(c.of_limit)} | "
-                     f"{_pss(c)} |")
+        lines.append(_row([c.workload, shown(c.system), with_spread(rate, rates, ',.0f', c.runs),
+                           f"{c.batches_per_s:.1f}", _fmt(c.cpu_us_per_batch, ',.0f'),
+                           _fmt(_per_image(c, workload), ',.1f'), _fmt(c.first_batch_s, '.3f'),
+                           _fmt(c.early_of_steady, '.2f'), *([of_limit(c.of_limit)] * limit),
+                           _pss(c), *([_remote_cell(c, *column[1:]) for column in REMOTE_COLUMNS]
+                                      if remote else [])]))
     return "\n".join(lines)
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _remote_cell(cell: Cell, name: str, spec: str, unit: float) -> str:
+    """A remote figure with its min-max; blank where the loader read no server."""
+    value = getattr(cell, name)
+    if value is None:
+        return ""
+    low, high = cell.spreads[name]
+    return with_spread(value / unit, (low / unit, high / unit), spec, cell.runs)
 
 
 def _pss(cell: Cell) -> str:
@@ -374,17 +415,21 @@ def drift_note(cells: list[Cell], workloads: dict[str, ShardWorkload]) -> str | 
             "than the limit.")
 
 
+def paired(runs: list[Run], workload: str, ours: str, theirs: str) -> list[tuple[Run, Run]]:
+    """(ours, theirs) on ``workload`` in every repeat where both ran (side by side)."""
+    by = {(r.system, r.repeat): r for r in runs if r.workload == workload}
+    repeats = sorted({repeat for _, repeat in by if (ours, repeat) in by and (theirs, repeat) in by})
+    return [(by[ours, r], by[theirs, r]) for r in repeats]
+
+
 def ratios(runs: list[Run], workload: str, ours: str = SHMSEQ,
            theirs: str = TORCH) -> dict[str, list[float]] | None:
     """``ours``' rate over ``theirs``', their CPU a batch over ours and ours' first batch over
     theirs, repeat by repeat (the two were run side by side), and ours' tree PSS over theirs
     where both were sampled; None unless both ran."""
-    by = {(r.system, r.repeat): r for r in runs if r.workload == workload}
-    repeats = sorted({repeat for system, repeat in by if (ours, repeat) in by
-                      and (theirs, repeat) in by})
-    if not repeats:
+    pairs = paired(runs, workload, ours, theirs)
+    if not pairs:
         return None
-    pairs = [(by[ours, r], by[theirs, r]) for r in repeats]
     found = {"rate": [mine.batches_per_second / other.batches_per_second for mine, other in pairs],
              "cpu": [other.cpu_us_per_batch / mine.cpu_us_per_batch for mine, other in pairs],
              "first": [mine.first_batch_seconds / other.first_batch_seconds
@@ -462,9 +507,11 @@ def highlights(runs: list[Run], cells: list[Cell], workloads: dict[str, ShardWor
 
 
 def markdown(runs: list[Run], workloads: dict[str, ShardWorkload], info: dict, settings: dict,
-             data: list[str], load: list[str], command: str, warning: str | None = None) -> str:
+             data: list[str], load: list[str], command: str, warning: str | None = None,
+             remote=None) -> str:
     """The table with its machine and load (a ``warning`` if it was busy), the data, the
-    columns, what it shows, the command."""
+    columns, what it shows, the command; ``remote`` (``remote_streaming.Report``) adds the
+    remote mode's notes, columns and lines."""
     cells = cells_of(runs, workloads)
     repeats = settings["repeats"]
     timed = (f"{repeats} interleaved repeats of {settings['seconds']:g} s, medians (min-max)"
@@ -473,11 +520,14 @@ def markdown(runs: list[Run], workloads: dict[str, ShardWorkload], info: dict, s
             f"{info['python']}, numpy {info['numpy']}, torch {info['torch']}. "
             f"{systems.NUM_WORKERS} workers and {settings['buffer']} batches in flight for every "
             f"loader; {timed}.")
-    shows = "\n".join(f"- {line}" for line in highlights(runs, cells, workloads))
+    shows = "\n".join(f"- {line}" for line in highlights(runs, cells, workloads)
+                      + (remote.highlights(runs, cells) if remote else []))
     decoded = [workloads[c.workload] for c in cells if c.system == STAGE]
+    columns = COLUMNS + ("\n" + LIMIT_COLUMN if any(c.system == LIMIT for c in cells) else "")
     parts = [head, "Load: " + "; ".join(load), warning, "Shards: " + "; ".join(data),
-             table(cells, workloads), drift_note(cells, workloads),
-             stage_note(decoded[0].side) if decoded else None, COLUMNS,
+             *(remote.notes(cells) if remote else []), table(cells, workloads),
+             drift_note(cells, workloads), stage_note(decoded[0].side) if decoded else None,
+             columns + ("\n" + remote.columns if remote else ""),
              f"What it shows:\n{shows}" if shows else None, f"Reproduce: `{command}`"]
     return "\n\n".join(part for part in parts if part) + "\n"
 
