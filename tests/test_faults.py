@@ -455,14 +455,25 @@ def _alive(pids) -> list[int]:
     return [pid for pid in pids if not _gone(pid)]
 
 
-def _run_until_killed(script: str, kill_after: float) -> tuple[int, list[int], float]:
-    """Run ``script``, which prints its workers' pids, and SIGKILL it ``kill_after`` s after:
-    its pid, the workers' pids, and when it died."""
+def _run_until_killed(script: str, inside: int) -> tuple[int, list[int], float]:
+    """Run ``script``, which prints its workers' pids, and SIGKILL it once ``inside`` of them
+    said they are in their 30-second call (``workers.say_inside``), and a moment more for them
+    to be in it: its pid, the workers' pids, and when it died. A run that never gets there
+    fails the test after a minute."""
     process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True)
+    guard = threading.Timer(60, process.kill)
+    guard.start()
     with process.stdout:  # the workers hold it too: never wait for its end
-        pids = [int(pid) for pid in process.stdout.readline().split()]
-        time.sleep(kill_after)
+        pids, entered = [], set()
+        while not (pids and len(entered) >= inside) and (line := process.stdout.readline()):
+            said, *numbers = line.split()
+            if said == "workers":
+                pids = [int(pid) for pid in numbers]
+            else:
+                entered.add(int(numbers[0]))
+        time.sleep(0.1)
+        guard.cancel()
         process.kill()
         process.wait(timeout=30)
         return process.pid, pids, time.monotonic()
@@ -479,7 +490,7 @@ def print_workers():
     while len(found := [p.pid for p in multiprocessing.active_children()
                         if p.name.startswith("shmseq-worker")]) < 2:
         time.sleep(0.01)
-    print(*found, flush=True)
+    print("workers", *found, flush=True)
 
 threading.Thread(target=print_workers, daemon=True).start()
 """
@@ -488,7 +499,7 @@ threading.Thread(target=print_workers, daemon=True).start()
 METHODS = ["fork", "spawn", "forkserver"]
 
 
-@pytest.mark.parametrize("worker", ["workers.Slow(30)", "workers.HoldsTheGil()"],
+@pytest.mark.parametrize("worker", ["workers.Sleeps()", "workers.HoldsTheGil()"],
                          ids=["python", "c-holding-the-gil"])
 @pytest.mark.parametrize("method", METHODS)
 def test_workers_inside_user_code_leave_within_a_second_of_a_killed_consumer(method, worker):
@@ -498,7 +509,7 @@ def test_workers_inside_user_code_leave_within_a_second_of_a_killed_consumer(met
                               out_type="null", start_method={method!r}).start()
             next(iter(seq))
     """)
-    consumer, pids, died = _run_until_killed(script, kill_after=2.0)  # both inside Slow(30)
+    consumer, pids, died = _run_until_killed(script, inside=1)  # the batches may all go to one
     assert len(pids) == 2
     while _alive(pids) and time.monotonic() - died < 5:
         time.sleep(0.02)
@@ -530,7 +541,7 @@ def test_workers_follow_the_process_not_the_thread_that_started_them(method, sta
                 seq = starter.submit(start, False).result()
             next(iter(seq))  # its thread has ended
     """)
-    consumer, pids, died = _run_until_killed(script, kill_after=2.0)
+    consumer, pids, died = _run_until_killed(script, inside=1)
     assert len(pids) == 2
     while _alive(pids) and time.monotonic() - died < 5:
         time.sleep(0.02)
@@ -548,7 +559,7 @@ def test_a_kill_during_start_with_workers_in_their_constructor_leaves_nothing(me
             ShmSequence({worker}, 400, batch_size=4, num_workers=2, slot_bytes=4096,
                         out_type="null", start_method={method!r}).start()
     """)
-    consumer, pids, died = _run_until_killed(script, kill_after=1.5)
+    consumer, pids, died = _run_until_killed(script, inside=2)
     assert len(pids) == 2
     while (_alive(pids) or shm_entries({consumer})) and time.monotonic() - died < 5:
         time.sleep(0.02)
