@@ -473,43 +473,36 @@ def _alive(pids) -> list[int]:
 
 
 def _run_until_killed(script: str, inside: int) -> tuple[int, list[int], float]:
-    """Run ``script``, which prints its workers' pids, and SIGKILL it once ``inside`` of them
-    said they are in their 30-second call (``workers.say_inside``), and a moment more for them
-    to be in it: its pid, the workers' pids, and when it died. A run that never gets there
-    fails the test after a minute."""
+    """Run ``script`` and SIGKILL it once ``inside`` of its workers said they are in their
+    30-second call (``workers.say_inside``), and a moment more for them to be in it: its pid,
+    the workers' pids (from the line ``workers PID PID`` the script prints, else from what
+    both workers said), and when it died. A run that never gets there fails after a minute."""
     process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True)
     guard = threading.Timer(60, process.kill)
     guard.start()
     with process.stdout:  # the workers hold it too: never wait for its end
-        pids, entered = [], set()
-        while not (pids and len(entered) >= inside) and (line := process.stdout.readline()):
+        pids, entered = [], []
+        while ((len(entered) < inside or len(pids or entered) < 2)
+               and (line := process.stdout.readline())):
             said, *numbers = line.split()
             if said == "workers":
                 pids = [int(pid) for pid in numbers]
             else:
-                entered.add(int(numbers[0]))
+                entered.append(int(numbers[0]))
         time.sleep(0.1)
         guard.cancel()
         process.kill()
         process.wait(timeout=30)
-        return process.pid, pids, time.monotonic()
+        return process.pid, pids or entered, time.monotonic()
 
 
-_PRINT_WORKERS = """
-import concurrent.futures, multiprocessing, sys, threading, time
+_IMPORTS = """
+import concurrent.futures, sys, threading, time
 sys.path.insert(0, {tests!r})
 from shmseq import ShmSequence
 from shmseq.testing import worker_pids
 import workers
-
-def print_workers():
-    while len(found := [p.pid for p in multiprocessing.active_children()
-                        if p.name.startswith("shmseq-worker")]) < 2:
-        time.sleep(0.01)
-    print("workers", *found, flush=True)
-
-threading.Thread(target=print_workers, daemon=True).start()
 """
 
 
@@ -520,10 +513,11 @@ METHODS = ["fork", "spawn", "forkserver"]
                          ids=["python", "c-holding-the-gil"])
 @pytest.mark.parametrize("method", METHODS)
 def test_workers_inside_user_code_leave_within_a_second_of_a_killed_consumer(method, worker):
-    script = _PRINT_WORKERS.format(tests=str(TESTS)) + textwrap.dedent(f"""
+    script = _IMPORTS.format(tests=str(TESTS)) + textwrap.dedent(f"""
         if __name__ == "__main__":
             seq = ShmSequence({worker}, 400, batch_size=4, num_workers=2, slot_bytes=4096,
                               out_type="null", start_method={method!r}).start()
+            print("workers", *worker_pids(seq), flush=True)
             next(iter(seq))
     """)
     consumer, pids, died = _run_until_killed(script, inside=1)  # the batches may all go to one
@@ -542,10 +536,11 @@ def test_workers_follow_the_process_not_the_thread_that_started_them(method, sta
     """Frameworks start loaders from threads (prefetchers, servers, notebooks' jobs): workers
     in a C call that holds the GIL (no watchdog thread of theirs can run) still leave within a
     second of the trainer's death."""
-    script = _PRINT_WORKERS.format(tests=str(TESTS)) + textwrap.dedent(f"""
+    script = _IMPORTS.format(tests=str(TESTS)) + textwrap.dedent(f"""
         def start(then_take_one):
             seq = ShmSequence(workers.HoldsTheGil(), 400, batch_size=4, num_workers=2,
                               slot_bytes=4096, out_type="null", start_method={method!r}).start()
+            print("workers", *worker_pids(seq), flush=True)
             if then_take_one:
                 next(iter(seq))
             return seq
@@ -571,7 +566,7 @@ def test_workers_follow_the_process_not_the_thread_that_started_them(method, sta
                          ids=["python", "c-holding-the-gil"])
 @pytest.mark.parametrize("method", METHODS)
 def test_a_kill_during_start_with_workers_in_their_constructor_leaves_nothing(method, worker):
-    script = _PRINT_WORKERS.format(tests=str(TESTS)) + textwrap.dedent(f"""
+    script = _IMPORTS.format(tests=str(TESTS)) + textwrap.dedent(f"""
         if __name__ == "__main__":
             ShmSequence({worker}, 400, batch_size=4, num_workers=2, slot_bytes=4096,
                         out_type="null", start_method={method!r}).start()
