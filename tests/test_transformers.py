@@ -6,41 +6,51 @@ import os
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the hub: never ask it
-transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 import torch_datasets as data  # noqa: E402
-from shmseq.transformers import Trainer as RingTrainer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning",
                                         "ignore::FutureWarning")
 
 
-class RingBatches(transformers.TrainerCallback):
-    """The loaders the Trainer used, to count the batches they brought through the ring."""
-
-    def __init__(self):
-        self.loaders = {"train": {}, "eval": {}}
-
-    def on_step_end(self, args, state, control, train_dataloader=None, **kwargs):
-        self._saw("train", train_dataloader)
-
-    def on_evaluate(self, args, state, control, eval_dataloader=None, **kwargs):
-        self._saw("eval", eval_dataloader)
-
-    def _saw(self, kind: str, loader) -> None:
-        base = getattr(loader, "base_dataloader", loader)
-        self.loaders[kind][id(base)] = base
-
-    def counts(self) -> dict:
-        """Batches through the ring, by kind of loader (none: torch's loaders)."""
-        return {kind: sum(getattr(base, "stats", None) and base.stats.batches or 0
-                          for base in loaders.values())
-                for kind, loaders in self.loaders.items()}
+@pytest.fixture(scope="module")
+def transformers():
+    """transformers, imported as these tests run, not as the suite is collected: its Trainer
+    takes 140 MB of the suite's process, whose page tables every worker forked after it copies
+    (a fork took twice as long)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the hub: never ask it
+    return pytest.importorskip("transformers")
 
 
-def fit(trainer_class, output_dir, persistent_workers: bool):
+def ring_batches(transformers):
+    """A callback that keeps the loaders the Trainer used, to count the batches they brought
+    through the ring."""
+
+    class RingBatches(transformers.TrainerCallback):
+        def __init__(self):
+            self.loaders = {"train": {}, "eval": {}}
+
+        def on_step_end(self, args, state, control, train_dataloader=None, **kwargs):
+            self._saw("train", train_dataloader)
+
+        def on_evaluate(self, args, state, control, eval_dataloader=None, **kwargs):
+            self._saw("eval", eval_dataloader)
+
+        def _saw(self, kind: str, loader) -> None:
+            base = getattr(loader, "base_dataloader", loader)
+            self.loaders[kind][id(base)] = base
+
+        def counts(self) -> dict:
+            """Batches through the ring, by kind of loader (none: torch's loaders)."""
+            return {kind: sum(getattr(base, "stats", None) and base.stats.batches or 0
+                              for base in loaders.values())
+                    for kind, loaders in self.loaders.items()}
+
+    return RingBatches()
+
+
+def fit(transformers, trainer_class, output_dir, persistent_workers: bool):
     """Train 4 steps, evaluating every 2 and once more after: the logged losses (step, loss),
     and the ring's batches."""
     torch.manual_seed(0)
@@ -52,7 +62,7 @@ def fit(trainer_class, output_dir, persistent_workers: bool):
         per_device_eval_batch_size=4, eval_strategy="steps", eval_steps=2, logging_steps=1,
         save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
         dataloader_num_workers=2, dataloader_persistent_workers=persistent_workers)
-    ring = RingBatches()
+    ring = ring_batches(transformers)
     trainer = trainer_class(model=model, args=args, train_dataset=data.TokenSequences(32),
                             eval_dataset=data.TokenSequences(8), callbacks=[ring])
     trainer.train()
@@ -65,9 +75,10 @@ def fit(trainer_class, output_dir, persistent_workers: bool):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("persistent_workers", [False, True])
 def test_a_trainer_on_the_ring_trains_and_evaluates_as_on_torchs_loader(persistent_workers,
-                                                                        tmp_path):
-    torchs, none = fit(transformers.Trainer, tmp_path / "torch", persistent_workers)
-    ours, ring = fit(RingTrainer, tmp_path / "shmseq", persistent_workers)
+                                                                        transformers, tmp_path):
+    from shmseq.transformers import Trainer as RingTrainer
+    torchs, none = fit(transformers, transformers.Trainer, tmp_path / "torch", persistent_workers)
+    ours, ring = fit(transformers, RingTrainer, tmp_path / "shmseq", persistent_workers)
     assert ours == torchs and len(torchs) == 4 + 3
     assert none == {"train": 0, "eval": 0}
     assert ring["train"] >= 4 and ring["eval"] >= 3 * 2  # every step's batch, 3 evaluations of 2

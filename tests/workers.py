@@ -233,7 +233,10 @@ class SlowStart5(SlowStart):
 
 
 class SlowStart30(SlowStart):
+    """Spends 30 s in its constructor in Python, having said so (``say_inside``)."""
+
     def __init__(self):
+        say_inside()
         super().__init__(30)
 
 
@@ -258,6 +261,24 @@ class ThreadCount:
         return np.full(len(indices), torch.get_num_threads())
 
 
+def say_inside() -> None:
+    """Write ``inside <pid>`` to stdout, which a worker shares with its consumer, as the worker
+    enters a 30-second call: a test kills the consumer once its workers are there, instead of
+    after a fixed wait long enough for a spawned worker on a busy machine to get there."""
+    import os
+    os.write(1, f"inside {os.getpid()}\n".encode())
+
+
+class Sleeps:
+    """Spends 30 s a batch in Python (``time.sleep``), having said so."""
+
+    def __getitem__(self, indices):
+        import time
+        say_inside()
+        time.sleep(30)
+        return indices
+
+
 def sleep_holding_the_gil(seconds: int) -> None:
     """A C call that keeps the GIL (``ctypes.PyDLL`` does not let go of it): no Python thread
     of the process runs meanwhile, a watchdog thread included."""
@@ -266,17 +287,19 @@ def sleep_holding_the_gil(seconds: int) -> None:
 
 
 class HoldsTheGil:
-    """Spends 30 s a batch in a C call that holds the GIL."""
+    """Spends 30 s a batch in a C call that holds the GIL, having said so."""
 
     def __getitem__(self, indices):
+        say_inside()
         sleep_holding_the_gil(30)
         return indices
 
 
 class HoldsTheGilStarting(SlowStart):
-    """Spends 30 s in its constructor in a C call that holds the GIL."""
+    """Spends 30 s in its constructor in a C call that holds the GIL, having said so."""
 
     def __init__(self):
+        say_inside()
         sleep_holding_the_gil(30)
 
 
