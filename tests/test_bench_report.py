@@ -153,20 +153,27 @@ def _hold_pages(ready, done, megabytes: int) -> None:
     done.wait(30)
 
 
-def test_the_tree_pss_counts_the_processes_under_the_trainer():
-    """What the streaming report's PSS column sums: this process and every one under it (a
-    loader's workers), each page they share counted once."""
+@contextlib.contextmanager
+def child_holding(megabytes: int):
+    """A forked child that holds ``megabytes`` of pages of its own until the block ends."""
     context = multiprocessing.get_context("fork")
     ready, done = context.Event(), context.Event()
-    child = context.Process(target=_hold_pages, args=(ready, done, 64))
+    child = context.Process(target=_hold_pages, args=(ready, done, megabytes))
     child.start()
     try:
         assert ready.wait(30)
-        assert pss_bytes(child.pid) > 64 << 20
-        assert tree_pss_bytes() - pss_bytes(os.getpid()) > 64 << 20
+        yield child
     finally:
         done.set()
         child.join()
+
+
+def test_the_tree_pss_counts_the_processes_under_the_trainer():
+    """What the streaming report's PSS column sums: this process and every one under it (a
+    loader's workers), each page they share counted once."""
+    with child_holding(64) as child:
+        assert pss_bytes(child.pid) > 64 << 20
+        assert tree_pss_bytes() - pss_bytes(os.getpid()) > 64 << 20
 
 
 # -- the streaming bench's remote mode -------------------------------------------------------------
@@ -308,19 +315,11 @@ def test_the_remote_options_are_checked(argv, said, capsys):
 
 
 def test_a_process_left_apart_is_not_in_the_trees_pss():
-    context = multiprocessing.get_context("fork")
-    ready, done = context.Event(), context.Event()
-    child = context.Process(target=_hold_pages, args=(ready, done, 64))
-    child.start()
-    try:
-        assert ready.wait(30)
+    with child_holding(64) as child:
         with_child = tree_pss_bytes()
         with memory.apart(child.pid):
             assert with_child - tree_pss_bytes() > 64 << 20
         assert tree_pss_bytes() > with_child - (32 << 20)  # counted again after the block
-    finally:
-        done.set()
-        child.join()
 
 
 def test_a_server_in_a_process_of_its_own_counts_what_it_serves(tmp_path):
