@@ -1,8 +1,17 @@
 import gc
+import signal
 
 import pytest
 
 from leaks import assert_nothing_left, shm_entries
+
+
+def pytest_configure(config):
+    """Ctrl-C as a terminal sends it, whatever started the suite: a shell without job control
+    starts a background command (``pytest &``) with SIGINT ignored, which Python keeps and every
+    process it starts inherits, so the tests that send a Ctrl-C would see it lost."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True, scope="module")
