@@ -20,7 +20,7 @@ QUICK = RemotePolicy(attempts=3, backoff=0.01)  # retries 5 to 20 ms apart
 DATA = bytes(range(256)) * 40  # 10,240 bytes
 
 
-@pytest.fixture(params=["http", "s3"])
+@pytest.fixture(params=["http", pytest.param("s3", marks=pytest.mark.last)])
 def store(request, tmp_path):
     """(the URL of a folder holding ``data.bin`` and the shards, storage_options, its server)."""
     (tmp_path / "data.bin").write_bytes(DATA)
