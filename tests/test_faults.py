@@ -498,11 +498,15 @@ def _run_until_killed(script: str, inside: int) -> tuple[int, list[int], float]:
 
 
 _IMPORTS = """
-import concurrent.futures, sys, threading, time
+import concurrent.futures, os, sys, threading, time
 sys.path.insert(0, {tests!r})
 from shmseq import ShmSequence
 from shmseq.testing import worker_pids
 import workers
+
+def say_workers(seq):
+    # one write, which a worker's own line cannot cut in two
+    os.write(1, ("workers " + " ".join(map(str, worker_pids(seq))) + chr(10)).encode())
 """
 
 
@@ -517,7 +521,7 @@ def test_workers_inside_user_code_leave_within_a_second_of_a_killed_consumer(met
         if __name__ == "__main__":
             seq = ShmSequence({worker}, 400, batch_size=4, num_workers=2, slot_bytes=4096,
                               out_type="null", start_method={method!r}).start()
-            print("workers", *worker_pids(seq), flush=True)
+            say_workers(seq)
             next(iter(seq))
     """)
     consumer, pids, died = _run_until_killed(script, inside=1)  # the batches may all go to one
@@ -540,7 +544,7 @@ def test_workers_follow_the_process_not_the_thread_that_started_them(method, sta
         def start(then_take_one):
             seq = ShmSequence(workers.HoldsTheGil(), 400, batch_size=4, num_workers=2,
                               slot_bytes=4096, out_type="null", start_method={method!r}).start()
-            print("workers", *worker_pids(seq), flush=True)
+            say_workers(seq)
             if then_take_one:
                 next(iter(seq))
             return seq
