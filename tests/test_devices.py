@@ -72,7 +72,7 @@ def test_no_slot_is_rewritten_before_its_copy_completes(backend):
 
 def test_the_identity_check_catches_a_slot_released_too_early(monkeypatch):
     monkeypatch.setattr(Ring, "track_copy", lambda self, slot, completion: None)  # the bug
-    epochs, seq = run(dset_size=200, epochs=1, device=Fakes(max_delay=0.002))
+    epochs, seq = run(dset_size=400, epochs=1, device=Fakes(max_delay=0.02))  # copies slower than writes
     with pytest.raises(AssertionError, match="rewritten before its copy completed"):
         assert_intact(epochs, seq)
 
