@@ -293,8 +293,8 @@ def _with_retries(url: str, request: Callable[[], T], policy: RemotePolicy,
             counters.add(retries=1)
             if stop is None:
                 time.sleep(policy.delay(attempt))
-            elif stop.wait(policy.delay(attempt)):
-                raise FetchStopped(f"{url}: stopped")
+            else:
+                stop.wait(policy.delay(attempt))  # cut short by a stop, raised at the loop's top
     finally:
         counters.add(wait_s=time.perf_counter() - began)
 
