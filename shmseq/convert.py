@@ -15,28 +15,16 @@ from __future__ import annotations
 
 import functools
 import traceback
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 
 from .errors import PipelineClosed, ShmSeqError, add_note, warn_user
 from .layout import batch_reader, map_arrays, slot_bytes_for
-from .pool import Reply
+from .protocol import Delivery, Reply
 from .ring import Ring
 from .stats import LoaderStats
 from .workers import skipped_by
-
-
-class Delivery(NamedTuple):
-    """A batch ready for the consumer (or the error to raise in its place)."""
-    batch: object          # what the consumer gets
-    copy: object = None    # the device's copy still in flight, if any
-    in_slot: bool = False  # the batch is views of a leased slot
-    payload_bytes: int = 0  # size of a payload too large for its slot (overflow), else 0
-    nbytes: int = 0         # the batch's array bytes
-    error: Callable[[], BaseException] | None = None  # makes the error (see pool.Reply)
-    ended: bool = False     # no batch: a worker's stream had ended (a stream's pass skips it)
-    skipped: tuple = ()     # what the worker's skip policy left out of it (see pool.Reply)
 
 
 class OrderedOutput:
@@ -66,7 +54,7 @@ class OrderedOutput:
             self._closed = reason
 
     def check(self) -> None:
-        """Raise ``PipelineClosed`` once closed (a new one each time: see pool.Reply)."""
+        """Raise ``PipelineClosed`` once closed (a new one each time: see protocol.Reply)."""
         if self._closed is not None:
             raise PipelineClosed(self._closed)
 

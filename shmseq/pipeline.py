@@ -22,12 +22,13 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from .convert import Converter, Delivery, OrderedOutput, handed_over
+from .convert import Converter, OrderedOutput, handed_over
 from .devices import Device, make_device
 from .errors import BatchTimeout, PipelineClosed, ShmSeqError
 from .layout import encode_batch, read_batch, slot_bytes_for
 from .plan import BatchStream, Plan
-from .pool import Reply, Waker, WorkerPool, brief
+from .protocol import Delivery, Reply
+from .pool import Waker, WorkerPool, brief
 from .ring import Ring
 from .stats import LoaderStats
 from .worker_handle import JOIN_SECONDS

@@ -8,8 +8,9 @@ The consumer's thread drives the pool (``exchange``) at each of its steps (pipel
 2. it waits on every worker's reply pipe and process sentinel at once (and on the waker,
    which other threads use to cut the wait short), so that a worker that dies is reported
    at once, as ``concurrent.futures`` and ``loky`` do;
-3. each reply becomes a ``Reply``: a batch written in its slot, an encoded batch (too
-   large for its slot), or the worker's error.
+3. each reply (protocol.py's messages, matched by type in ``_handle``) becomes a ``Reply``:
+   a batch written in its slot, an encoded batch (too large for its slot), or the worker's
+   error.
 
 Before there is a ring (its slot size is not known yet), each worker gets one batch at a
 time without a slot, builds it and tells its size: the first size sizes the ring, and each
@@ -26,35 +27,22 @@ import select
 import signal
 import threading
 import time
-from typing import Callable, NamedTuple
 
 import numpy as np
 
 from .errors import WorkerDied, raised_in_worker, warn_user
 from .lifeline import ProcessId, hold_starting_thread, release_starting_thread
 from .plan import BatchStream, Task
+from .protocol import (Attached, Built, Counted, Done, Ended, Failed, FromWorker,
+                       InitFailed, MapRing, Overflow, Place, Ready, Rebuild, Reply, Skipped, Stop,
+                       TakeWorker)
 from .ring import Ring
 from .stats import LoaderStats
 from .board import Board
 from .worker_handle import (JOIN_SECONDS, WorkerHandle, consumer_ends, end_workers, pickled_for,
                             preload_in_fork_server, start_worker)
-from .wire import framed, task_frame
+from .wire import build_frame, framed
 from .workers import WorkerInfo
-
-
-class Reply(NamedTuple):
-    """What a reply brings: batch ``number`` in ``slot``, or as ``payload`` bytes (it
-    ``overflowed`` its slot, or was built without one and given none), or ``error``, which
-    makes the error to raise in its place (made when raised: an exception kept in a frame of
-    its own traceback is a reference cycle, which would keep the consumer's batches, and their
-    ring, until a garbage collection)."""
-    number: int
-    slot: int | None
-    payload: np.ndarray | None = None
-    error: Callable[[], BaseException] | None = None
-    overflowed: bool = False
-    ended: bool = False  # no batch: the worker's stream ended (workers.StreamEnded), or it died
-    skipped: tuple = ()  # samples the worker's skip policy left out, why (counted when delivered)
 
 
 class Waker:
@@ -211,7 +199,7 @@ class WorkerPool:
                               board=None if self._board is None else self._board.spec)
         self._events.watch(handle.replies.fd, (self._receive, handle))
         if self._pickled_worker is not None:  # see workers._received_worker
-            self._send(handle, framed(("worker", self._pickled_worker)))
+            self._send(handle, framed(TakeWorker(self._pickled_worker)))
         if handle.sentinel is not None:
             self._events.watch(handle.sentinel, (self._died, handle))
         return handle
@@ -220,7 +208,7 @@ class WorkerPool:
         """Send the ring to every worker, which maps it, and give the batches they hold slots."""
         self.ring = ring
         for handle in self._workers:
-            self._send(handle, framed(("ring", ring.spec)))
+            self._send(handle, framed(MapRing(ring.spec)))
         self._place_built()
 
     def built_sizes(self) -> list[int]:
@@ -238,7 +226,7 @@ class WorkerPool:
             if slot is not None:
                 self._unslotted -= 1
                 handle.open[number] = (handle.open[number][0], slot)
-            self._send(handle, framed(("slot", number, slot)))
+            self._send(handle, framed(Place(number, slot)))
         self._built.clear()
 
     def started(self, mapped: bool = True) -> bool:
@@ -339,7 +327,7 @@ class WorkerPool:
         if self._in_turn:
             self._turn = (chosen.wid + 1) % len(self._workers)  # a worker's id is its place
         chosen.open[task.number] = (task.indices, slot)
-        self._send(chosen, task_frame(task.number, slot, task.indices))
+        self._send(chosen, build_frame(task.number, slot, task.indices))  # a Build
 
     def _send(self, handle: WorkerHandle, message: bytes) -> None:
         """Send a framed message; never blocks: what the pipe cannot take waits until the
@@ -371,52 +359,47 @@ class WorkerPool:
             handle.close_replies()
             return []
 
-    def _handle(self, handle: WorkerHandle, message: tuple, received: list[Reply]) -> None:
-        kind = message[0]
-        if kind == "done":
-            _, number, slot, size, busy = message
-            handle.closed(number)
-            self.stats.worker_busy_s += busy
-            self.ring.written(slot)
-            received.append(Reply(number, slot, skipped=self._skipped.pop(number, ())))
-        elif kind == "overflow":
-            _, number, slot, payload, busy = message
-            handle.closed(number)
-            self.stats.worker_busy_s += busy
-            self._give_back(slot)
-            received.append(Reply(number, None, payload, overflowed=slot is not None,
-                                  skipped=self._skipped.pop(number, ())))
-        elif kind == "error":
-            _, number, slot, info = message
-            indices = handle.closed(number)
-            self._give_back(slot)
-            what = (f"{handle.describe()} failed on {self.stream.name(number)} "
-                    f"(sample indices {brief(indices)})")
-            received.append(Reply(number, None, error=functools.partial(
-                raised_in_worker, info, what=what, batch_indices=indices, batch_number=number)))
-        elif kind == "built":  # held by its worker until it is given a slot (or none)
-            _, number, size = message
-            self._built.append((handle, number, size))
-            if self.ring is not None:
-                self._place_built()
-        elif kind == "ended":
-            _, number, slot = message
-            handle.closed(number)
-            self._give_back(slot)
-            received.append(Reply(number, None, ended=True))
-            if number >= self._pass_first:
-                self._stream_ended(handle.wid)
-        elif kind == "counted":  # a worker's counts (remote reads); its batch's reply follows
-            self.stats.add_counts(message[1])
-        elif kind == "skipped":  # the batch's own reply follows in the same write
-            _, number, skipped = message
-            self._skipped[number] = tuple(skipped)
-        elif kind == "ready":
-            handle.ready = True
-        elif kind == "attached":
-            handle.attached = True
-        elif kind == "init_error":
-            raise raised_in_worker(message[2], what=f"{handle.describe()} failed to start")
+    def _handle(self, handle: WorkerHandle, message: FromWorker, received: list[Reply]) -> None:
+        match message:
+            case Done(number, slot, _, busy):
+                handle.closed(number)
+                self.stats.worker_busy_s += busy
+                self.ring.written(slot)
+                received.append(Reply(number, slot, skipped=self._skipped.pop(number, ())))
+            case Overflow(number, slot, payload, busy):
+                handle.closed(number)
+                self.stats.worker_busy_s += busy
+                self._give_back(slot)
+                received.append(Reply(number, None, payload, overflowed=slot is not None,
+                                      skipped=self._skipped.pop(number, ())))
+            case Failed(number, slot, error):
+                indices = handle.closed(number)
+                self._give_back(slot)
+                what = (f"{handle.describe()} failed on {self.stream.name(number)} "
+                        f"(sample indices {brief(indices)})")
+                received.append(Reply(number, None, error=functools.partial(
+                    raised_in_worker, error, what=what, batch_indices=indices,
+                    batch_number=number)))
+            case Built(number, size):  # held by its worker until it is given a slot (or none)
+                self._built.append((handle, number, size))
+                if self.ring is not None:
+                    self._place_built()
+            case Ended(number, slot):
+                handle.closed(number)
+                self._give_back(slot)
+                received.append(Reply(number, None, ended=True))
+                if number >= self._pass_first:
+                    self._stream_ended(handle.wid)
+            case Counted(counts):  # a worker's counts (remote reads); its batch's reply follows
+                self.stats.add_counts(counts)
+            case Skipped(number, samples):  # the batch's own reply follows in the same write
+                self._skipped[number] = tuple(samples)
+            case Ready():
+                handle.ready = True
+            case Attached():
+                handle.attached = True
+            case InitFailed(_, error):
+                raise raised_in_worker(error, what=f"{handle.describe()} failed to start")
 
     def begin_pass(self, first_number: int) -> None:
         """A new pass starts with batch ``first_number``: every worker's stream starts again."""
@@ -547,7 +530,7 @@ class WorkerPool:
         order."""
         for number in sorted(dead.open, key=lambda number: (number != first, number)):
             indices, slot = heir.open[number] = dead.open[number]
-            self._send(heir, framed(("again", number, slot, indices)))
+            self._send(heir, framed(Rebuild(number, slot, indices)))
 
     def _replace(self, dead: WorkerHandle) -> WorkerHandle:
         """The dead worker's replacement, started in its place and given the ring."""
@@ -560,7 +543,7 @@ class WorkerPool:
         self._replacements.add(handle)
         self._workers[self._workers.index(dead)] = handle
         if self.ring is not None:
-            self._send(handle, framed(("ring", self.ring.spec)))
+            self._send(handle, framed(MapRing(self.ring.spec)))
         return handle
 
     def _unwatch(self, handle: WorkerHandle) -> None:
@@ -588,7 +571,7 @@ class WorkerPool:
         self._stopped = True
         try:
             for handle in self._workers:
-                self._send(handle, framed(None))
+                self._send(handle, framed(Stop()))
             self._drain_until_exited(time.monotonic() + grace)
         finally:
             self._events.close()

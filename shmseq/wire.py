@@ -1,8 +1,10 @@
-"""What crosses the pipes between the consumer and its workers, and how it is read and written.
+"""How the messages of protocol.py cross a pipe: framed, written and read.
 
-The two messages every batch costs travel as fixed binary records: ``("task", number, slot,
-indices)`` to a worker, ``("done", number, slot, size, seconds)`` back. The rare ones (the
-ring, stop, errors, overflow batches, multi-shard tasks) are pickled. Messages are framed as
+``Build`` and ``Done``, the two messages every batch costs, travel as fixed binary records
+(``build_frame``, ``done_frame``: their fast path, with no message object made to send
+them); the others (the ring, stop, errors, overflow batches, counts, multi-shard tasks) are
+pickled as a plain tuple, their kind's number first (a message pickled as itself would cost
+six times as much: its class is looked up by name at each end). Messages are framed as
 ``multiprocessing.Connection`` frames them (a big-endian length first), so either side may
 use a ``Connection``; both read with ``FrameReader``, every complete message in one read.
 """
@@ -14,61 +16,80 @@ import struct
 
 import numpy as np
 
-_TASK = struct.Struct("!qq")          # number, slot (-1: none, a batch built before the ring)
+from .protocol import (Attached, Build, Built, Counted, Done, Ended, Failed, FromWorker, InitFailed,
+                       MapRing, Overflow, Place, Ready, Rebuild, Skipped, Stop, TakeWorker, ToWorker)
+
+_BUILD = struct.Struct("!qq")         # number, slot (-1: none, a batch built before the ring)
 _DONE = struct.Struct("<qqqd")        # number, slot, bytes written, seconds spent
-_TASK_TAG, _DONE_TAG, _PICKLE_TAG = b"T", b"D", b"P"
+_BUILD_TAG, _DONE_TAG, _PICKLE_TAG = b"T", b"D", b"P"
+_BUILD_BYTE, _DONE_BYTE = _BUILD_TAG[0], _DONE_TAG[0]  # as decode finds them, looked up once
+_unpack_done, _unpack_build = _DONE.unpack_from, _BUILD.unpack_from
 _FRAME = struct.Struct("!i")          # Connection's message header,
 _LARGE = struct.Struct("!Q")          # and its second one, for messages of 2 GiB or more
-_TASK_HEAD = struct.Struct("!icqq")   # a task's frame header, tag, number and slot in one
+_BUILD_HEAD = struct.Struct("!icqq")  # a Build's frame header, tag, number and slot in one
 _DONE_HEAD = _FRAME.pack(1 + _DONE.size) + _DONE_TAG
 _READ_BYTES = 1 << 16
+_new = tuple.__new__  # a message made from its fields, as NamedTuple's _make but without its checks
+
+Message = ToWorker | FromWorker
+_KINDS = (Build, Rebuild, MapRing, Place, TakeWorker, Stop,
+          Ready, Attached, Built, Done, Overflow, Failed, Ended, Skipped, Counted, InitFailed)
+_NUMBERS = {kind: number for number, kind in enumerate(_KINDS)}
 
 
-def encode(message) -> bytes:
-    """A message as bytes: ``("task", number, slot, indices)``, ``("done", number, slot, size,
-    seconds)``, or anything picklable."""
-    if message is not None and message[0] in ("task", "done"):
-        maker = task_frame if message[0] == "task" else done_frame
-        return maker(*message[1:])[_FRAME.size:]
-    return _PICKLE_TAG + pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+def framed(message: Message) -> bytes:
+    """A message with its frame header, ready for one write."""
+    kind = type(message)
+    if kind is Build:
+        return build_frame(*message)
+    if kind is Done:
+        return done_frame(*message)
+    return _pickled(message)
 
 
-def framed(message) -> bytes:
-    """``encode(message)`` with its frame header, ready for one write."""
-    return frame(encode(message))
+def encode(message: Message) -> bytes:
+    """A message as ``Connection.send_bytes`` takes it (no frame header)."""
+    return framed(message)[_FRAME.size:]
 
 
-def task_frame(number: int, slot: int | None, indices) -> bytes:
-    """A task, framed; pickled when ``indices`` is not one array (a multi-shard batch's list)."""
+def build_frame(number: int, slot: int | None, indices) -> bytes:
+    """``Build(number, slot, indices)``, framed; pickled when ``indices`` is not one array (a
+    multi-shard batch's list, a torch sampler's item)."""
     if not isinstance(indices, np.ndarray):
-        return frame(_PICKLE_TAG + pickle.dumps(("task", number, slot, indices),
-                                                pickle.HIGHEST_PROTOCOL))
+        return _pickled(Build(number, slot, indices))
     indices = indices.astype(np.int64, copy=False)
-    head = _TASK_HEAD.pack(1 + _TASK.size + indices.nbytes, _TASK_TAG, number,
-                           -1 if slot is None else slot)
+    head = _BUILD_HEAD.pack(1 + _BUILD.size + indices.nbytes, _BUILD_TAG, number,
+                            -1 if slot is None else slot)
     return head + indices.tobytes()
 
 
 def done_frame(number: int, slot: int, size: int, seconds: float) -> bytes:
-    """A done reply, framed."""
+    """``Done(number, slot, size, seconds)``, framed."""
     return _DONE_HEAD + _DONE.pack(number, slot, size, seconds)
 
 
-def decode(data) -> object:
+def _pickled(message: Message) -> bytes:
+    return frame(_PICKLE_TAG + pickle.dumps((_NUMBERS[type(message)], *message),
+                                            protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def decode(data) -> Message:
+    """The message ``encode`` made."""
     return _decode_at(data, 0, len(data))
 
 
-def _decode_at(data, start: int, size: int) -> object:
+def _decode_at(data, start: int, size: int) -> Message:
     """The message of ``size`` bytes at ``start``: the common ones read in place, no copy."""
     tag = data[start]
-    if tag == _DONE_TAG[0]:
-        return ("done", *_DONE.unpack_from(data, start + 1))
-    if tag == _TASK_TAG[0]:
-        number, slot = _TASK.unpack_from(data, start + 1)
-        count = (size - 1 - _TASK.size) // 8
-        indices = np.frombuffer(data, np.int64, count, start + 1 + _TASK.size).copy()
-        return ("task", number, None if slot < 0 else slot, indices)
-    return pickle.loads(memoryview(data)[start + 1:start + size])  # no copy of an overflow batch
+    if tag == _DONE_BYTE:
+        return _new(Done, _unpack_done(data, start + 1))
+    if tag == _BUILD_BYTE:
+        number, slot = _unpack_build(data, start + 1)
+        count = (size - 1 - _BUILD.size) // 8
+        indices = np.frombuffer(data, np.int64, count, start + 1 + _BUILD.size).copy()
+        return _new(Build, (number, None if slot < 0 else slot, indices))
+    fields = pickle.loads(memoryview(data)[start + 1:start + size])  # no copy of an overflow batch
+    return _new(_KINDS[fields[0]], fields[1:])
 
 
 def frame(data: bytes) -> bytes:
@@ -88,7 +109,7 @@ class FrameReader:
 
     Read without blocking by the consumer, which waits on many pipes at once; a worker, with
     one pipe to wait on, blocks in the read itself. A message still coming (a large overflow
-    batch) waits in the buffer for the rest; a done reply, the common message, is decoded in
+    batch) waits in the buffer for the rest; a ``Done``, the common message, is decoded in
     place."""
 
     def __init__(self, fd: int, *, blocking: bool = False):
@@ -97,7 +118,7 @@ class FrameReader:
         self._buffer = bytearray()
         self._wanted = _READ_BYTES  # the whole message being read, when it is larger
 
-    def read(self) -> list:
+    def read(self) -> list[Message]:
         """The messages complete so far, decoded (blocking: once anything came, which may be
         part of a message). Raises EOFError once the writer is gone."""
         try:

@@ -1,18 +1,18 @@
 """Inside a worker (process or thread): where a batch is written.
 
-``worker_loop`` takes ``("task", number, slot, indices)`` from its task pipe, calls
+``worker_loop`` takes a ``Build(number, slot, indices)`` from its task pipe, calls
 ``worker_obj[indices]`` (or ``worker_obj.fill_batch(indices, out)`` for in-place
 workers), writes the batch into the slot (``layout.write_batch``) and replies
-``("done", number, slot, size, seconds)``: only ids travel, never the payload. A batch
-too large for its slot goes back encoded in the reply instead (the overflow path);
-a failure goes back as its type, message and traceback. The consumer's side of the
-pipes is ``pool.py``.
+``Done(number, slot, size, seconds)``: only ids travel, never the payload. A batch
+too large for its slot goes back encoded instead (``Overflow``); a failure goes back as its
+type, message and traceback (``Failed``). The messages are protocol.py's; the consumer's side
+of the pipes is ``pool.py``.
 
 A task without a slot (the first batches, which size the ring) is built, its size told
-(``("built", number, size)``), and held until the consumer answers ``("slot", number,
-slot)``: the worker then writes it into that slot as any batch, so that the first batch
-crosses no pipe and the consumer copies nothing; with no slot for it (larger than a slot,
-or none free), it goes back encoded.
+(``Built``), and held until the consumer answers ``Place(number, slot)``: the worker then
+writes it into that slot as any batch, so that the first batch crosses no pipe and the
+consumer copies nothing; with no slot for it (larger than a slot, or none free), it goes
+back encoded.
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ from .board import BoardSpec, WorkerCell
 from .errors import UnsupportedBatch
 from .layout import SlotAllocator, SlotOverflow, encode_batch, packed_size, write_batch
 from .lifeline import Lifeline, ProcessId
+from .protocol import (Attached, Build, Built, Counted, Ended, ErrorReport, Failed, InitFailed,
+                       MapRing, Overflow, Place, Ready, Rebuild, Skipped, Stop, ToWorker)
 from .ragged import Ragged, is_tensor
 from .segments import WorkerRing, drop_inherited_rings
 from .wire import FrameReader, decode, done_frame, encode, framed, write_all
@@ -120,17 +122,17 @@ def counted_by(worker_obj) -> dict:
 
 def _counted_frame(worker_obj) -> bytes:
     counts = counted_by(worker_obj)
-    return framed(("counted", counts)) if counts else b""
+    return framed(Counted(counts)) if counts else b""
 
 
-def describe_exception(exc: BaseException) -> tuple:
+def describe_exception(exc: BaseException) -> ErrorReport:
     """What crosses back to the consumer about a failure: type, message, traceback, the object."""
     try:
         pickled = pickle.dumps(exc)
     except Exception:  # noqa: BLE001 - the text below still tells the story
         pickled = None
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return (f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), text, pickled)
+    return ErrorReport(f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), text, pickled)
 
 
 class StreamEnded(Exception):
@@ -139,17 +141,17 @@ class StreamEnded(Exception):
     no more in the pass."""
 
 
-class Built(NamedTuple):
+class Held(NamedTuple):
     """A batch built for a task without a slot, held until the consumer gives it one."""
     number: int
     batch: object
     size: int        # bytes it takes in a slot
-    told: bytes      # the ("skipped", ...) frame that goes with its reply, if any
+    told: bytes      # the ``Skipped`` frame that goes with its reply, if any
     seconds: float   # how long building it took
 
 
 def _run_task(worker_obj, ring: WorkerRing | None, number: int, slot: int | None,
-              indices: np.ndarray, first: bool) -> bytes | Built:
+              indices: np.ndarray, first: bool) -> bytes | Held:
     """Build and write one batch (``first``: the worker's first); the framed reply, with its
     size and the time it took. Without a slot, the batch built, to be held (``place``)."""
     began = time.perf_counter()
@@ -157,30 +159,30 @@ def _run_task(worker_obj, ring: WorkerRing | None, number: int, slot: int | None
         region = ring.region(slot) if slot is not None else None  # may find /dev/shm full
         batch, allocator = build_batch(worker_obj, indices, region, first)
         skipped = skipped_by(worker_obj)
-        told = framed(("skipped", number, skipped)) if skipped else b""
+        told = framed(Skipped(number, skipped)) if skipped else b""
         if slot is None:
-            return Built(number, batch, packed_size(batch), told, time.perf_counter() - began)
+            return Held(number, batch, packed_size(batch), told, time.perf_counter() - began)
         return _written(number, ring, slot, region, batch, allocator, told, began)
     except StreamEnded:
-        return framed(("ended", number, slot))
+        return framed(Ended(number, slot))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
         return _failed(number, slot, exc)
 
 
-def place(built: Built, ring: WorkerRing | None, slot: int | None) -> bytes:
+def place(held: Held, ring: WorkerRing | None, slot: int | None) -> bytes:
     """The reply for a held batch, given ``slot`` (None: it goes back encoded)."""
-    began = time.perf_counter() - built.seconds
+    began = time.perf_counter() - held.seconds
     try:
         region = ring.region(slot) if slot is not None else None
-        return _written(built.number, ring, slot, region, built.batch, None, built.told, began)
+        return _written(held.number, ring, slot, region, held.batch, None, held.told, began)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
-        return _failed(built.number, slot, exc)
+        return _failed(held.number, slot, exc)
 
 
 def _written(number: int, ring: WorkerRing | None, slot: int | None, region: np.ndarray | None,
              batch, allocator: SlotAllocator | None, told: bytes, began: float) -> bytes:
-    """The batch written into its slot (a done reply), or encoded where it has none or does
-    not fit (an overflow reply)."""
+    """The batch written into its slot (``Done``), or encoded where it has none or does not
+    fit (``Overflow``)."""
     if region is not None:
         try:
             size = _write(batch, ring, slot, region, allocator)
@@ -188,7 +190,7 @@ def _written(number: int, ring: WorkerRing | None, slot: int | None, region: np.
         except SlotOverflow:
             pass
     payload = encode_batch(batch)
-    return told + framed(("overflow", number, slot, payload, time.perf_counter() - began))
+    return told + framed(Overflow(number, slot, payload, time.perf_counter() - began))
 
 
 def _write(batch, ring: WorkerRing, slot: int, region: np.ndarray,
@@ -204,7 +206,7 @@ def _write(batch, ring: WorkerRing, slot: int, region: np.ndarray,
 
 
 def _failed(number: int, slot: int | None, exc: BaseException) -> bytes:
-    return framed(("error", number, slot, describe_exception(exc)))
+    return framed(Failed(number, slot, describe_exception(exc)))
 
 
 class WorkerInfo(NamedTuple):
@@ -280,9 +282,9 @@ class ProcessTies(NamedTuple):
 
 
 class _Inbox:
-    """The task pipe, read ahead: a stop request overtakes the tasks queued before it, so that
-    a worker asked to stop leaves after the batch in hand; batches given again after a worker's
-    death (``"again"``) overtake the tasks, and those of an earlier death, but not the messages
+    """The task pipe, read ahead: a ``Stop`` overtakes the tasks queued before it, so that a
+    worker asked to stop leaves after the batch in hand; a dead worker's batches given again
+    (``Rebuild``) overtake the tasks, and those of an earlier death, but not the messages
     before them (the ring): the consumer waits for them, and the one suspected of the death,
     sent first, is built at once, not when a random kill may land on it again (see
     ``pool.WorkerPool._restart``).
@@ -295,47 +297,52 @@ class _Inbox:
     def __init__(self, tasks):
         self._reader = FrameReader(tasks.fileno(), blocking=True)
         self._queued: collections.deque = collections.deque()
-        self._again: collections.deque = collections.deque()  # tasks, ahead of _queued's
+        self._again: collections.deque = collections.deque()  # Builds, ahead of _queued's
+        self._stopped = False
         self._readable = select.poll()
         self._readable.register(tasks.fileno(), select.POLLIN)
         self._looked = time.monotonic()
 
-    def next(self):
+    def next(self) -> ToWorker | None:
         """The next message; None when asked to stop. Raises EOFError once the pipe closed."""
-        if not (self._queued or self._again):
-            while not (self._queued or self._again):
+        if not (self._queued or self._again or self._stopped):
+            while not (self._queued or self._again or self._stopped):
                 self._queue(self._reader.read())
             self._looked = time.monotonic()
         elif time.monotonic() - self._looked >= STOP_CHECK_SECONDS:
             if self._readable.poll(0):
                 self._queue(self._reader.read())
             self._looked = time.monotonic()
-        if None in self._queued:
+        if self._stopped:
             return None
-        if self._again and not (self._queued and self._queued[0][0] != "task"):
+        if self._again and not (self._queued and type(self._queued[0]) is not Build):
             return self._again.popleft()
         return self._queued.popleft()
 
-    def next_answer(self):
-        """The next message that is not a task (the ring, a held batch's slot), the tasks left
-        queued: a worker holding a batch builds no other, which could reuse its buffers.
-        None when asked to stop. Raises EOFError once the pipe closed."""
-        while None not in self._queued:
-            answer = next((message for message in self._queued if message[0] != "task"), None)
+    def next_answer(self) -> ToWorker | None:
+        """The next message that is not a ``Build`` (the ring, a held batch's ``Place``), the
+        tasks left queued: a worker holding a batch builds no other, which could reuse its
+        buffers. None when asked to stop. Raises EOFError once the pipe closed."""
+        while not self._stopped:
+            answer = next((message for message in self._queued if type(message) is not Build),
+                          None)
             if answer is not None:
                 self._queued.remove(answer)
                 return answer
             self._queue(self._reader.read())
         return None
 
-    def _queue(self, messages: list) -> None:
+    def _queue(self, messages: list[ToWorker]) -> None:
         """The latest batches given again go first: they begin with the latest suspect."""
         again = []
         for message in messages:
-            if message is not None and message[0] == "again":
-                again.append(("task", *message[1:]))
-            else:
-                self._queued.append(message)
+            match message:
+                case Rebuild():
+                    again.append(Build(*message))
+                case Stop():
+                    self._stopped = True
+                case _:
+                    self._queued.append(message)
         self._again.extendleft(reversed(again))
 
 
@@ -352,8 +359,7 @@ def _received_worker(tasks):
     whose read end the consumer holds until the write ends, so a child that dies before it has
     read a large worker (a main module that fails to import, say) would hold the consumer in
     ``Process.start()`` forever."""
-    _, pickled = decode(tasks.recv_bytes())
-    return pickle.loads(pickled)
+    return pickle.loads(decode(tasks.recv_bytes()).pickled)
 
 
 def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
@@ -371,29 +377,29 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
         _set_up(info, ties is not None, worker_init_fn, worker)
         worker_obj = make_worker(worker)
     except BaseException as exc:  # noqa: BLE001
-        results.send_bytes(encode(("init_error", info.id, describe_exception(exc))))
+        results.send_bytes(encode(InitFailed(info.id, describe_exception(exc))))
         return
     ring = held = None
     cell = WorkerCell(ties.board, info.id) if ties is not None and ties.board is not None else None
     inbox, replies, first = _Inbox(tasks), results.fileno(), True
     try:
-        write_all(replies, framed(("ready", info.id)))
+        write_all(replies, framed(Ready(info.id)))
         while (message := inbox.next() if held is None else inbox.next_answer()) is not None:
-            if message[0] == "ring":
-                ring = WorkerRing(message[1])
-                write_all(replies, framed(("attached", info.id)))
-            elif message[0] == "slot":
-                write_all(replies, place(held, ring, message[2]))
-                held = None
-            else:
-                _, number, slot, indices = message
-                if cell is not None:
-                    cell.begin(number)
-                reply = _run_task(worker_obj, ring, number, slot, indices, first)
-                first = False
-                if isinstance(reply, Built):
-                    held, reply = reply, framed(("built", number, reply.size))
-                write_all(replies, _counted_frame(worker_obj) + reply)  # counted, then delivered
+            match message:
+                case Build(number, slot, indices):
+                    if cell is not None:
+                        cell.begin(number)
+                    reply = _run_task(worker_obj, ring, number, slot, indices, first)
+                    first = False
+                    if isinstance(reply, Held):
+                        held, reply = reply, framed(Built(number, reply.size))
+                    write_all(replies, _counted_frame(worker_obj) + reply)  # counted, then delivered
+                case MapRing(spec):
+                    ring = WorkerRing(spec)
+                    write_all(replies, framed(Attached(info.id)))
+                case Place(_, slot):
+                    write_all(replies, place(held, ring, slot))
+                    held = None
     except (EOFError, OSError):
         return  # the consumer closed the pipes: it is shutting down, or gone
     finally:
