@@ -19,12 +19,12 @@ from typing import Callable
 
 import numpy as np
 
+from .devices import Device
 from .errors import PipelineClosed, ShmSeqError, add_note, warn_user
 from .layout import batch_reader, map_arrays, slot_bytes_for
-from .protocol import Delivery, Reply
+from .protocol import Delivery, Hooks, Reply
 from .ring import Ring
 from .stats import LoaderStats
-from .workers import skipped_by
 
 
 class OrderedOutput:
@@ -81,16 +81,17 @@ class OrderedOutput:
         self.drop_below(float("inf"))
 
 
-def handed_over(device, batch, copy, name: str, stats: LoaderStats):
+def handed_over(device: Device, skipped: Callable[[], list[str]], batch, copy, name: str,
+                stats: LoaderStats):
     """The device's hand-over of the batch called ``name``; a consumer-side stage that decodes
-    (``shmseq.decode``) may fail here, named with the batch, or leave samples out (its
-    ``pop_skipped``)."""
+    (``shmseq.decode``) may fail here, named with the batch, or leave samples out (what its
+    ``skipped``, ``Hooks(device).pop_skipped``, returns)."""
     try:
         delivered = device.hand_over(batch, copy)
     except Exception as exc:
         add_note(exc, f"shmseq: handing over {name}")
         raise
-    stats.report_skipped(skipped_by(device), name)
+    stats.report_skipped(skipped(), name)
     return delivered
 
 
@@ -98,9 +99,10 @@ class Converter:
     """Replies -> deliveries through the device; deliveries -> the consumer. ``name`` says
     how messages call a batch ("batch 3 of epoch 1")."""
 
-    def __init__(self, device, ring: Ring, output: OrderedOutput, stats: LoaderStats,
+    def __init__(self, device: Device, ring: Ring, output: OrderedOutput, stats: LoaderStats,
                  name: Callable[[int], str]):
         self.device = device
+        self._device_skipped = Hooks(device).pop_skipped
         self.ring = ring
         self.output = output
         self.stats = stats
@@ -148,8 +150,8 @@ class Converter:
             held = self.ring.leased - self.output.waiting_in_slots  # this one included
             if held >= self.ring.spec.n_slots:
                 return self._copied_out(delivery.batch, held - 1)
-        return handed_over(self.device, delivery.batch, delivery.copy, self.name(number),
-                           self.stats)
+        return handed_over(self.device, self._device_skipped, delivery.batch, delivery.copy,
+                           self.name(number), self.stats)
 
     def _copied_out(self, batch, held: int):
         self._warn_once("copy-out", (

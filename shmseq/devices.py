@@ -55,7 +55,8 @@ class Device(Protocol):
         """After the last copy completed, before the ring is unmapped.
 
         A device may also have ``pop_skipped()``: the samples it left out of the batch it just
-        handed over (a decode stage's bad images), reported as a worker's skips are."""
+        handed over (a decode stage's bad images), reported as a worker's skips are (looked up
+        once, by ``protocol.Hooks``)."""
 
 
 def torch_available() -> bool:

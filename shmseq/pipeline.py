@@ -26,13 +26,13 @@ from .convert import Converter, OrderedOutput, handed_over
 from .devices import Device, make_device
 from .errors import BatchTimeout, PipelineClosed, ShmSeqError
 from .layout import encode_batch, read_batch, slot_bytes_for
-from .plan import BatchStream, Plan
-from .protocol import Delivery, Reply
+from .plan import BatchStream
+from .protocol import Delivery, Hooks, Plan, Reply
 from .pool import Waker, WorkerPool, brief
 from .ring import Ring
 from .stats import LoaderStats
 from .worker_handle import JOIN_SECONDS
-from .workers import build_batch, counted_by, make_worker, skipped_by
+from .workers import build_batch, make_worker
 
 ERROR_GRACE = 0.2  # seconds workers get to leave once a failure was raised, before they are killed
 
@@ -336,6 +336,7 @@ class Inline:
         self.test_mode = test_mode
         cpu_instead = test_mode == "cpu" and spec.out_type.startswith("cuda")
         self.device = make_device("cpu", pin_memory=False) if cpu_instead else spec.make_device()
+        self._device_skipped = Hooks(self.device).pop_skipped
         self.stats = LoaderStats()
 
     def batches(self, epoch: int, position: int = 0):
@@ -347,11 +348,12 @@ class Inline:
                 return
             batch, _ = build_batch(self.worker_obj, indices, None, position == first)
             name = f"batch {position} of epoch {epoch}"
-            self.stats.report_skipped(skipped_by(self.worker_obj), name)
-            self.stats.add_counts(counted_by(self.worker_obj))
+            self.stats.report_skipped(self.worker_obj.pop_skipped(), name)
+            self.stats.add_counts(self.worker_obj.pop_counts())
             if self.test_mode != "numpy":
                 views = read_batch(encode_batch(batch), self.device.wrap)
-                batch = handed_over(self.device, *self.device.convert(views), name, self.stats)
+                batch = handed_over(self.device, self._device_skipped,
+                                    *self.device.convert(views), name, self.stats)
             self.plan.release(epoch, position + 1)
             yield batch
 

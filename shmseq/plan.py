@@ -1,11 +1,6 @@
 """Epoch index plans: which sample indices go into which batch, epoch after epoch.
 
-Two plans with one contract (``Plan``): ``batch(epoch, position)`` (the batch's sample
-indices, or None past the epoch's last), ``length(epoch)``, ``open(epoch)`` (the consumer
-starts that epoch), ``is_open(epoch)`` (its batches may be dispatched), ``release(epoch,
-position)`` (the consumer has every batch before ``position``), ``set_epoch(epoch)``,
-``refresh()`` and ``version`` (it changes whenever batches planned before may have changed,
-so that a cursor running ahead knows they are stale):
+Two plans with one contract (``protocol.Plan``: who calls what, and when):
 
 * ``EpochPlan``: a pure function of (indices, batch_size, shuffle, seed, last_batch,
   rank, world_size, epoch), so the pipeline, ``start_test()`` and a resumed run all
@@ -25,7 +20,7 @@ from __future__ import annotations
 import collections
 import numbers
 import sys
-from typing import Callable, Iterable, NamedTuple, Protocol
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 
@@ -56,32 +51,6 @@ def as_index_array(dset_size) -> np.ndarray:
     if indices.size and not np.issubdtype(indices.dtype, np.integer):
         raise TypeError(f"dset_size as an index array must hold integers, got dtype {indices.dtype}")
     return indices.astype(np.int64, copy=True)
-
-
-class Plan(Protocol):
-    """Which sample indices go into which batch, epoch after epoch (see the module's text)."""
-
-    version: int
-
-    def batch(self, epoch: int, position: int): ...
-
-    def length(self, epoch: int) -> int: ...
-
-    def open(self, epoch: int, batches: Iterable | None = None) -> None: ...
-
-    def is_open(self, epoch: int) -> bool: ...
-
-    def release(self, epoch: int, position: int) -> None: ...
-
-    def end(self, epoch: int, position: int) -> None: ...
-
-    def has_batches(self) -> bool: ...
-
-    def set_epoch(self, epoch: int) -> None: ...
-
-    def refresh(self) -> None: ...
-
-    def settle_seed(self, seed: int) -> None: ...
 
 
 def distributed_ranks(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -246,6 +215,13 @@ class EpochPlan:
                  for epoch in range(begin // n, -(-end // n))]
         return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
+    def carried(self, epoch: int) -> list[int]:
+        """The samples ``epoch`` inherits from the epochs before it (rollover), for a state."""
+        if self.last_batch != "rollover" or not self.samples_per_epoch:
+            return []
+        carried = epoch * self.samples_per_epoch - self.start(epoch) * self.batch_size
+        return self.batches(epoch)[0][:carried].tolist() if carried and self.length(epoch) else []
+
 
 def as_batch(indices):
     """A batch sampler's item as indices: one int64 array, or a list of them (multi-shard)."""
@@ -261,7 +237,11 @@ class SamplerPlan:
     asks for them, and forgotten once the consumer has them: a sampler may never end.
 
     ``as_task`` makes each item of the sampler what a worker is sent (``as_batch``: int64
-    indices)."""
+    indices). The sampler decides the batches' size, order and last batch itself, and deals
+    them to ranks if it does."""
+
+    batch_size = seed = last_batch = None
+    rank, world_size = 0, 1
 
     def __init__(self, batch_sampler, as_task: Callable = as_batch):
         self.batch_sampler = batch_sampler
@@ -284,6 +264,10 @@ class SamplerPlan:
 
     def settle_seed(self, seed: int) -> None:
         """The sampler's randomness is its own."""
+
+    def carried(self, epoch: int) -> list[int]:
+        """Nothing: a pass is what the sampler gives."""
+        return []
 
     def set_epoch(self, epoch: int) -> None:
         """Passed on to the batch sampler and its sampler (a ``DistributedSampler``, say)."""

@@ -33,7 +33,7 @@ import numpy as np
 from .errors import WorkerDied, raised_in_worker, warn_user
 from .lifeline import ProcessId, hold_starting_thread, release_starting_thread
 from .plan import BatchStream, Task
-from .protocol import (Attached, Built, Counted, Done, Ended, Failed, FromWorker,
+from .protocol import (Attached, Built, Counted, Done, Ended, Failed, FromWorker, Hooks,
                        InitFailed, MapRing, Overflow, Place, Ready, Rebuild, Reply, Skipped, Stop,
                        TakeWorker)
 from .ring import Ring
@@ -171,7 +171,7 @@ class WorkerPool:
         self._replacements: set[WorkerHandle] = set()  # workers started in a dead one's place
         self._held: list[Reply] = []  # read when a death was raised: for the next exchange
         self._pickled_worker = None if backend != "proc" else pickled_for(
-            "worker", worker, context.get_start_method(),
+            "worker", Hooks(worker), context.get_start_method(),
             "or use start_method='fork' or thread_type='thread'")
         self._start_args = (None if self._pickled_worker else worker, backend, context,
                             worker_init_fn)

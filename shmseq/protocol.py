@@ -17,11 +17,15 @@ the others are pickled. Each message is matched by its type where it is handled.
 In the consumer's thread, the pool turns a worker's reply into a ``Reply`` for the converter
 (convert.py), which turns it into a ``Delivery`` for the consumer.
 
+The user's objects: a ``Worker`` (called in each worker; ``Hooks`` fills in the optional
+hooks it lacks, the one place anything asks what a worker has) and a ``Plan`` (which indices
+form each batch: plan.py's, called by the consumer's thread and the front ends).
+
 This module imports nothing of shmseq: every other part may import it.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -174,3 +178,103 @@ class Delivery(NamedTuple):
     error: Callable[[], BaseException] | None = None  # makes the error (see ``Reply``)
     ended: bool = False     # no batch: a worker's stream had ended (a stream's pass skips it)
     skipped: tuple = ()     # what the worker's skip policy left out of it (see ``Reply``)
+
+
+# -- the user's objects ---------------------------------------------------------------------------
+class Worker(Protocol):
+    """The user's worker: ``worker[indices]`` returns the batch, or ``fill_batch(indices, out)``
+    builds it in its slot. Made once in each worker from what the user gave (a class is
+    instantiated there, an instance is used as is: ``workers.make_worker``) and called in that
+    worker's thread, one batch at a time. Every hook but one of the first two is optional
+    (``Hooks`` fills in the others)."""
+
+    def __getitem__(self, indices: np.ndarray) -> object:
+        """The batch of ``indices`` (int64 sample indices, or a sampler's item)."""
+
+    def fill_batch(self, indices: np.ndarray, out) -> object:
+        """The batch of ``indices``, its arrays taken from ``out`` (a ``layout.SlotAllocator``:
+        ``out.empty(shape, dtype)``), straight in the slot. Called instead of ``__getitem__``."""
+
+    def pop_skipped(self) -> list[str]:
+        """After each batch: the samples the worker's skip policy left out of it, why, one
+        each (counted and warned when the batch is delivered)."""
+
+    def pop_counts(self) -> dict[str, float]:
+        """After each batch: what the worker counted since it was last asked (``LoaderStats``
+        field -> increment; remote reads, say)."""
+
+    # Read on the worker as the user gave it (a class or an instance), not on the object made:
+    dataset: object  # a worker process's torch.utils.data.get_worker_info().dataset
+
+    def pickled_parts(self) -> dict[str, object]:
+        """In the consumer, when the worker cannot be pickled for spawn or forkserver: its
+        parts, by the name of the argument the user gave each, to name the culprit."""
+
+    def unpicklable(self, what: str, part: object, exc: Exception,
+                    start_method: str) -> Exception:
+        """The error to raise for ``part`` (the argument ``what``) that cannot be pickled,
+        worded for the front end the user called."""
+
+
+class Hooks:
+    """A user's object (a ``Worker``, or a device with ``pop_skipped``) with its optional hooks
+    looked up once, here, when it is made, and defaults for those it lacks: nothing else asks
+    what the object has. ``obj`` is the object itself."""
+
+    def __init__(self, obj: object):
+        self.obj = obj
+        self.fill_batch: Callable | None = getattr(obj, "fill_batch", None)
+        self.pop_skipped: Callable[[], list[str]] = getattr(obj, "pop_skipped", list)
+        self.pop_counts: Callable[[], dict[str, float]] = getattr(obj, "pop_counts", dict)
+        self.dataset: object = getattr(obj, "dataset", None)
+        self.pickled_parts: Callable[[], dict[str, object]] = getattr(obj, "pickled_parts", dict)
+        self.unpicklable: Callable[..., Exception] | None = getattr(obj, "unpicklable", None)
+
+
+class Plan(Protocol):
+    """Which sample indices form each batch, epoch after epoch (plan.py: ``EpochPlan``,
+    ``SamplerPlan``). The consumer's thread calls it as it dispatches (``plan.BatchStream``)
+    and takes batches (pipeline.py); the front end (sequence.py), in the user's thread, reads
+    and sets what a state or ``len()`` needs, between iterations or as one starts."""
+
+    version: int             # changes whenever batches planned before may have changed
+    batch_size: int | None   # samples per batch; None: a user's sampler decides
+    seed: int | None         # the shuffle's seed; None: a user's sampler has its own
+    last_batch: str | None   # 'keep', 'discard' or 'rollover'; None: a user's sampler decides
+    rank: int                # this process's share of every epoch, out of
+    world_size: int
+
+    def batch(self, epoch: int, position: int) -> object | None:
+        """Batch ``position`` of ``epoch`` (its sample indices); None past the epoch's last."""
+
+    def length(self, epoch: int) -> int:
+        """The batches of ``epoch``."""
+
+    def open(self, epoch: int, batches: Iterable | None = None) -> None:
+        """The consumer starts ``epoch`` (drawn from ``batches``, a sampler's iterator, when
+        given): before any of its batches is asked for."""
+
+    def is_open(self, epoch: int) -> bool:
+        """Whether the dispatcher may take batches of ``epoch`` now (ahead of the consumer)."""
+
+    def release(self, epoch: int, position: int) -> None:
+        """The consumer has every batch of ``epoch`` before ``position``."""
+
+    def end(self, epoch: int, position: int) -> None:
+        """The pass of ``epoch`` ends before ``position``: every worker's stream ended there."""
+
+    def has_batches(self) -> bool:
+        """Whether an epoch has any batch at all (the dispatcher stops otherwise)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """The front end's ``set_epoch``, passed on to a user's sampler."""
+
+    def refresh(self) -> None:
+        """Read again what may change between epochs (torch.distributed's ranks)."""
+
+    def settle_seed(self, seed: int) -> None:
+        """Shuffle with ``seed`` from now on (a restored state's)."""
+
+    def carried(self, epoch: int) -> list[int]:
+        """The samples ``epoch`` inherits from the ones before it (``last_batch='rollover'``),
+        for a resumable state."""

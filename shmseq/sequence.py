@@ -21,6 +21,7 @@ from .checks import (check_bool, check_choice, check_int, check_out_type, check_
 from .devices import Device, resolve_out_type
 from .pipeline import Inline, Pipeline, PipelineSpec
 from .plan import EpochPlan, as_index_array
+from .protocol import Plan
 from .stats import LoaderStats
 
 THREAD_TYPES = ("proc", "thread")
@@ -123,7 +124,7 @@ class ShmSequence:
         """The seed when none is given: fresh entropy, so that each run shuffles anew."""
         return int(np.random.SeedSequence().entropy % 2**63)
 
-    def _make_plan(self, dset_size, batch_size, shuffle, last_batch, rank, world_size):
+    def _make_plan(self, dset_size, batch_size, shuffle, last_batch, rank, world_size) -> Plan:
         return EpochPlan(as_index_array(dset_size), batch_size, shuffle=bool(shuffle),
                          seed=self._seed, last_batch=last_batch, rank=rank, world_size=world_size,
                          seed_given=self._seed_given)
@@ -135,7 +136,7 @@ class ShmSequence:
 
     @property
     def batch_size(self) -> int | None:
-        return getattr(self._plan, "batch_size", None)
+        return self._plan.batch_size
 
     @property
     def length(self) -> int:
@@ -144,7 +145,8 @@ class ShmSequence:
     @property
     def seed(self) -> int:
         """The shuffle's and the workers' seed (the ranks' shared one, once they agreed)."""
-        return getattr(self._plan, "seed", self._seed)
+        seed = self._plan.seed
+        return self._seed if seed is None else seed
 
     @property
     def timeout(self) -> float | None:
@@ -297,9 +299,8 @@ class ShmSequence:
         plan = self._plan
         return {"epoch": epoch, "position": delivered, "seed": self.seed,
                 "batch_size": self.batch_size, "dset_size": self.dset_size,
-                "last_batch": getattr(plan, "last_batch", None), "rank": getattr(plan, "rank", 0),
-                "world_size": getattr(plan, "world_size", 1),
-                "rollover_remainder": _remainder(plan, epoch)}
+                "last_batch": plan.last_batch, "rank": plan.rank, "world_size": plan.world_size,
+                "rollover_remainder": plan.carried(epoch)}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()``: the next iteration continues that epoch where it was.
@@ -319,14 +320,6 @@ class ShmSequence:
         self._last = (-1, 0)
         if self._runtime is not None:
             self._runtime.replan()  # batches in flight were planned with the old seed
-
-
-def _remainder(plan, epoch: int) -> list[int]:
-    """The samples an epoch inherits from the previous ones (rollover), for the record."""
-    if getattr(plan, "last_batch", None) != "rollover" or not plan.samples_per_epoch:
-        return []
-    carried = epoch * plan.samples_per_epoch - plan.start(epoch) * plan.batch_size
-    return plan.batches(epoch)[0][:carried].tolist() if carried and plan.length(epoch) else []
 
 
 def _close_in_owner(runtime, owner_pid: int) -> None:

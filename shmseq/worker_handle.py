@@ -15,6 +15,7 @@ import numpy as np
 from .board import BoardSpec
 from .errors import warn_user
 from .lifeline import ProcessId, start_process
+from .protocol import Hooks
 from .wire import FrameReader
 from .workers import ProcessTies, WorkerInfo, worker_loop
 
@@ -236,31 +237,29 @@ def end_workers(handles: Iterable[WorkerHandle]) -> None:
         handle.runner.join(JOIN_SECONDS)
 
 
-def pickled_for(what: str, value, start_method: str, fix: str) -> bytes | None:
-    """``value`` pickled once, as spawn or forkserver must send it (None under fork, which
-    pickles nothing); fails at start when it cannot be, naming ``what`` or, when ``value``
-    lists its ``pickled_parts()``, the part that cannot be. A ``value`` with an
-    ``unpicklable(what, part, exc, start_method)`` method makes the error itself (a front end
-    words it for its own arguments)."""
-    if start_method == "fork" or value is None:
+def pickled_for(what: str, given: Hooks, start_method: str, fix: str) -> bytes | None:
+    """``given.obj`` pickled once, as spawn or forkserver must send it (None under fork, which
+    pickles nothing); fails at start when it cannot be, naming ``what`` or, when it lists its
+    ``pickled_parts()``, the part that cannot be. One with an ``unpicklable(what, part, exc,
+    start_method)`` hook makes the error itself (a front end words it for its own arguments)."""
+    if start_method == "fork" or given.obj is None:
         return None
     try:
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(given.obj, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001 - any pickling failure means the same fix
-        refused = getattr(value, "unpicklable", None)
-        what, value = _culprit(what, value)
-        if refused is not None:
-            raise refused(what, value, exc, start_method) from exc
+        what, value = _culprit(what, given)
+        if given.unpicklable is not None:
+            raise given.unpicklable(what, value, exc, start_method) from exc
         raise TypeError(
             f"{what} {value!r} cannot be pickled, which start_method={start_method!r} needs "
             f"({type(exc).__name__}: {exc}): define it at module level, {fix}") from exc
 
 
-def _culprit(what: str, value) -> tuple[str, object]:
-    """The part of ``value`` that cannot be pickled (tried only once pickling it failed)."""
-    for name, part in getattr(value, "pickled_parts", dict)().items():
+def _culprit(what: str, given: Hooks) -> tuple[str, object]:
+    """The part of ``given.obj`` that cannot be pickled (tried only once pickling it failed)."""
+    for name, part in given.pickled_parts().items():
         try:
             pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # noqa: BLE001
             return name, part
-    return what, value
+    return what, given.obj

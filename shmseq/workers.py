@@ -34,8 +34,9 @@ from .board import BoardSpec, WorkerCell
 from .errors import UnsupportedBatch
 from .layout import SlotAllocator, SlotOverflow, encode_batch, packed_size, write_batch
 from .lifeline import Lifeline, ProcessId
-from .protocol import (Attached, Build, Built, Counted, Ended, ErrorReport, Failed, InitFailed,
-                       MapRing, Overflow, Place, Ready, Rebuild, Skipped, Stop, ToWorker)
+from .protocol import (Attached, Build, Built, Counted, Ended, ErrorReport, Failed, Hooks,
+                       InitFailed, MapRing, Overflow, Place, Ready, Rebuild, Skipped, Stop,
+                       ToWorker)
 from .ragged import Ragged, is_tensor
 from .segments import WorkerRing, drop_inherited_rings
 from .wire import FrameReader, decode, done_frame, encode, framed, write_all
@@ -45,20 +46,21 @@ _KEEP_BYTES = 256 << 20
 STOP_CHECK_SECONDS = 0.005  # how stale a worker's last look for a stop request may be
 
 
-def make_worker(worker):
-    """MDNC's convention: a class is instantiated in each worker, an instance is used as is."""
-    return worker() if isinstance(worker, type) else worker
+def make_worker(worker) -> Hooks:
+    """The worker object, with its hooks (``protocol.Hooks``). MDNC's convention: a class is
+    instantiated in each worker, an instance is used as is."""
+    return Hooks(worker() if isinstance(worker, type) else worker)
 
 
-def build_batch(worker_obj, indices: np.ndarray, region: np.ndarray | None, first: bool = False):
+def build_batch(worker: Hooks, indices: np.ndarray, region: np.ndarray | None,
+                first: bool = False):
     """Call the user's worker; in-place workers get an allocator over the slot. A worker's
     ``__getitem__`` that returns None most likely forgot its ``return``: that is refused, and
     so is a ``first`` batch without a row per index (``check_rows``)."""
-    fill = getattr(worker_obj, "fill_batch", None)
-    if fill is not None:
+    if worker.fill_batch is not None:
         allocator = SlotAllocator(region)
-        return fill(indices, allocator), allocator
-    batch = worker_obj[indices]
+        return worker.fill_batch(indices, allocator), allocator
+    batch = worker.obj[indices]
     if batch is None:
         raise UnsupportedBatch("the worker returned None for a batch: return an array, "
                                "or a tuple/list/dict of arrays")
@@ -107,21 +109,8 @@ def _rows(batch):
             yield from _rows(item)
 
 
-def skipped_by(worker_obj) -> list[str]:
-    """What a worker with an opt-in skip policy left out of the batch it just built (its
-    ``pop_skipped()``, as ``ShardWorker`` has): one description per sample."""
-    pop = getattr(worker_obj, "pop_skipped", None)
-    return pop() if pop is not None else []
-
-
-def counted_by(worker_obj) -> dict:
-    """What a worker counted since it was last asked (its ``pop_counts()``, as ``ShardWorker``'s
-    remote reads): ``LoaderStats`` field -> increment."""
-    return getattr(worker_obj, "pop_counts", dict)()
-
-
-def _counted_frame(worker_obj) -> bytes:
-    counts = counted_by(worker_obj)
+def _counted_frame(worker: Hooks) -> bytes:
+    counts = worker.pop_counts()
     return framed(Counted(counts)) if counts else b""
 
 
@@ -150,15 +139,15 @@ class Held(NamedTuple):
     seconds: float   # how long building it took
 
 
-def _run_task(worker_obj, ring: WorkerRing | None, number: int, slot: int | None,
+def _run_task(worker: Hooks, ring: WorkerRing | None, number: int, slot: int | None,
               indices: np.ndarray, first: bool) -> bytes | Held:
     """Build and write one batch (``first``: the worker's first); the framed reply, with its
     size and the time it took. Without a slot, the batch built, to be held (``place``)."""
     began = time.perf_counter()
     try:
         region = ring.region(slot) if slot is not None else None  # may find /dev/shm full
-        batch, allocator = build_batch(worker_obj, indices, region, first)
-        skipped = skipped_by(worker_obj)
+        batch, allocator = build_batch(worker, indices, region, first)
+        skipped = worker.pop_skipped()
         told = framed(Skipped(number, skipped)) if skipped else b""
         if slot is None:
             return Held(number, batch, packed_size(batch), told, time.perf_counter() - began)
@@ -240,7 +229,7 @@ def _keep_large_buffers() -> None:
     mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES)
 
 
-def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn, worker) -> None:
+def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn, dataset) -> None:
     """Seed the worker's random generators as torch's DataLoader seeds its workers, run torch's
     operators on one thread, then run the user's hook.
 
@@ -262,7 +251,7 @@ def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn, worker) -> None:
         else:
             torch.set_num_threads(1)
             torch.manual_seed(info.seed)
-            _tell_torch(torch, info, getattr(worker, "dataset", None))
+            _tell_torch(torch, info, dataset)
     if worker_init_fn is not None:
         worker_init_fn(info.id)
 
@@ -374,7 +363,7 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
     try:
         if worker is None:
             worker = _received_worker(tasks)
-        _set_up(info, ties is not None, worker_init_fn, worker)
+        _set_up(info, ties is not None, worker_init_fn, Hooks(worker).dataset)
         worker_obj = make_worker(worker)
     except BaseException as exc:  # noqa: BLE001
         results.send_bytes(encode(InitFailed(info.id, describe_exception(exc))))
