@@ -9,7 +9,8 @@ the slot until the copy is done. Either way the ``Delivery`` waits in ``OrderedO
 until the consumer asks for its number, and ``Converter.hand_over`` gives it out.
 
 A consumer holding every batch it received (``list(seq)``) would leave the workers no
-slot: the batch that would take the last one is handed over as a copy instead.
+slot: the batch that would take the last one is handed over as a copy instead (the ring
+says which: ``Ring.keep_in_place``).
 """
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ class OrderedOutput:
         self._items: dict[int, Delivery] = {}
         self._closed: str | None = None
         self.floor = 0
-        self.waiting_in_slots = 0  # deliveries here holding a leased slot
 
     @property
     def waiting(self) -> int:
@@ -47,7 +47,6 @@ class OrderedOutput:
     def put(self, number: int, delivery: Delivery) -> None:
         if number >= self.floor:
             self._items[number] = delivery
-            self.waiting_in_slots += delivery.in_slot
 
     def close(self, reason: str) -> None:
         if self._closed is None:
@@ -60,10 +59,7 @@ class OrderedOutput:
 
     def pop(self, number: int) -> Delivery | None:
         self.check()
-        delivery = self._items.pop(number, None)
-        if delivery is not None:
-            self.waiting_in_slots -= delivery.in_slot
-        return delivery
+        return self._items.pop(number, None)
 
     def pop_first(self, first_number: int) -> tuple[int, Delivery] | None:
         """The delivery of number ``first_number`` or after that arrived first, with its number."""
@@ -75,7 +71,7 @@ class OrderedOutput:
         """Forget deliveries before ``number`` (an epoch left early): their leases die here."""
         self.floor = max(self.floor, number)
         for key in [key for key in self._items if key < number]:
-            self.waiting_in_slots -= self._items.pop(key).in_slot
+            del self._items[key]
 
     def clear(self) -> None:
         self.drop_below(float("inf"))
@@ -133,7 +129,8 @@ class Converter:
         batch, copy = self.device.convert(reader.build(region))
         if copy is not None and slot is not None:
             self.ring.track_copy(slot, functools.partial(self.device.wait, copy))
-        return Delivery(batch, copy, slot is not None and copy is None and reader.arrays > 0,
+        in_slot = slot is not None and copy is None and reader.arrays > 0
+        return Delivery(batch, copy, slot if in_slot else None,
                         len(payload) if reply.overflowed else 0, reader.nbytes,
                         skipped=reply.skipped)
 
@@ -146,16 +143,15 @@ class Converter:
         self.stats.report_skipped(delivery.skipped, self.name(number))
         if delivery.payload_bytes:
             self._overflowed(self.name(number), delivery.payload_bytes)
-        if delivery.in_slot:
-            held = self.ring.leased - self.output.waiting_in_slots  # this one included
-            if held >= self.ring.spec.n_slots:
-                return self._copied_out(delivery.batch, held - 1)
+        if delivery.slot is not None and not self.ring.keep_in_place(delivery.slot):
+            return self._copied_out(delivery.batch)
         return handed_over(self.device, self._device_skipped, delivery.batch, delivery.copy,
                            self.name(number), self.stats)
 
-    def _copied_out(self, batch, held: int):
+    def _copied_out(self, batch):
+        n_slots = self.ring.spec.n_slots
         self._warn_once("copy-out", (
-            f"the consumer holds {held} earlier batches of a ring of {self.ring.spec.n_slots} "
+            f"the consumer holds {n_slots - 1} earlier batches of a ring of {n_slots} "
             "slots, so handing over this one in place would leave the workers no free slot: "
             "batches are copied out of the ring instead. To stay zero-copy, keep copies of what "
             "you store across steps (batch.clone() or .copy(): a metric's targets, a list of "

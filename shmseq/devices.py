@@ -1,9 +1,9 @@
 """Where batches are delivered: the ``Device`` contract and its implementations.
 
 A device turns a batch of numpy views of a slot into what the consumer gets (``Device``
-says how, step by step). A device that page-locks the ring also sets ``ring.fence`` at
-``attach``: called when the last view of a batch dies, it returns a completion (a callable
-that blocks until done) for the copies the consumer may have enqueued from the slot: a
+says how, step by step). A device that page-locks the ring also returns a fence from
+``attach``, which the ring takes when the last view of a batch dies: a completion (a callable
+that blocks until done) for the copies the consumer may have enqueued from the slot, since a
 ``non_blocking`` copy from page-locked memory still reads the slot after the view is gone.
 
 * ``HostDevice``: numpy views or ``torch.from_numpy`` tensors, zero-copy; page-locked in
@@ -23,6 +23,7 @@ import numpy as np
 
 from .errors import ShmSeqError, warn_once
 from .layout import iter_arrays, map_arrays
+from .protocol import Fence
 
 OUT_TYPES = ("null", "cpu", "cuda")
 
@@ -37,9 +38,10 @@ class Device(Protocol):
 
     wrap: Callable[[np.dtype], Callable | None] | None
 
-    def attach(self, ring) -> None:
-        """Once the ring exists: page-lock it, and set ``ring.fence`` if the consumer's copies
-        from a slot may still read it after the batch's views died."""
+    def attach(self, ring) -> Fence | None:
+        """Once the ring exists: page-lock it if the device copies from it; the fence for the
+        ring to take whenever a lease dies if the consumer's own copies from a slot may still
+        read it after the batch's views died (a page-locked host's), else None."""
 
     def convert(self, views) -> tuple[object, object]:
         """``(batch, copy)``: ``copy`` is None when the batch *is* the views (host output), else
@@ -147,10 +149,11 @@ class HostDevice:
         self.pin_device = pin_device
         self._lock: PageLock | None = None
 
-    def attach(self, ring) -> None:
-        if self.pin_device is not None:
-            self._lock = PageLock(ring, self.pin_device)
-            ring.fence = self._lock.fence
+    def attach(self, ring) -> Fence | None:
+        if self.pin_device is None:
+            return None
+        self._lock = PageLock(ring, self.pin_device)
+        return self._lock.fence
 
     def convert(self, views):
         return views, None  # already as delivered: read through ``wrap``

@@ -134,7 +134,7 @@ class Pipeline:
     def _use_ring(self, ring: Ring) -> None:
         self.ring = ring
         self.converter = Converter(self.device, ring, self.output, self.stats, self.stream.name)
-        self.device.attach(ring)
+        ring.fence = self.device.attach(ring)
         self.pool.use_ring(ring)
 
     def _sized_by(self, sizes: list[int]) -> None:

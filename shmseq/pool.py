@@ -161,7 +161,6 @@ class WorkerPool:
         self._skipped: dict[int, tuple] = {}  # batch number -> what its worker left out
         self._turn = 0  # the worker after the last one given a task in turn
         self._pace = Pace(n_slots)
-        self._unslotted = 0  # batches sent without a slot, not given one yet: each may take one
         self._built: list[tuple[WorkerHandle, int, int]] = []  # (worker, number, bytes) of
         # batches built without a slot, held by their worker until there is a ring to place them
         self._stopped = False
@@ -205,8 +204,10 @@ class WorkerPool:
         return handle
 
     def use_ring(self, ring: Ring) -> None:
-        """Send the ring to every worker, which maps it, and give the batches they hold slots."""
+        """Send the ring to every worker, which maps it, and give the batches they hold slots.
+        The ring keeps a slot for each batch sent before it existed, built or not yet."""
         self.ring = ring
+        ring.owe(sum(slot is None for h in self._workers for _, slot in h.open.values()))
         for handle in self._workers:
             self._send(handle, framed(MapRing(ring.spec)))
         self._place_built()
@@ -222,9 +223,8 @@ class WorkerPool:
         for handle, number, size in self._built:
             if not handle.accepting or handle not in self._workers:
                 continue
-            slot = self.ring.acquire() if size <= self.ring.spec.slot_bytes else None
+            slot = self.ring.acquire_owed() if size <= self.ring.spec.slot_bytes else None
             if slot is not None:
-                self._unslotted -= 1
                 handle.open[number] = (handle.open[number][0], slot)
             self._send(handle, framed(Place(number, slot)))
         self._built.clear()
@@ -281,9 +281,9 @@ class WorkerPool:
         self._waker.drain()
 
     def _dispatch(self, waiting: int) -> None:
-        """Send the next batches of the stream with free slots, but for those the batches sent
-        without one may take (before there is a ring, one batch without a slot to each worker
-        that has none, while fewer than a ring's worth of failures wait for the consumer)."""
+        """Send the next batches of the stream with the free slots the ring gives new tasks
+        (before there is a ring, one batch without a slot to each worker that has none, while
+        fewer than a ring's worth of failures wait for the consumer)."""
         stream = self.stream
         if self.ring is None:
             while waiting < self._n_slots and (task := stream.peek()) is not None:
@@ -294,7 +294,7 @@ class WorkerPool:
                 stream.advance()
             return
         ring, pack = self.ring, self._pace.consumer_is_slower
-        while ring.free_count() > self._unslotted and (task := stream.peek()) is not None:
+        while ring.free_count() and (task := stream.peek()) is not None:
             chosen = self._choose(task, pack)
             if chosen is None or (slot := ring.acquire()) is None:
                 return
@@ -323,7 +323,6 @@ class WorkerPool:
         return taking[0] if pack else min(taking, key=lambda h: (not h.ready, len(h.open)))
 
     def _send_task(self, chosen: WorkerHandle, task: Task, slot: int | None) -> None:
-        self._unslotted += slot is None
         if self._in_turn:
             self._turn = (chosen.wid + 1) % len(self._workers)  # a worker's id is its place
         chosen.open[task.number] = (task.indices, slot)
@@ -414,9 +413,8 @@ class WorkerPool:
             self.stream.end_pass()
 
     def _give_back(self, slot: int | None) -> None:
-        if slot is None:  # sent without a slot, and back without one: it takes none
-            self._unslotted -= 1
-        else:
+        """A task's ``slot`` is unused (None: it was sent before the ring, and takes none)."""
+        if self.ring is not None:
             self.ring.unused(slot)
 
     # -- deaths --------------------------------------------------------------------------------

@@ -152,6 +152,11 @@ FromWorker = Ready | Attached | Built | Done | Overflow | Failed | Ended | Skipp
 
 
 # -- inside the consumer's thread -----------------------------------------------------------------
+Completion = Callable[[], None]  # blocks until a copy reading a slot is done (may raise)
+Fence = Callable[[], Completion]  # a device's, taken by the ring in the consumer's thread when a
+# lease dies: the completion of the copies the consumer may have enqueued from the slot
+
+
 class Reply(NamedTuple):
     """What the pool makes of a worker's reply, for the converter: batch ``number`` in
     ``slot``, or as ``payload`` bytes (it ``overflowed`` its slot, or was built without one and
@@ -172,7 +177,7 @@ class Delivery(NamedTuple):
     raise in its place), waiting in ``convert.OrderedOutput`` until the consumer takes it."""
     batch: object          # what the consumer gets
     copy: object = None    # the device's copy still in flight, if any
-    in_slot: bool = False  # the batch is views of a leased slot
+    slot: int | None = None  # the leased slot the batch is views of; None: it is none's
     payload_bytes: int = 0  # size of a payload too large for its slot (overflow), else 0
     nbytes: int = 0         # the batch's array bytes
     error: Callable[[], BaseException] | None = None  # makes the error (see ``Reply``)

@@ -13,6 +13,13 @@ it), and COPYING while a device copy, or a copy the consumer enqueued from a pag
 slot, may still read it. Every transition happens here, in the consumer's thread; a
 transition the machine does not allow raises ``IllegalTransition``.
 
+The ring answers every question about its slots, so that nothing else counts them: how many
+a new task may take (``free_count``: free ones, less those ``owe``d to batches built before
+the ring, which take theirs with ``acquire_owed``), whether the consumer may keep one
+more batch in place (``keep_in_place``: not when it would hold every slot), how long the
+consumer may wait (``wait_bound``), and what to wait for once a lease dies (the device's
+``fence``, and the copies ``track_copy`` was told of).
+
 Events from other threads (the last view of a lease dies wherever it is dropped; copies
 complete on the releaser thread) are recorded and applied by the consumer's thread at its
 next ``collect()``. A lease's death runs no Python code at all: its weakref callback is a C
@@ -33,6 +40,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import ShmSeqError
+from .protocol import Completion, Fence
 from .segments import RingSegment, RingSpec
 
 
@@ -55,7 +63,6 @@ class IllegalTransition(ShmSeqError):
 
 
 _COPIED, _FAILED = "copied", "failed"
-Completion = Callable[[], None]  # blocks until a copy reading the slot is done; may raise
 
 
 class Ring:
@@ -66,7 +73,10 @@ class Ring:
         self.spec: RingSpec = segment.spec
         self._states = [FREE] * self.spec.n_slots
         self._free = list(range(self.spec.n_slots - 1, -1, -1))
-        self.leased = 0  # slots LEASED, kept with the states
+        self._owed = 0  # free slots kept for batches built before the ring (``owe``)
+        self._leased = 0  # slots LEASED, kept with the states,
+        self._held = 0  # and of those, the ones handed over to the consumer (``keep_in_place``)
+        self._handed = bytearray(self.spec.n_slots)  # 1: that slot's lease is one of them
         self._leases: list[weakref.ref | None] = [None] * self.spec.n_slots
         self._copies: list[list[Completion]] = [[] for _ in range(self.spec.n_slots)]
         self._died: dict[int, weakref.ref] = {}  # slot -> its lease, dead, not collected yet
@@ -74,7 +84,7 @@ class Ring:
                           for slot in range(self.spec.n_slots)]  # a C call: see the docstring
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # from the releaser's thread
         self._wake = wake
-        self.fence: Callable[[], Completion] | None = None
+        self.fence: Fence | None = None  # the device's (``Device.attach``), set by the pipeline
         self._releaser: Releaser | None = None
 
     @classmethod
@@ -112,6 +122,12 @@ class Ring:
         if after is FREE:
             self._free.append(slot)
 
+    def owe(self, batches: int) -> None:
+        """``batches`` were sent to the workers before the ring existed, without a slot: each
+        may take one (``acquire_owed``) until it comes back without (``unused(None)``), and
+        ``free_count`` leaves them one each meanwhile."""
+        self._owed += batches
+
     def acquire(self) -> int | None:
         """A free slot, now dispatched to a writer; None when every slot is busy."""
         if not self._free:
@@ -122,14 +138,21 @@ class Ring:
         self._move(slot, FREE, DISPATCHED)
         return slot
 
-    def has_free(self) -> bool:
-        return bool(self._free) or self.has_news()
+    def acquire_owed(self) -> int | None:
+        """A free slot for a batch built before the ring, one of those kept for them; None
+        when every slot is busy (the batch still owes one until it comes back)."""
+        slot = self.acquire()
+        if slot is not None:
+            self._owed -= 1
+        return slot
 
     def free_count(self) -> int:
-        """Slots free now (after applying what other threads reported, if none was)."""
-        if not self._free:
+        """Slots a new task may take now: the free ones, less those kept for batches built
+        before the ring (after applying what other threads reported, if none was left)."""
+        if len(self._free) <= self._owed:
             self.collect()
-        return len(self._free)
+        free = len(self._free) - self._owed
+        return free if free > 0 else 0
 
     def has_news(self) -> bool:
         """Whether other threads reported something ``collect()`` has not applied yet."""
@@ -141,7 +164,7 @@ class Ring:
         (a death in another thread announces itself to nobody); else ``timeout``."""
         if self.has_news():
             return 0
-        if self.leased and not self._free:
+        if self._leased and not self._free:
             return LEASE_POLL_SECONDS if timeout is None else min(timeout, LEASE_POLL_SECONDS)
         return timeout
 
@@ -149,9 +172,14 @@ class Ring:
         """The writer filled the slot."""
         self._move(slot, DISPATCHED, WRITTEN)
 
-    def unused(self, slot: int) -> None:
-        """The writer gave the slot back without a batch in it (an error, an overflow)."""
-        self._move(slot, DISPATCHED, FREE)
+    def unused(self, slot: int | None) -> None:
+        """The writer gave the slot back without a batch in it (an error, an overflow). None:
+        a batch built before the ring came back without a slot; the one kept for it is free
+        for new tasks."""
+        if slot is None:
+            self._owed -= 1
+        else:
+            self._move(slot, DISPATCHED, FREE)
 
     def discard(self, slot: int) -> None:
         """A written batch nobody will read (its epoch was left)."""
@@ -160,10 +188,19 @@ class Ring:
     def lease(self, slot: int) -> np.ndarray:
         """The slot's bytes for the consumer: leased until this array and every view of it die."""
         self._move(slot, WRITTEN, LEASED)
-        self.leased += 1
+        self._leased += 1
         lease = self.segment.slot_bytes_of(slot)
         self._leases[slot] = weakref.ref(lease, self._on_death[slot])
         return lease
+
+    def keep_in_place(self, slot: int) -> bool:
+        """The consumer is handed the batch in leased ``slot``: whether it may keep it in place,
+        which it may unless it would then hold every slot of the ring (the workers would have
+        none left: the batch is copied out instead). Either way the slot counts as the
+        consumer's until its lease dies."""
+        self._handed[slot] = 1
+        self._held += 1
+        return self._held < self.spec.n_slots
 
     def track_copy(self, slot: int, completion: Completion) -> None:
         """A copy out of a leased slot is in flight: the slot waits for it once the lease dies."""
@@ -206,7 +243,9 @@ class Ring:
             raise ShmSeqError(f"fencing the copies out of slot {slot} failed: "
                               f"{type(exc).__name__}: {exc}") from exc
         self._leases[slot] = None
-        self.leased -= 1
+        self._leased -= 1
+        self._held -= self._handed[slot]
+        self._handed[slot] = 0
         pending, self._copies[slot] = self._copies[slot], []
         if fence is not None:
             pending.append(fence)

@@ -28,6 +28,7 @@ from .decode import Decoding, HostDecoder, source_batch
 from .devices import HostDevice
 from .errors import ShmSeqError
 from .layout import map_arrays
+from .protocol import Fence
 from .ragged import Ragged
 
 
@@ -151,9 +152,9 @@ class FakePinnedDevice(HostDevice):
         super().__init__(to_torch=False)
         self.stream = stream
 
-    def attach(self, ring) -> None:
+    def attach(self, ring) -> Fence:
         self.stream.register(ring.address, ring.spec.total_bytes)
-        ring.fence = self.fence
+        return self.fence
 
     def fence(self):
         return self.stream.record().wait

@@ -58,6 +58,27 @@ def test_a_slot_goes_round_and_the_last_view_frees_it(ring):
     assert states(ring)[slot] is FREE and ring.count(FREE) == 3
 
 
+def test_slots_owed_to_batches_built_before_the_ring_are_kept_for_them(ring):
+    ring.owe(2)
+    assert ring.free_count() == 1  # of 3 slots, 2 are kept
+    first = ring.acquire()
+    assert ring.free_count() == 0
+    placed = ring.acquire_owed()
+    assert placed not in (None, first) and ring.free_count() == 0
+    ring.unused(None)  # the other came back without a slot: its slot goes to new tasks
+    assert ring.free_count() == 1 and ring.acquire() not in (None, first, placed)
+
+
+def test_the_consumer_keeps_batches_in_place_until_it_would_hold_every_slot(ring):
+    leases = {slot: ring.lease(slot) for slot in [written(ring) for _ in range(3)]}
+    assert [ring.keep_in_place(slot) for slot in leases] == [True, True, False]
+    leases.clear()  # the consumer dropped them: no longer held, once collected
+    slot = written(ring)
+    lease = ring.lease(slot)
+    assert ring.keep_in_place(slot)
+    del lease
+
+
 def test_a_copy_keeps_the_slot_until_it_completes(ring):
     slot = written(ring)
     done = threading.Event()
