@@ -1,9 +1,9 @@
 """Per-stage costs of one batch's trip, with pytest-benchmark: ``python -m pytest bench -q``.
 
-Encode and decode a batch's slot layout, take a slot round its state machine, hand
-a slot id to another process and back, make the consumer's view and tensor, and take a
-whole 0.1 MB batch through shmseq and through the bare ring (the least a shared-memory
-ring can cost).
+Encode and decode a batch's slot layout, take a slot round its state machine, encode and
+decode the messages each batch costs, hand a slot id to another process and back, make the
+consumer's view and tensor, and take a whole 0.1 MB batch through shmseq and through the bare
+ring (the least a shared-memory ring can cost).
 Payload-sized stages run on a cifar and an imagenet64 batch; the others do not
 depend on the batch size.
 """
@@ -17,7 +17,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from shmseq import SlotAllocator
+from shmseq import SlotAllocator, wire
 from shmseq.bench.systems import SYSTEMS
 from shmseq.bench.workloads import WORKLOADS, Workload
 from shmseq.layout import encode_batch, read_batch, write_batch
@@ -96,6 +96,19 @@ def _slot_round(ring: Ring) -> None:
 
 def test_slot_round(benchmark, ring):
     benchmark(_slot_round, ring)
+
+
+@pytest.mark.parametrize("kind", ["build", "done"])
+def test_message_encode_decode(benchmark, kind):
+    """A ``Build`` of 256 indices or a ``Done``, framed and decoded: the two messages each batch
+    costs on the pipes, less the system calls (protocol.py's types, wire.py's fast path)."""
+    indices = np.arange(256, dtype=np.int64)
+    if kind == "build":
+        message = benchmark(lambda: wire.decode(wire.build_frame(7, 3, indices)[4:]))
+        assert message.number == 7 and message.indices.tolist() == indices.tolist()
+    else:
+        assert benchmark(lambda: wire.decode(wire.done_frame(7, 3, 4096, 0.25)[4:])) == (
+            7, 3, 4096, 0.25)
 
 
 def _echo(connection) -> None:
