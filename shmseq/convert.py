@@ -95,15 +95,19 @@ class Converter:
     """Replies -> deliveries through the device; deliveries -> the consumer. ``name`` says
     how messages call a batch ("batch 3 of epoch 1")."""
 
-    def __init__(self, device: Device, ring: Ring, output: OrderedOutput, stats: LoaderStats,
-                 name: Callable[[int], str]):
+    def __init__(self, device: Device, ring: Ring | None, output: OrderedOutput,
+                 stats: LoaderStats, name: Callable[[int], str]):
         self.device = device
         self._device_skipped = Hooks(device).pop_skipped
-        self.ring = ring
+        self.ring = ring  # None until the first batches sized it: only failures come before
         self.output = output
         self.stats = stats
         self.name = name
         self._warned: set[str] = set()
+
+    def use_ring(self, ring: Ring) -> None:
+        """The ring the replies' slots are of, from now on."""
+        self.ring = ring
 
     def arrive(self, reply: Reply) -> None:
         """Convert a reply as soon as it is there (a copy starts while the consumer works)."""

@@ -20,14 +20,14 @@ import multiprocessing
 import os
 import threading
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
 from .convert import Converter, OrderedOutput, handed_over
 from .devices import Device, make_device
 from .errors import BatchTimeout, PipelineClosed, ShmSeqError
 from .layout import encode_batch, read_batch, slot_bytes_for
 from .plan import BatchStream
-from .protocol import Delivery, Hooks, Plan, Reply
+from .protocol import Delivery, Hooks, Plan
 from .pool import Waker, WorkerPool, brief
 from .ring import Ring
 from .stats import LoaderStats
@@ -35,6 +35,7 @@ from .worker_handle import JOIN_SECONDS
 from .workers import build_batch, make_worker
 
 ERROR_GRACE = 0.2  # seconds workers get to leave once a failure was raised, before they are killed
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,12 +85,14 @@ class Pipeline:
         self._turn = threading.RLock()  # held by the consumer while it takes a batch
         self._closed = False
         self._broken = False  # a failure was raised: workers get no time to finish politely
-        self.converter: Converter | None = None  # made with the ring
+        self.converter: Converter | None = None  # made with the device
         self.waker = Waker()
         self.output = OrderedOutput()
         self.stream = BatchStream(plan, epoch, position)
         try:
             self.device = spec.make_device()
+            self.converter = Converter(self.device, None, self.output, self.stats,
+                                       self.stream.name)
             if spec.slot_bytes is not None:  # reserved while the workers start
                 self.ring = self._new_ring(spec.slot_bytes)
             self.pool = WorkerPool(spec.worker, num_workers=spec.num_workers, n_slots=spec.buffer,
@@ -123,7 +126,7 @@ class Pipeline:
             if remaining is not None and remaining <= 0:
                 raise ShmSeqError(f"the workers did not start within timeout={timeout} s: "
                                   f"{self.pool.which_not_started(mapped=up_front)}")
-            self._step(remaining)
+            self._step(timeout=remaining)
         if up_front:
             self.ring.wait_reserved()
 
@@ -133,7 +136,7 @@ class Pipeline:
 
     def _use_ring(self, ring: Ring) -> None:
         self.ring = ring
-        self.converter = Converter(self.device, ring, self.output, self.stats, self.stream.name)
+        self.converter.use_ring(ring)
         ring.fence = self.device.attach(ring)
         self.pool.use_ring(ring)
 
@@ -143,28 +146,34 @@ class Pipeline:
         if sizes:
             self._use_ring(self._new_ring(slot_bytes_for(max(sizes)), expected=max(sizes)))
 
-    def _unplaced(self, reply: Reply) -> Reply:
-        """A batch built without a slot and given none came back encoded: an overflow if it is
-        larger than a slot; else there was no slot free (a ring smaller than the workers)."""
-        if reply.payload is not None and len(reply.payload) > self.ring.spec.slot_bytes:
-            return reply._replace(overflowed=True)
-        return reply
-
     # -- the consumer's step ----------------------------------------------------------------------
-    def _step(self, timeout: float | None, read: bool = True) -> None:
-        """One turn of the consumer: collect the slots freed since the last one, exchange with
-        the workers (their replies there, or the first within ``timeout`` s, for free slots with
-        the next batches; ``read=False``: slots only) and convert the replies into deliveries."""
-        if self.ring is not None:
-            self.ring.collect()  # slots freed, and copies failed, in other threads
-        replies = self.pool.exchange(timeout, waiting=self.output.waiting, read=read)
-        if self.ring is None:
-            self._sized_by(self.pool.built_sizes())
-        for reply in replies:
-            if self.ring is None:  # a failure, or a stream's end: no batch has been built yet
-                self.output.put(reply.number, Delivery(None, error=reply.error, ended=reply.ended))
-            else:
-                self.converter.arrive(reply if reply.slot is not None else self._unplaced(reply))
+    def _step(self, take: Callable[[], T | None] | None = None,
+              timeout: float | None = 0) -> T | None:
+        """One pass of the consumer: collect the slots freed since the last one; deliver what
+        ``take()`` finds ready, the workers then given the free slots with the next batches;
+        otherwise exchange with the workers (free slots for their replies there, or for the
+        first within ``timeout`` s; None: until one comes), convert what arrived, and deliver
+        what ``take()`` finds now (None: nothing yet), the pass counted as the consumer's wait.
+        Without ``take``, the consumer asks for nothing: the workers are given work."""
+        try:
+            if self.ring is not None:
+                self.ring.collect()  # slots freed, and copies failed, in other threads
+            if take is not None and (found := take()) is not None:
+                self.pool.exchange(0, waiting=self.output.waiting, read=False)
+                return found
+            began = time.perf_counter()
+            replies = self.pool.exchange(timeout, waiting=self.output.waiting)
+            if self.ring is None:
+                self._sized_by(self.pool.built_sizes())
+            for reply in replies:
+                self.converter.arrive(reply)
+            if take is None:
+                return None
+            self.stats.consumer_wait_s += time.perf_counter() - began
+            return take() if replies else None
+        except Exception:
+            self.output.check()  # closed meanwhile (a signal handler, another thread): say so
+            raise
 
     # -- the consumer's side ---------------------------------------------------------------------
     @property
@@ -195,7 +204,7 @@ class Pipeline:
             number = self.stream.open(epoch, position, batches)
             self.output.drop_below(number)
             self.pool.begin_pass(number)
-            self._step(0)  # the workers start on the epoch's first batches at once
+            self._step()  # the workers start on the epoch's first batches at once
             return number
 
     def batches(self, epoch: int, position: int = 0):
@@ -235,33 +244,21 @@ class Pipeline:
         before it, once every worker's stream did), else None."""
         return Delivery(None, ended=True) if self.plan.batch(epoch, position) is None else None
 
-    def _first_ready(self, take: Callable, epoch: int, position: int):
-        """What ``take()`` finds in the output (the workers then given the slots freed
-        meanwhile), or once the consumer's steps brought it."""
+    def _first_ready(self, take: Callable[[], T | None], epoch: int, position: int) -> T:
+        """What ``take()`` finds in the output, at the consumer's first step or once its steps
+        brought it."""
         with self._failures_reported():
-            if (found := take()) is not None:  # raises once the pipeline is closed
-                self._step(0, read=False)
-                return found
-            began = time.perf_counter()
             deadline = None if self.spec.timeout is None else time.monotonic() + self.spec.timeout
-            while (found := take()) is None:
+            while (found := self._step(take, _remaining(deadline))) is None:
                 remaining = _remaining(deadline)
                 if remaining is not None and remaining <= 0:
                     self._timed_out(epoch, position)
-                try:
-                    self._step(remaining)
-                except Exception:
-                    self.output.check()  # closed meanwhile, by a signal handler: say so
-                    raise
-            self.stats.consumer_wait_s += time.perf_counter() - began
             return found
 
     def hand_over(self, number: int, delivery):
         """The batch as the consumer gets it; raises the batch's error (its worker's exception)
         in its place."""
         with self._failures_reported():
-            if self.converter is None:  # no batch came back yet: only failures did
-                raise delivery.error()
             return self.converter.hand_over(number, delivery)
 
     @contextlib.contextmanager

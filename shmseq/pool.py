@@ -369,7 +369,10 @@ class WorkerPool:
                 handle.closed(number)
                 self.stats.worker_busy_s += busy
                 self._give_back(slot)
-                received.append(Reply(number, None, payload, overflowed=slot is not None,
+                # one without a slot was built before the ring and given none: larger than a
+                # slot (an overflow too), or none was free (a ring with fewer slots than workers)
+                overflowed = slot is not None or len(payload) > self.ring.spec.slot_bytes
+                received.append(Reply(number, None, payload, overflowed=overflowed,
                                       skipped=self._skipped.pop(number, ())))
             case Failed(number, slot, error):
                 indices = handle.closed(number)
