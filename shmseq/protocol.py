@@ -12,10 +12,12 @@ The consumer's thread and each worker talk through two pipes (wire.py frames the
   tell; ``InitFailed`` when the worker object could not be made.
 
 ``Build`` and ``Done``, the two messages every batch costs, travel as fixed binary records;
-the others are pickled. Each message is matched by its type where it is handled.
+the others are pickled as plain tuples. Each message is matched by its type where it is
+handled.
 
 In the consumer's thread, the pool turns a worker's reply into a ``Reply`` for the converter
-(convert.py), which turns it into a ``Delivery`` for the consumer.
+(convert.py), which turns it into a ``Delivery`` for the consumer; a device's ``Fence`` is
+what the ring waits for once a batch's last view died (devices.py, ring.py).
 
 The user's objects: a ``Worker`` (called in each worker; ``Hooks`` fills in the optional
 hooks it lacks, the one place anything asks what a worker has) and a ``Plan`` (which indices
@@ -147,8 +149,8 @@ class InitFailed(NamedTuple):
 
 
 ToWorker = Build | Rebuild | MapRing | Place | TakeWorker | Stop
-FromWorker = Ready | Attached | Built | Done | Overflow | Failed | Ended | Skipped | Counted \
-    | InitFailed
+FromWorker = (Ready | Attached | Built | Done | Overflow | Failed | Ended | Skipped | Counted
+              | InitFailed)
 
 
 # -- inside the consumer's thread -----------------------------------------------------------------
@@ -177,7 +179,7 @@ class Delivery(NamedTuple):
     raise in its place), waiting in ``convert.OrderedOutput`` until the consumer takes it."""
     batch: object          # what the consumer gets
     copy: object = None    # the device's copy still in flight, if any
-    slot: int | None = None  # the leased slot the batch is views of; None: it is none's
+    slot: int | None = None  # the leased slot the batch is views of; None: no slot's (a copy)
     payload_bytes: int = 0  # size of a payload too large for its slot (overflow), else 0
     nbytes: int = 0         # the batch's array bytes
     error: Callable[[], BaseException] | None = None  # makes the error (see ``Reply``)
