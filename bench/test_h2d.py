@@ -5,8 +5,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-from shmseq.devices import PageLock  # noqa: E402
-from shmseq.ring import Ring  # noqa: E402
+from shmseq.engine.trainer.devices import PageLock  # noqa: E402
+from shmseq.engine.trainer.ring import Ring  # noqa: E402
 
 BATCH_BYTES = 64 * 224 * 224 * 3  # one imagenet64 batch
 

@@ -20,8 +20,8 @@ import pytest
 from shmseq import SlotAllocator, wire
 from shmseq.bench.systems import SYSTEMS
 from shmseq.bench.workloads import WORKLOADS, Workload
-from shmseq.layout import encode_batch, read_batch, write_batch
-from shmseq.ring import Ring
+from shmseq.engine.common.layout import encode_batch, read_batch, write_batch
+from shmseq.engine.trainer.ring import Ring
 
 SLACK = 64 * 1024
 VIEW_SHAPE = (256, 32, 32, 3)

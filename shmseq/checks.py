@@ -8,7 +8,7 @@ import numbers
 
 import numpy as np
 
-from .devices import OUT_TYPES
+from .engine.trainer.devices import OUT_TYPES
 
 MAX_TIMEOUT = 2_147_483  # seconds: the most select() takes (a 32-bit count of milliseconds)
 

@@ -12,9 +12,9 @@ import sys
 import numpy as np
 
 from .checks import check_bool, check_int
-from .layout import SlotAllocator, as_ndarray
-from .plan import SamplerPlan
-from .ragged import is_tensor
+from .engine.common.layout import SlotAllocator, as_ndarray
+from .engine.common.ragged import is_tensor
+from .engine.trainer.plan import SamplerPlan
 from .samplers import BatchSampler, RandomSampler, SequentialSampler
 from .sequence import ShmSequence
 

@@ -38,8 +38,8 @@ from typing import Callable
 import numpy as np
 
 from .checks import check_choice, check_int
-from .devices import PageLock, cuda_available
-from .ragged import Ragged
+from .engine.common.ragged import Ragged
+from .engine.trainer.devices import PageLock, cuda_available
 from .vision import (IMAGENET_MEAN, IMAGENET_STD, JPEG_EXTENSIONS, MAX_PIXELS, ImageDecodeError,
                      ImageFolder, _simplejpeg, center_crop, check_pixels, random_resized_crop)
 

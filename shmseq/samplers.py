@@ -10,7 +10,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from .plan import LAST_BATCH_POLICIES
+from .engine.trainer.plan import LAST_BATCH_POLICIES
 
 
 class SequentialSampler:

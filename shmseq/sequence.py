@@ -16,13 +16,12 @@ from typing import Callable
 
 import numpy as np
 
-from .checks import (check_bool, check_choice, check_int, check_out_type, check_timeout,
-                     check_worker)
-from .devices import Device, resolve_out_type
-from .pipeline import Inline, Pipeline, PipelineSpec
-from .plan import EpochPlan, as_index_array
-from .protocol import Plan
-from .stats import LoaderStats
+from .checks import check_bool, check_choice, check_int, check_out_type, check_timeout, check_worker
+from .engine.common.protocol import Plan
+from .engine.trainer.devices import Device, resolve_out_type
+from .engine.trainer.pipeline import Inline, Pipeline, PipelineSpec
+from .engine.trainer.plan import EpochPlan, as_index_array
+from .engine.trainer.stats import LoaderStats
 
 THREAD_TYPES = ("proc", "thread")
 TEST_MODES = ("default", "cpu", "numpy")

@@ -51,8 +51,8 @@ import numpy as np
 
 from . import remote
 from .checks import check_bool, check_int
-from .plan import EpochPlan
-from .ragged import Ragged
+from .engine.common.ragged import Ragged
+from .engine.trainer.plan import EpochPlan
 from .remote import RemotePolicy, is_remote
 from .sequence import ShmSequence
 from .shard_cache import Prefetcher, ShardCache, cache_folder, check_room
@@ -747,7 +747,7 @@ class ShardSequence(ShmSequence):
     """A ``ShmSequence`` over tar shards: ``decode(sample)`` turns each sample (a dict of its
     members' bytes by field, e.g. ``sample["jpg"]``, plus ``__key__``, ``__url__`` and
     ``__offset__``, ``__id__``) into an array or a tuple/dict of arrays (or ``bytes``), stacked
-    into the batch (``bytes`` as one ragged leaf, see ``shmseq.ragged``).
+    into the batch (``bytes`` as one ragged leaf, see ``shmseq.engine.common.ragged``).
 
     Args:
         shards: an index file (``shards.json`` from ``write_shards`` or ``ShardIndex.save``),

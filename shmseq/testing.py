@@ -1,6 +1,6 @@
 """Seams for testing pipelines without a GPU, and for looking inside a running one.
 
-Fake devices (see ``shmseq.devices.Device``), given to ``ShmSequence(..., device=...)``:
+Fake devices (see ``shmseq.engine.trainer.devices.Device``), given to ``ShmSequence(..., device=...)``:
 
 * ``FakeDevice``: a copying device, as CUDA is; its copies run late, on another thread, after
   random delays, reading the slot's raw addresses as a DMA engine does, so that a slot reused
@@ -25,11 +25,11 @@ import time
 import numpy as np
 
 from .decode import Decoding, HostDecoder, source_batch
-from .devices import HostDevice
-from .errors import ShmSeqError
-from .layout import map_arrays
-from .protocol import Fence
-from .ragged import Ragged
+from .engine.common.errors import ShmSeqError
+from .engine.common.layout import map_arrays
+from .engine.common.protocol import Fence
+from .engine.common.ragged import Ragged
+from .engine.trainer.devices import HostDevice
 
 
 class FakeEvent:

@@ -42,13 +42,13 @@ from torch.utils.data._utils.collate import collate, default_collate, default_co
 
 from .checks import check_int
 from .dataloader import stack_into
-from .errors import BatchTimeout, PipelineClosed, ShmSeqError, WorkerDied
-from .layout import SlotAllocator, as_ndarray
-from .pipeline import Pipeline, PipelineSpec
-from .plan import SamplerPlan
-from .ragged import Ragged, make_leaf
-from .workers import StreamEnded
-from .stats import LoaderStats
+from .engine.common.errors import BatchTimeout, PipelineClosed, ShmSeqError, WorkerDied
+from .engine.common.layout import SlotAllocator, as_ndarray
+from .engine.common.ragged import Ragged, make_leaf
+from .engine.trainer.pipeline import Pipeline, PipelineSpec
+from .engine.trainer.plan import SamplerPlan
+from .engine.trainer.stats import LoaderStats
+from .engine.worker.batch import StreamEnded
 
 
 def slot_collate(samples: list, out: SlotAllocator | None = None):

@@ -49,8 +49,8 @@ from pathlib import Path
 import numpy as np
 
 from .checks import check_int
-from .errors import warn_user
-from .layout import SlotAllocator
+from .engine.common.errors import warn_user
+from .engine.common.layout import SlotAllocator
 
 JPEG_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif")
 IMAGE_EXTENSIONS = JPEG_EXTENSIONS + (".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".avif",

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shmseq.convert import Converter, Delivery, OrderedOutput
-from shmseq.devices import HostDevice
-from shmseq.errors import PipelineClosed
-from shmseq.layout import write_batch
-from shmseq.pool import Reply, Pace
-from shmseq.ring import FREE, Ring
-from shmseq.stats import LoaderStats
+from shmseq.engine.trainer.convert import Converter, Delivery, OrderedOutput
+from shmseq.engine.trainer.devices import HostDevice
+from shmseq.engine.common.errors import PipelineClosed
+from shmseq.engine.common.layout import write_batch
+from shmseq.engine.trainer.pool import Reply, Pace
+from shmseq.engine.trainer.ring import FREE, Ring
+from shmseq.engine.trainer.stats import LoaderStats
 
 
 # -- the ordered output -------------------------------------------------------------------------

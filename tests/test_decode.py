@@ -18,8 +18,8 @@ from shmseq import ShmSequence, SkippedSamplesWarning  # noqa: E402
 from shmseq.decode import (CudaDecoder, DecodeStage, EncodedImageWorker,  # noqa: E402
                            as_stored, decoded_rows, encoded_sample, exif_orientation,
                            failure_reason, nvjpeg_decoder, transform)
-from shmseq.layout import read_batch, write_batch  # noqa: E402
-from shmseq.ragged import Ragged  # noqa: E402
+from shmseq.engine.common.layout import read_batch, write_batch  # noqa: E402
+from shmseq.engine.common.ragged import Ragged  # noqa: E402
 from shmseq.shards import ShardSequence, image_folder_samples, write_shards  # noqa: E402
 from shmseq.testing import FakeGpuDecoder, planned_batches  # noqa: E402
 from shmseq.vision import IMAGENET_MEAN, IMAGENET_STD, ImageDecodeError  # noqa: E402

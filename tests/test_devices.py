@@ -5,11 +5,11 @@ import threading
 import numpy as np
 import pytest
 
-import shmseq.devices
+import shmseq.engine.trainer.devices
 from shmseq import ShmSeqError, ShmSequence
-from shmseq.devices import make_device
+from shmseq.engine.trainer.devices import make_device
 from shmseq.testing import FakeDevice, FakeStream, planned_batches, ring_of
-from shmseq.ring import LEASED, Ring
+from shmseq.engine.trainer.ring import LEASED, Ring
 from workers import ImageWorker
 
 
@@ -115,7 +115,7 @@ def test_host_output_is_the_slot_itself_and_pins_only_with_cuda():
     views = {"x": np.arange(4)}
     batch, copy = make_device("null").convert(views)
     assert batch is views and copy is None
-    if not shmseq.devices.cuda_available():
+    if not shmseq.engine.trainer.devices.cuda_available():
         assert make_device("cpu").pin_device is None
         with pytest.warns(RuntimeWarning, match="pin_memory=True but CUDA is not available"):
             assert make_device("cpu", pin_memory=True).pin_device is None
@@ -147,7 +147,7 @@ def test_a_slot_freed_when_its_copy_completes_wakes_the_consumer():
 
 def test_torch_wraps_views_of_the_slot_where_torch_can():
     torch = pytest.importorskip("torch")
-    from shmseq.devices import torch_wrap
+    from shmseq.engine.trainer.devices import torch_wrap
     region = np.arange(64, dtype=np.uint8)
     native = np.ndarray((4,), np.dtype("<i4"), region, 0)
     tensor = torch_wrap(native.dtype)(native)

@@ -11,14 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import shmseq.segments
+import shmseq.engine.common.segments
 from shmseq import (BatchTimeout, SharedMemoryFull, ShmSeqError, ShmSequence, UnsupportedBatch,
                     WorkerDied, WorkerError)
-from shmseq.devices import HostDevice
+from shmseq.engine.trainer.devices import HostDevice
 from shmseq.testing import worker_pids
 from leaks import leftovers, shm_entries
-from shmseq.ragged import Ragged
-from shmseq.workers import check_rows
+from shmseq.engine.common.ragged import Ragged
+from shmseq.engine.worker.batch import check_rows
 from workers import (BadReturn, Crash, DieOrDawdle, DiesUnpickled, ExitInInit, FailingInit, Hang,
                      IndexWorker, ImageWorker, SampleDataset, Slow, SlowStart5)
 
@@ -178,7 +178,7 @@ def test_a_failing_converter_surfaces(monkeypatch):
 
 @pytest.mark.parametrize("slot_bytes", [None, 40 << 20])
 def test_not_enough_shared_memory_is_refused_at_start(monkeypatch, slot_bytes):
-    monkeypatch.setattr(shmseq.segments, "shm_free_bytes", lambda: 64 << 20)
+    monkeypatch.setattr(shmseq.engine.common.segments, "shm_free_bytes", lambda: 64 << 20)
     seq = make(ImageWorker(1024), dset_size=64, batch_size=8, buffer=10, slot_bytes=slot_bytes)
     with pytest.raises(SharedMemoryFull, match=r"needs [\d,]+ bytes.*has 67,108,864 free.*--shm-size"):
         seq.start()
@@ -300,7 +300,7 @@ def test_a_worker_returning_none_is_told_so_with_its_batch():
         except UnsupportedBatch as exc:  # not pytest.raises: its record would hold the frames
             cause, message = exc.__cause__, str(exc)
     assert "returned None" in message and isinstance(cause, WorkerError)
-    assert cause.exc_type == "shmseq.errors.UnsupportedBatch"
+    assert cause.exc_type == "shmseq.engine.common.errors.UnsupportedBatch"
     assert cause.batch_indices.tolist() == [0, 1, 2, 3]
 
 
@@ -663,7 +663,7 @@ def test_a_script_without_the_main_guard_is_told_to_add_it_in_one_line_per_worke
     _, errors = script.communicate(timeout=60)
     assert script.returncode == 1
     last = errors.strip().splitlines()[-1]
-    assert last.startswith("shmseq.errors.WorkerDied: worker ") and "exited with code 1" in last
+    assert last.startswith("shmseq.engine.common.errors.WorkerDied: worker ") and "exited with code 1" in last
     assert 'put that code under if __name__ == "__main__":' in last, errors
     assert "bootstrapping phase" not in errors, errors
     workers_said = [line for line in errors.splitlines() if line.startswith("shmseq: ")]

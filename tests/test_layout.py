@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shmseq.errors import UnsupportedBatch
-from shmseq.layout import (ALIGN, SlotAllocator, SlotOverflow, encode_batch, read_batch,
+from shmseq.engine.common.errors import UnsupportedBatch
+from shmseq.engine.common.layout import (ALIGN, SlotAllocator, SlotOverflow, encode_batch, read_batch,
                            write_batch)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,8 +176,8 @@ def test_an_array_built_outside_a_slot_is_given_back_to_the_system_when_it_dies(
     batch, built before there is a ring, would otherwise stay in every worker for good."""
     script = textwrap.dedent("""
         import numpy as np
-        from shmseq.layout import SlotAllocator
-        from shmseq.workers import _keep_large_buffers
+        from shmseq.engine.common.layout import SlotAllocator
+        from shmseq.engine.worker.loop import _keep_large_buffers
 
         def anonymous_kib():
             with open("/proc/self/smaps_rollup") as rollup:

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from shmseq import DataLoader, PipelineClosed, ShmSeqError, ShmSequence
-from shmseq.devices import HostDevice
+from shmseq.engine.trainer.devices import HostDevice
 from shmseq.testing import FakeDevice, FakePinnedDevice, FakeStream, planned_batches, worker_pids
-from shmseq.ring import Ring
+from shmseq.engine.trainer.ring import Ring
 from leaks import holders, live_children, mapped_rings
 from workers import ImageWorker, IndexWorker, ListWorker, SizedWorker, Slow
 

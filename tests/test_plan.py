@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shmseq.plan import BatchStream, EpochPlan, SamplerPlan, as_index_array
+from shmseq.engine.trainer.plan import BatchStream, EpochPlan, SamplerPlan, as_index_array
 
 
 def plan(n=10, size=4, **options):

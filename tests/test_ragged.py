@@ -1,4 +1,4 @@
-"""Ragged leaves (shmseq.ragged): variable-size items as one values array plus int64 offsets.
+"""Ragged leaves (shmseq.engine.common.ragged): variable-size items as one values array plus int64 offsets.
 
 Property tests explore: batches of up to 8 leaves, a leaf alone or nested at any depth in
 pairs (tuples), lists of up to 4 and dicts of up to 4 keys; ragged leaves of every numpy
@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from shmseq import Ragged, ShmSequence, UnsupportedBatch
-from shmseq.layout import read_batch, write_batch
+from shmseq.engine.common.layout import read_batch, write_batch
 from shmseq.testing import FakeDevice, planned_batches, ring_of
 
 DTYPES = [np.dtype(code) for code in "?bhilBHILefdFD"]
@@ -174,14 +174,14 @@ def test_any_nesting_of_ragged_and_dense_leaves_survives_the_slot_as_numpy(batch
 @settings(max_examples=60, deadline=None)
 @given(batches(with_torch=True))
 def test_any_nesting_survives_the_slot_as_torch_jagged_tensors(batch):
-    from shmseq.devices import torch_wrap
+    from shmseq.engine.trainer.devices import torch_wrap
     got, region = roundtrip(batch, torch_wrap)
     assert_same(batch, got, region, torch_output=True)
 
 
 def test_bfloat16_items_come_back_as_a_jagged_tensor_of_their_dtype():
     torch = pytest.importorskip("torch")
-    from shmseq.devices import torch_wrap
+    from shmseq.engine.trainer.devices import torch_wrap
     items = [torch.randn(3, 2).to(torch.bfloat16), torch.randn(1, 2).to(torch.bfloat16)]
     got, _ = roundtrip(Ragged.from_items(items), torch_wrap)
     assert got.dtype == torch.bfloat16 and torch.equal(got.values(), torch.cat(items))
@@ -189,7 +189,7 @@ def test_bfloat16_items_come_back_as_a_jagged_tensor_of_their_dtype():
 
 def test_a_torch_jagged_tensor_from_a_worker_travels_as_one():
     torch = pytest.importorskip("torch")
-    from shmseq.devices import torch_wrap
+    from shmseq.engine.trainer.devices import torch_wrap
     sent = torch.nested.nested_tensor_from_jagged(torch.arange(7.0), torch.tensor([0, 2, 7]))
     got, region = roundtrip(sent, torch_wrap)
     assert got.is_nested and torch.equal(got.values(), sent.values())
@@ -216,7 +216,7 @@ def test_items_of_python_objects_travel_pickled_not_as_pointers():
 
 def test_strings_torch_cannot_hold_stay_a_ragged_of_numpy_views():
     pytest.importorskip("torch")
-    from shmseq.devices import torch_wrap
+    from shmseq.engine.trainer.devices import torch_wrap
     got, region = roundtrip(Ragged(np.array(["ab", "c", "def"]), np.array([0, 1, 3])), torch_wrap)
     assert isinstance(got, Ragged) and got[1].tolist() == ["c", "def"]
 
@@ -353,7 +353,7 @@ def test_ragged_collate_keeps_strings_torch_cannot_hold_as_a_ragged_of_numpy():
 
 def test_a_clone_of_a_delivered_jagged_tensor_or_a_copy_of_a_ragged_holds_no_slot():
     torch = pytest.importorskip("torch")
-    from shmseq.devices import torch_wrap
+    from shmseq.engine.trainer.devices import torch_wrap
     leaf = Ragged.from_items([np.ones(3), np.zeros(2)])
     delivered, region = roundtrip(leaf, torch_wrap)
     clone = delivered.clone()

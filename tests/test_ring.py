@@ -6,10 +6,10 @@ import time
 import numpy as np
 import pytest
 
-import shmseq.segments as segments_module
-from shmseq.errors import SharedMemoryFull, ShmSeqError
-from shmseq.ring import COPYING, DISPATCHED, FREE, LEASED, WRITTEN, IllegalTransition, Ring
-from shmseq.segments import WorkerRing
+import shmseq.engine.common.segments as segments_module
+from shmseq.engine.common.errors import SharedMemoryFull, ShmSeqError
+from shmseq.engine.trainer.ring import COPYING, DISPATCHED, FREE, LEASED, WRITTEN, IllegalTransition, Ring
+from shmseq.engine.common.segments import WorkerRing
 from leaks import mapped_rings, shm_entries
 
 

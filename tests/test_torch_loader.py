@@ -12,7 +12,7 @@ from torch.utils.data import DistributedSampler  # noqa: E402
 from torch.utils.data import DataLoader as TorchLoader  # noqa: E402
 
 import shmseq  # noqa: E402
-import shmseq.plan  # noqa: E402
+import shmseq.engine.trainer.plan  # noqa: E402
 import torch_datasets as data  # noqa: E402
 from shmseq.torch import DataLoader  # noqa: E402
 from leaks import live_children, mapped_rings  # noqa: E402
@@ -175,7 +175,7 @@ def distributed(monkeypatch):
 
     def start(world_size: int) -> FakeDistributed:
         fake.world_size = world_size
-        monkeypatch.setattr(shmseq.plan, "_distributed", lambda: fake)
+        monkeypatch.setattr(shmseq.engine.trainer.plan, "_distributed", lambda: fake)
         return fake
     return start
 

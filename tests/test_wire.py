@@ -8,8 +8,8 @@ from multiprocessing import connection
 import numpy as np
 import pytest
 
-from shmseq.protocol import Build, Done, ErrorReport, Failed, MapRing, Overflow, Stop
-from shmseq.wire import FrameReader, build_frame, decode, done_frame, encode, framed
+from shmseq.engine.common.protocol import Build, Done, ErrorReport, Failed, MapRing, Overflow, Stop
+from shmseq.engine.common.wire import FrameReader, build_frame, decode, done_frame, encode, framed
 
 MESSAGES = [
     Build(3, 4, np.arange(5, dtype=np.int64)),

@@ -41,15 +41,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from shmseq.demo import load
-from shmseq.devices import torch_available
+from shmseq.engine.trainer.devices import torch_available
 
+from . import systems
+from . import remote_streaming as remote
 from .report import machine, markdown, summarize, write_chart, write_json
 from .runner import LIMIT, run_matrix
-from . import systems
-from .systems import OPT_IN, SYSTEMS, TORCH_SYSTEMS
-from . import remote_streaming as remote
 from .streaming import (QUICK_IMAGES, STAGE, STAGE_DEVICE, STREAM_SYSTEM_NAMES,
                         STREAM_TORCH_SYSTEMS, STREAM_WORKLOADS)
+from .systems import OPT_IN, SYSTEMS, TORCH_SYSTEMS
 from .workloads import TRANSPORT_WORKLOADS, WORKLOADS, image_pool
 
 ALL_SYSTEMS = [LIMIT, *SYSTEMS]

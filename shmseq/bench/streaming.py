@@ -40,7 +40,7 @@ from typing import Callable, ContextManager, Iterator
 import numpy as np
 
 from shmseq.decode import DecodeStage, encoded_sample
-from shmseq.devices import cuda_available, torch_available
+from shmseq.engine.trainer.devices import cuda_available, torch_available
 from shmseq.shards import ShardIndex, ShardPlan, ShardSequence, ShardWorker
 from shmseq.vision import IMAGENET_MEAN, IMAGENET_STD
 

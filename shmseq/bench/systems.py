@@ -20,15 +20,15 @@ import numpy as np
 
 from shmseq import DataLoader as ShmDataLoader
 from shmseq import ShmSequence
-from shmseq.devices import torch_available
+from shmseq.engine.trainer.devices import torch_available
 
 if torch_available():
     import torch
     from torch.utils.data import BatchSampler, DataLoader
 
 from .bare_ring import bare_ring
-from .workloads import (POOL_ROWS, DyingWorker, InPlaceWorker, ReturningWorker, Workload,
-                        augmented, image_pool, one_operator_thread)
+from .workloads import (POOL_ROWS, DyingWorker, InPlaceWorker, ReturningWorker, Workload, augmented,
+                        image_pool, one_operator_thread)
 
 NUM_WORKERS = 2
 IN_FLIGHT = 10             # shmseq's ring slots, DataLoader's prefetch, the queue's open tasks

@@ -17,7 +17,8 @@ import struct
 import numpy as np
 
 from .protocol import (Attached, Build, Built, Counted, Done, Ended, Failed, FromWorker, InitFailed,
-                       MapRing, Overflow, Place, Ready, Rebuild, Skipped, Stop, TakeWorker, ToWorker)
+                       MapRing, Overflow, Place, Ready, Rebuild, Skipped, Stop, TakeWorker,
+                       ToWorker)
 
 _BUILD = struct.Struct("!qq")         # number, slot (-1: none, a batch built before the ring)
 _DONE = struct.Struct("<qqqd")        # number, slot, bytes written, seconds spent

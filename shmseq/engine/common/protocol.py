@@ -2,11 +2,11 @@
 
 The consumer's thread and each worker talk through two pipes (wire.py frames them):
 
-* to a worker (pool.py sends, workers.py reads, in the worker's own process or thread):
-  ``Build`` a batch, or ``Rebuild`` a dead worker's; ``MapRing``; ``Place`` a held batch;
+* to a worker (trainer/pool.py sends, worker/loop.py reads, in the worker's own process or
+  thread): ``Build`` a batch, or ``Rebuild`` a dead worker's; ``MapRing``; ``Place`` a held batch;
   ``TakeWorker`` (a spawned worker's first message); ``Stop``.
-* from a worker (workers.py sends, pool.py reads in the consumer's thread while it waits):
-  ``Ready`` and ``Attached`` once; for each task ``Done``, ``Overflow``, ``Failed`` or
+* from a worker (worker/loop.py sends, trainer/pool.py reads in the consumer's thread while it
+  waits): ``Ready`` and ``Attached`` once; for each task ``Done``, ``Overflow``, ``Failed`` or
   ``Ended``, perhaps after ``Built`` (a batch built without a slot, held until ``Place``),
   and preceded in the same write by ``Counted`` and ``Skipped`` when the worker has them to
   tell; ``InitFailed`` when the worker object could not be made.
@@ -16,12 +16,12 @@ the others are pickled as plain tuples. Each message is matched by its type wher
 handled.
 
 In the consumer's thread, the pool turns a worker's reply into a ``Reply`` for the converter
-(convert.py), which turns it into a ``Delivery`` for the consumer; a device's ``Fence`` is
-what the ring waits for once a batch's last view died (devices.py, ring.py).
+(trainer/convert.py), which turns it into a ``Delivery`` for the consumer; a device's ``Fence`` is
+what the ring waits for once a batch's last view died (trainer/devices.py, trainer/ring.py).
 
 The user's objects: a ``Worker`` (called in each worker; ``Hooks`` fills in the optional
 hooks it lacks, the one place anything asks what a worker has) and a ``Plan`` (which indices
-form each batch: plan.py's, called by the consumer's thread and the front ends).
+form each batch: trainer/plan.py's, called by the consumer's thread and the front ends).
 
 This module imports nothing of shmseq: every other part may import it.
 """
@@ -191,7 +191,7 @@ class Delivery(NamedTuple):
 class Worker(Protocol):
     """The user's worker: ``worker[indices]`` returns the batch, or ``fill_batch(indices, out)``
     builds it in its slot. Made once in each worker from what the user gave (a class is
-    instantiated there, an instance is used as is: ``workers.make_worker``) and called in that
+    instantiated there, an instance is used as is: ``worker.batch.make_worker``) and called in that
     worker's thread, one batch at a time. Every hook but one of the first two is optional
     (``Hooks`` fills in the others)."""
 

@@ -39,9 +39,9 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import ShmSeqError
-from .protocol import Completion, Fence
-from .segments import RingSegment, RingSpec
+from ..common.errors import ShmSeqError
+from ..common.protocol import Completion, Fence
+from ..common.segments import RingSegment, RingSpec
 
 
 class SlotState(enum.Enum):

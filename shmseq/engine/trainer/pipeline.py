@@ -22,17 +22,17 @@ import threading
 import time
 from typing import Callable, Iterable, TypeVar
 
+from ..common.errors import BatchTimeout, PipelineClosed, ShmSeqError
+from ..common.layout import encode_batch, read_batch, slot_bytes_for
+from ..common.protocol import Delivery, Hooks, Plan
+from ..worker.batch import build_batch, make_worker
 from .convert import Converter, OrderedOutput, handed_over
 from .devices import Device, make_device
-from .errors import BatchTimeout, PipelineClosed, ShmSeqError
-from .layout import encode_batch, read_batch, slot_bytes_for
 from .plan import BatchStream
-from .protocol import Delivery, Hooks, Plan
 from .pool import Waker, WorkerPool, brief
 from .ring import Ring
 from .stats import LoaderStats
 from .worker_handle import JOIN_SECONDS
-from .workers import build_batch, make_worker
 
 ERROR_GRACE = 0.2  # seconds workers get to leave once a failure was raised, before they are killed
 T = TypeVar("T")

@@ -20,10 +20,10 @@ from typing import Callable
 
 import numpy as np
 
+from ..common.errors import PipelineClosed, ShmSeqError, add_note, warn_user
+from ..common.layout import batch_reader, map_arrays, slot_bytes_for
+from ..common.protocol import Delivery, Hooks, Reply
 from .devices import Device
-from .errors import PipelineClosed, ShmSeqError, add_note, warn_user
-from .layout import batch_reader, map_arrays, slot_bytes_for
-from .protocol import Delivery, Hooks, Reply
 from .ring import Ring
 from .stats import LoaderStats
 

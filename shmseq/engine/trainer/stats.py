@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .errors import SkippedSamplesWarning, warn_user
+from ..common.errors import SkippedSamplesWarning, warn_user
 
 
 @dataclass

@@ -21,9 +21,9 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from .errors import ShmSeqError, warn_once
-from .layout import iter_arrays, map_arrays
-from .protocol import Fence
+from ..common.errors import ShmSeqError, warn_once
+from ..common.layout import iter_arrays, map_arrays
+from ..common.protocol import Fence
 
 OUT_TYPES = ("null", "cpu", "cuda")
 

@@ -30,19 +30,19 @@ import time
 
 import numpy as np
 
-from .errors import WorkerDied, raised_in_worker, warn_user
-from .lifeline import ProcessId, hold_starting_thread, release_starting_thread
+from ..common.board import Board
+from ..common.errors import WorkerDied, raised_in_worker, warn_user
+from ..common.lifeline import ProcessId, hold_starting_thread, release_starting_thread
+from ..common.protocol import (Attached, Built, Counted, Done, Ended, Failed, FromWorker, Hooks,
+                               InitFailed, MapRing, Overflow, Place, Ready, Rebuild, Reply, Skipped,
+                               Stop, TakeWorker)
+from ..common.wire import build_frame, framed
+from ..worker.loop import WorkerInfo
 from .plan import BatchStream, Task
-from .protocol import (Attached, Built, Counted, Done, Ended, Failed, FromWorker, Hooks,
-                       InitFailed, MapRing, Overflow, Place, Ready, Rebuild, Reply, Skipped, Stop,
-                       TakeWorker)
 from .ring import Ring
 from .stats import LoaderStats
-from .board import Board
 from .worker_handle import (JOIN_SECONDS, WorkerHandle, consumer_ends, end_workers, pickled_for,
                             preload_in_fork_server, start_worker)
-from .wire import build_frame, framed
-from .workers import WorkerInfo
 
 
 class Waker:

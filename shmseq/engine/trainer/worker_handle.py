@@ -12,12 +12,12 @@ from typing import Iterable
 
 import numpy as np
 
-from .board import BoardSpec
-from .errors import warn_user
-from .lifeline import ProcessId, start_process
-from .protocol import Hooks
-from .wire import FrameReader
-from .workers import ProcessTies, WorkerInfo, worker_loop
+from ..common.board import BoardSpec
+from ..common.errors import warn_user
+from ..common.lifeline import ProcessId, start_process
+from ..common.protocol import Hooks
+from ..common.wire import FrameReader
+from ..worker.loop import ProcessTies, WorkerInfo, worker_loop
 
 JOIN_SECONDS = 3.0
 

@@ -1,0 +1,180 @@
+"""Inside a worker: one batch built by the user's worker and written into its slot.
+
+``run_task`` calls ``worker_obj[indices]`` (or ``worker_obj.fill_batch(indices, out)`` for
+in-place workers), writes the batch into the slot (``layout.write_batch``) and makes the reply
+``Done(number, slot, size, seconds)``: only ids travel, never the payload. A batch too large
+for its slot goes back encoded instead (``Overflow``); a failure goes back as its type,
+message and traceback (``Failed``). The messages are protocol.py's.
+
+A task without a slot (the first batches, which size the ring) is built and held (``Held``)
+until the consumer answers with a slot: ``place`` then writes it there as any batch, so that
+the first batch crosses no pipe and the consumer copies nothing; with no slot for it (larger
+than a slot, or none free), it goes back encoded.
+"""
+from __future__ import annotations
+
+import pickle
+import time
+import traceback
+from typing import NamedTuple
+
+import numpy as np
+
+from ..common.errors import UnsupportedBatch
+from ..common.layout import SlotAllocator, SlotOverflow, encode_batch, packed_size, write_batch
+from ..common.protocol import Counted, Ended, ErrorReport, Failed, Hooks, Overflow, Skipped
+from ..common.ragged import Ragged, is_tensor
+from ..common.segments import WorkerRing
+from ..common.wire import done_frame, framed
+
+
+def make_worker(worker) -> Hooks:
+    """The worker object, with its hooks (``protocol.Hooks``). MDNC's convention: a class is
+    instantiated in each worker, an instance is used as is."""
+    return Hooks(worker() if isinstance(worker, type) else worker)
+
+
+def build_batch(worker: Hooks, indices: np.ndarray, region: np.ndarray | None,
+                first: bool = False):
+    """Call the user's worker; in-place workers get an allocator over the slot. A worker's
+    ``__getitem__`` that returns None most likely forgot its ``return``: that is refused, and
+    so is a ``first`` batch without a row per index (``check_rows``)."""
+    if worker.fill_batch is not None:
+        allocator = SlotAllocator(region)
+        return worker.fill_batch(indices, allocator), allocator
+    batch = worker.obj[indices]
+    if batch is None:
+        raise UnsupportedBatch("the worker returned None for a batch: return an array, "
+                               "or a tuple/list/dict of arrays")
+    if first:
+        check_rows(batch, indices)
+    return batch, None
+
+
+def check_rows(batch, indices: np.ndarray) -> None:
+    """Refuse a batch in which nothing has a row per index: the worker was written for one
+    sample (a torch ``Dataset``'s ``dataset[i]``), and given the index array it returned one
+    sample, which would travel as a batch of the wrong size, silently.
+
+    A row per index: an array's (or tensor's) first dimension, a list's or a ragged leaf's
+    items. Other arrays may have other lengths (a worker id, a lookup table); a batch without
+    an array is not judged. Workers that build in place (``fill_batch``: the sample-level
+    loaders, with collate functions of their own) are not asked."""
+    found = list(_rows(batch))
+    shapes = [shape for _, shape in found if shape is not None]
+    if not shapes or any(rows == len(indices) for rows, _ in found):
+        return
+    raise UnsupportedBatch(
+        f"the worker returned arrays of shapes {', '.join(map(str, shapes))} for the "
+        f"{len(indices)} sample indices of a batch, none with a row per index: ShmSequence "
+        "calls worker[indices] with a 1-D array of sample indices and takes what it returns "
+        "as the batch. A dataset whose __getitem__ returns one sample for one index (a torch "
+        "Dataset) goes to a sample-level loader, which fetches the samples one by one and "
+        "stacks them in the slot: shmseq.DataLoader(dataset, batch_size=...) for numpy "
+        "arrays, shmseq.torch.DataLoader (torch's DataLoader) for torch tensors")
+
+
+def _rows(batch):
+    """(rows, shape) of each array and tensor of a batch (not of a 0-d one); (items, None) of
+    each list and ragged leaf (a ``Ragged``, a nested tensor)."""
+    if isinstance(batch, Ragged):
+        yield len(batch), None
+    elif is_tensor(batch) and batch.is_nested:
+        yield batch.size(0), None  # its shape is not defined
+    elif isinstance(batch, np.ndarray) or is_tensor(batch):
+        if batch.ndim:
+            yield batch.shape[0], tuple(batch.shape)
+    elif isinstance(batch, (tuple, list, dict)):
+        if isinstance(batch, list):
+            yield len(batch), None
+        for item in batch.values() if isinstance(batch, dict) else batch:
+            yield from _rows(item)
+
+
+def counted_frame(worker: Hooks) -> bytes:
+    counts = worker.pop_counts()
+    return framed(Counted(counts)) if counts else b""
+
+
+def describe_exception(exc: BaseException) -> ErrorReport:
+    """What crosses back to the consumer about a failure: type, message, traceback, the object."""
+    try:
+        pickled = pickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - the text below still tells the story
+        pickled = None
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return ErrorReport(f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), text, pickled)
+
+
+class StreamEnded(Exception):
+    """Raised by a worker object whose stream (a torch ``IterableDataset``'s copy in this
+    worker) has no batch left in this pass: the consumer skips the task and gives this worker
+    no more in the pass."""
+
+
+class Held(NamedTuple):
+    """A batch built for a task without a slot, held until the consumer gives it one."""
+    number: int
+    batch: object
+    size: int        # bytes it takes in a slot
+    told: bytes      # the ``Skipped`` frame that goes with its reply, if any
+    seconds: float   # how long building it took
+
+
+def run_task(worker: Hooks, ring: WorkerRing | None, number: int, slot: int | None,
+              indices: np.ndarray, first: bool) -> bytes | Held:
+    """Build and write one batch (``first``: the worker's first); the framed reply, with its
+    size and the time it took. Without a slot, the batch built, to be held (``place``)."""
+    began = time.perf_counter()
+    try:
+        region = ring.region(slot) if slot is not None else None  # may find /dev/shm full
+        batch, allocator = build_batch(worker, indices, region, first)
+        skipped = worker.pop_skipped()
+        told = framed(Skipped(number, skipped)) if skipped else b""
+        if slot is None:
+            return Held(number, batch, packed_size(batch), told, time.perf_counter() - began)
+        return _written(number, ring, slot, region, batch, allocator, told, began)
+    except StreamEnded:
+        return framed(Ended(number, slot))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
+        return _failed(number, slot, exc)
+
+
+def place(held: Held, ring: WorkerRing | None, slot: int | None) -> bytes:
+    """The reply for a held batch, given ``slot`` (None: it goes back encoded)."""
+    began = time.perf_counter() - held.seconds
+    try:
+        region = ring.region(slot) if slot is not None else None
+        return _written(held.number, ring, slot, region, held.batch, None, held.told, began)
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
+        return _failed(held.number, slot, exc)
+
+
+def _written(number: int, ring: WorkerRing | None, slot: int | None, region: np.ndarray | None,
+             batch, allocator: SlotAllocator | None, told: bytes, began: float) -> bytes:
+    """The batch written into its slot (``Done``), or encoded where it has none or does not
+    fit (``Overflow``)."""
+    if region is not None:
+        try:
+            size = _write(batch, ring, slot, region, allocator)
+            return told + done_frame(number, slot, size, time.perf_counter() - began)
+        except SlotOverflow:
+            pass
+    payload = encode_batch(batch)
+    return told + framed(Overflow(number, slot, payload, time.perf_counter() - began))
+
+
+def _write(batch, ring: WorkerRing, slot: int, region: np.ndarray,
+           allocator: SlotAllocator | None) -> int:
+    """Write the batch into ``region``, the part of its slot batches are expected to take, or
+    into the whole slot if it is larger (see ``segments.RingSpec.expected``)."""
+    try:
+        return write_batch(batch, region, allocator)
+    except SlotOverflow as overflow:
+        if len(region) == ring.spec.slot_bytes or overflow.needed > ring.spec.slot_bytes:
+            raise
+    return write_batch(batch, ring.whole(slot), allocator)
+
+
+def _failed(number: int, slot: int | None, exc: BaseException) -> bytes:
+    return framed(Failed(number, slot, describe_exception(exc)))
