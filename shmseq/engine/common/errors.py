@@ -112,9 +112,10 @@ def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
 
     paths = sysconfig.get_paths()
     installed = (paths["purelib"], paths["platlib"])
+    package = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))  # shmseq/engine/common
 
     def passed_over(filename: str) -> bool:
-        return filename.startswith(os.path.dirname(__file__)) or (
+        return filename.startswith(package) or (
             filename.startswith(paths["stdlib"]) and not filename.startswith(installed))
 
     frame, level = sys._getframe(1), 2

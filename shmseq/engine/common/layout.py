@@ -102,7 +102,7 @@ class SlotAllocator:
 def outside_slot(shape: tuple, dtype: np.dtype, nbytes: int) -> np.ndarray:
     """An array of ``nbytes`` for a batch built outside its slot, given back to the system when
     it dies: a page or more is a mapping of its own, since the heap of a worker keeps what it
-    freed (``workers._keep_large_buffers``), and a batch built outside its slot once (the
+    freed (``worker.loop._keep_large_buffers``), and a batch built outside its slot once (the
     first one, sizing the ring) would stay there for good."""
     if nbytes < PAGE:
         return np.empty(shape, dtype)

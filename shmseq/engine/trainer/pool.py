@@ -197,7 +197,7 @@ class WorkerPool:
         handle = start_worker(worker, info, backend, context, worker_init_fn, self._consumer, others,
                               board=None if self._board is None else self._board.spec)
         self._events.watch(handle.replies.fd, (self._receive, handle))
-        if self._pickled_worker is not None:  # see workers._received_worker
+        if self._pickled_worker is not None:  # see worker/loop.py: _received_worker
             self._send(handle, framed(TakeWorker(self._pickled_worker)))
         if handle.sentinel is not None:
             self._events.watch(handle.sentinel, (self._died, handle))
