@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 from .checks import check_bool, check_int
-from .engine.common.layout import SlotAllocator, as_ndarray
+from .engine.common.layout import SlotAllocator, as_ndarray, stack_into
 from .engine.common.ragged import is_tensor
 from .engine.trainer.plan import SamplerPlan
 from .samplers import BatchSampler, RandomSampler, SequentialSampler
@@ -39,19 +39,6 @@ def default_batchify(samples: list, out: SlotAllocator | None = None):
     if arrays[0] is None:
         return list(samples)
     return stack_into(arrays, out)
-
-
-def stack_into(arrays: list[np.ndarray], out: SlotAllocator) -> np.ndarray:
-    """The samples' arrays stacked along a new first axis, written straight into ``out``."""
-    shape, dtype = arrays[0].shape, arrays[0].dtype
-    batch = out.empty((len(arrays),) + shape, dtype)
-    for row, array in enumerate(arrays):
-        if array.shape != shape:
-            raise ValueError(f"sample {row} of the batch has shape {array.shape} but sample 0 has "
-                             f"{shape}: the default collation stacks samples of one shape; pad "
-                             "them, or pass your own batchify_fn (collate_fn)")
-        batch[row] = array
-    return batch
 
 
 class SampleWorker:

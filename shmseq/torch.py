@@ -41,9 +41,8 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map
 
 from .checks import check_int
-from .dataloader import stack_into
 from .engine.common.errors import BatchTimeout, PipelineClosed, ShmSeqError, WorkerDied
-from .engine.common.layout import SlotAllocator, as_ndarray
+from .engine.common.layout import SlotAllocator, as_ndarray, stack_into
 from .engine.common.ragged import Ragged, make_leaf
 from .engine.trainer.pipeline import Pipeline, PipelineSpec
 from .engine.trainer.plan import SamplerPlan

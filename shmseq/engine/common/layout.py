@@ -109,6 +109,19 @@ def outside_slot(shape: tuple, dtype: np.dtype, nbytes: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, nbytes), dtype, math.prod(shape)).reshape(shape)
 
 
+def stack_into(arrays: list[np.ndarray], out: SlotAllocator) -> np.ndarray:
+    """The samples' arrays stacked along a new first axis, written straight into ``out``."""
+    shape, dtype = arrays[0].shape, arrays[0].dtype
+    batch = out.empty((len(arrays),) + shape, dtype)
+    for row, array in enumerate(arrays):
+        if array.shape != shape:
+            raise ValueError(f"sample {row} of the batch has shape {array.shape} but sample 0 has "
+                             f"{shape}: the default collation stacks samples of one shape; pad "
+                             "them, or pass your own batchify_fn (collate_fn)")
+        batch[row] = array
+    return batch
+
+
 @dataclass
 class _Packed:
     copies: list        # (array, offset) still to write
