@@ -9,9 +9,7 @@ any thread.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import threading
-import weakref
 from typing import Callable
 
 import numpy as np
@@ -19,7 +17,7 @@ import numpy as np
 from .checks import check_bool, check_choice, check_int, check_out_type, check_timeout, check_worker
 from .engine.common.protocol import Plan
 from .engine.trainer.devices import Device, resolve_out_type
-from .engine.trainer.pipeline import Inline, Pipeline, PipelineSpec
+from .engine.trainer.pipeline import Inline, Pipeline, PipelineSpec, closing_finalizer
 from .engine.trainer.plan import EpochPlan, as_index_array
 from .engine.trainer.stats import LoaderStats
 
@@ -213,7 +211,7 @@ class ShmSequence:
     def _own(self, runtime) -> "ShmSequence":
         self._runtime = runtime
         self._stats = runtime.stats
-        self._closer = weakref.finalize(self, _close_in_owner, runtime, os.getpid())
+        self._closer = closing_finalizer(self, runtime)
         return self
 
     def finish(self) -> None:
@@ -319,9 +317,3 @@ class ShmSequence:
         self._last = (-1, 0)
         if self._runtime is not None:
             self._runtime.replan()  # batches in flight were planned with the old seed
-
-
-def _close_in_owner(runtime, owner_pid: int) -> None:
-    """The finalizer of a started sequence: a forked child that inherited it does nothing."""
-    if os.getpid() == owner_pid:
-        runtime.close()

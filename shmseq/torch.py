@@ -19,9 +19,7 @@ on after it. What differs on purpose, and why: docs/from-pytorch.md.
 """
 from __future__ import annotations
 
-import os
 import signal
-import weakref
 from collections.abc import Hashable
 from typing import TypeVar
 
@@ -44,7 +42,7 @@ from .checks import check_int
 from .engine.common.errors import BatchTimeout, PipelineClosed, ShmSeqError, WorkerDied
 from .engine.common.layout import SlotAllocator, as_ndarray, stack_into
 from .engine.common.ragged import Ragged, make_leaf
-from .engine.trainer.pipeline import Pipeline, PipelineSpec
+from .engine.trainer.pipeline import Pipeline, PipelineSpec, closing_finalizer
 from .engine.trainer.plan import SamplerPlan
 from .engine.trainer.stats import LoaderStats
 from .engine.worker.batch import StreamEnded
@@ -273,7 +271,7 @@ class _RingIterator(_BaseDataLoaderIter):
         self._handed: set[int] = set()  # positions handed over ahead of it (in_order=False)
         if self._pipeline is None:
             self._pipeline = Pipeline(self._spec, self._plan, self._epoch, stats=self._stats)
-            self._closer = weakref.finalize(self, _close_in_owner, self._pipeline, os.getpid())
+            self._closer = closing_finalizer(self, self._pipeline)
         items, epoch = self._sampler_iter, self._epoch
         if self._dataset_kind == _DatasetKind.Iterable:  # each task says which pass it is of
             items = ((epoch, item) for item in items)  # (not self: no cycle through the plan)
@@ -450,12 +448,6 @@ def _torchs_words(death: WorkerDied) -> str:
         return (f"DataLoader worker (pid {death.pid}) is killed by signal: "
                 f"{signal.strsignal(-death.exitcode)}")
     return f"DataLoader worker (pid(s) {death.pid}) exited unexpectedly"
-
-
-def _close_in_owner(pipeline: Pipeline, owner_pid: int) -> None:
-    """The finalizer of an iterator: a forked child that inherited it does nothing."""
-    if os.getpid() == owner_pid:
-        pipeline.close()
 
 
 __all__ = ["DataLoader", "RaggedCollate", "on_ring", "slot_collate"]

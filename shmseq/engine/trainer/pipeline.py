@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import threading
 import time
+import weakref
 from typing import Callable, Iterable, TypeVar
 
 from ..common.errors import BatchTimeout, PipelineClosed, ShmSeqError
@@ -360,3 +361,14 @@ class Inline:
     def close(self) -> None:
         self.worker_obj = None
         self.device.close()
+
+
+def closing_finalizer(front_end, runtime) -> weakref.finalize:
+    """What closes ``runtime`` when ``front_end`` dies, or when called (``finish()``), in the
+    process that made it only: a forked child that inherited the front end leaves it alone."""
+    return weakref.finalize(front_end, _close_in_owner, runtime, os.getpid())
+
+
+def _close_in_owner(runtime, owner_pid: int) -> None:
+    if os.getpid() == owner_pid:
+        runtime.close()
