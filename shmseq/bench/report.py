@@ -13,7 +13,7 @@ import platform
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -149,15 +149,19 @@ def table(cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
-def drift_note(cells: list[Cell]) -> str | None:
-    """Under the table, where a ratio shows above 1.00: which, and the limit's own rates."""
+def gb_per_s(cell: Cell) -> str:
+    return f"{_rate(cell)} GB/s"
+
+
+def drift_note(cells: list[Cell], rate: Callable[[Cell], str] = gb_per_s) -> str | None:
+    """Under the table, where a ratio shows above 1.00: which, and the limit's own rates
+    (``rate`` words a cell's: its GB/s here, its images/s in the streaming report)."""
     above = [c for c in cells if c.system != LIMIT and above_limit(c.of_limit)]
     if not above:
         return None
     limits = {c.workload: c for c in cells if c.system == LIMIT}
     named = ", ".join(f"{c.workload} {c.system} {c.of_limit:.2f}" for c in above)
-    rates = ", ".join(f"{w} {_rate(limits[w])} GB/s"
-                      for w in dict.fromkeys(c.workload for c in above))
+    rates = ", ".join(f"{w} {rate(limits[w])}" for w in dict.fromkeys(c.workload for c in above))
     return (f"{ABOVE_LIMIT} Above the limit: {named}. Each system is timed in a window of its "
             "own: the machine ran faster in these loaders' windows than in the limit's "
             f"({rates}); more repeats narrow that drift. No loader does less work than the limit.")

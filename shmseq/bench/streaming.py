@@ -45,7 +45,7 @@ from shmseq.shards import ShardIndex, ShardPlan, ShardSequence, ShardWorker
 from shmseq.vision import IMAGENET_MEAN, IMAGENET_STD
 
 from . import limit, systems
-from .report import ABOVE_LIMIT, Cell, _fmt, above_limit, of_limit, summarize, with_spread
+from .report import Cell, _fmt, drift_note, of_limit, summarize, with_spread
 from .runner import LIMIT, Run, timed_run
 from .shard_data import largest_sample
 from .workloads import BatchMismatch, ImageBatches, _head, _tail
@@ -344,6 +344,12 @@ def images_per_s(cell: Cell, workload: ShardWorkload) -> tuple[float, tuple[floa
                                        cell.gb_per_s_spread[1] * per_batch)
 
 
+def images_rate(cell: Cell, workload: ShardWorkload) -> str:
+    """The cell's images/s, with their min-max over two or more runs."""
+    rate, spread = images_per_s(cell, workload)
+    return with_spread(rate, spread, ",.0f", cell.runs)
+
+
 def _per_image(cell: Cell, workload: ShardWorkload) -> float | None:
     return None if cell.cpu_us_per_batch is None else cell.cpu_us_per_batch / workload.batch_size
 
@@ -368,8 +374,7 @@ def table(cells: list[Cell], workloads: dict[str, ShardWorkload]) -> str:
     lines = [_row(heads), "| --- | --- |" + " ---: |" * (len(heads) - 2)]
     for c in cells:
         workload = workloads[c.workload]
-        rate, rates = images_per_s(c, workload)
-        lines.append(_row([c.workload, shown(c.system), with_spread(rate, rates, ',.0f', c.runs),
+        lines.append(_row([c.workload, shown(c.system), images_rate(c, workload),
                            f"{c.batches_per_s:.1f}", _fmt(c.cpu_us_per_batch, ',.0f'),
                            _fmt(_per_image(c, workload), ',.1f'), _fmt(c.first_batch_s, '.3f'),
                            _fmt(c.early_of_steady, '.2f'), *([of_limit(c.of_limit)] * limit),
@@ -396,23 +401,6 @@ def _pss(cell: Cell) -> str:
         return "—"
     low, high = cell.pss_spread
     return with_spread(cell.pss_bytes / 1e6, (low / 1e6, high / 1e6), ",.0f", cell.runs)
-
-
-def drift_note(cells: list[Cell], workloads: dict[str, ShardWorkload]) -> str | None:
-    """Under the table, where a ratio shows above 1.00: which, and the limit's own rates."""
-    above = [c for c in cells if c.system != LIMIT and above_limit(c.of_limit)]
-    if not above:
-        return None
-    limits = {c.workload: c for c in cells if c.system == LIMIT}
-    named = ", ".join(f"{c.workload} {c.system} {c.of_limit:.2f}" for c in above)
-    rates = []
-    for name in dict.fromkeys(c.workload for c in above):
-        rate, spread = images_per_s(limits[name], workloads[name])
-        rates.append(f"{name} {with_spread(rate, spread, ',.0f', limits[name].runs)} images/s")
-    return (f"{ABOVE_LIMIT} Above the limit: {named}. Each system is timed in a window of its "
-            "own: the machine ran faster in these loaders' windows than in the limit's "
-            f"({', '.join(rates)}); more repeats narrow that drift. No loader does less work "
-            "than the limit.")
 
 
 def paired(runs: list[Run], workload: str, ours: str, theirs: str) -> list[tuple[Run, Run]]:
@@ -526,7 +514,8 @@ def markdown(runs: list[Run], workloads: dict[str, ShardWorkload], info: dict, s
     columns = COLUMNS + ("\n" + LIMIT_COLUMN if any(c.system == LIMIT for c in cells) else "")
     parts = [head, "Load: " + "; ".join(load), warning, "Shards: " + "; ".join(data),
              *(remote.notes(cells) if remote else []), table(cells, workloads),
-             drift_note(cells, workloads), stage_note(decoded[0].side) if decoded else None,
+             drift_note(cells, lambda cell: f"{images_rate(cell, workloads[cell.workload])} images/s"),
+             stage_note(decoded[0].side) if decoded else None,
              columns + ("\n" + remote.columns if remote else ""),
              f"What it shows:\n{shows}" if shows else None, f"Reproduce: `{command}`"]
     return "\n\n".join(part for part in parts if part) + "\n"
