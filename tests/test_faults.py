@@ -21,14 +21,9 @@ from shmseq.engine.common.ragged import Ragged
 from shmseq.engine.worker.batch import check_rows
 from workers import (BadReturn, Crash, DieOrDawdle, DiesUnpickled, ExitInInit, FailingInit, Hang,
                      IndexWorker, ImageWorker, SampleDataset, Slow, SlowStart5)
+from sequences import make
 
 TESTS = Path(__file__).parent
-
-
-def make(worker=IndexWorker, dset_size=40, **options):
-    options = {"batch_size": 4, "num_workers": 2, "shuffle": False, "out_type": "null",
-               "timeout": 30, **options}
-    return ShmSequence(worker, dset_size, **options)
 
 
 @pytest.mark.parametrize("backend", ["proc", "thread"])

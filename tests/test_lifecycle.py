@@ -10,20 +10,15 @@ import warnings
 import numpy as np
 import pytest
 
-from shmseq import DataLoader, PipelineClosed, ShmSeqError, ShmSequence
+from shmseq import DataLoader, PipelineClosed, ShmSeqError
 from shmseq.engine.trainer.devices import HostDevice
 from shmseq.testing import FakeDevice, FakePinnedDevice, FakeStream, planned_batches, worker_pids
 from shmseq.engine.trainer.ring import Ring
 from leaks import holders, live_children, mapped_rings
-from workers import ImageWorker, IndexWorker, ListWorker, SizedWorker, Slow
+from sequences import make
+from workers import ImageWorker, ListWorker, SizedWorker, Slow
 
 MiB = 1 << 20
-
-
-def make(worker=IndexWorker, dset_size=40, **options):
-    options = {"batch_size": 4, "num_workers": 2, "shuffle": False, "out_type": "null",
-               "timeout": 30, **options}
-    return ShmSequence(worker, dset_size, **options)
 
 
 @pytest.fixture

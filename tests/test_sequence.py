@@ -10,15 +10,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from shmseq import ShmSequence, WorkerError
+from shmseq import WorkerError
 from shmseq.testing import planned_batches, ring_of
-from workers import DtypeWorker, FillWorker, ImageWorker, IndexWorker, Pair, SizedWorker, WhoBuilt
-
-
-def make(worker=IndexWorker, dset_size=40, **options):
-    options = {"batch_size": 4, "num_workers": 2, "shuffle": False, "out_type": "null",
-               "timeout": 30, **options}
-    return ShmSequence(worker, dset_size, **options)
+from sequences import make
+from workers import DtypeWorker, FillWorker, ImageWorker, Pair, SizedWorker, WhoBuilt
 
 
 def labels_of(batches):
