@@ -27,7 +27,6 @@ stores it, whatever its EXIF orientation says (torchcodec's turn is undone).
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
 import os
 import re
 import struct
@@ -39,7 +38,7 @@ import numpy as np
 
 from .checks import check_choice, check_int
 from .engine.common.ragged import Ragged
-from .engine.trainer.devices import PageLock, cuda_available
+from .engine.trainer.devices import CudaDevice, cuda_available
 from .vision import (IMAGENET_MEAN, IMAGENET_STD, JPEG_EXTENSIONS, MAX_PIXELS, ImageDecodeError,
                      ImageFolder, _simplejpeg, center_crop, check_pixels, random_resized_crop)
 
@@ -338,19 +337,14 @@ class CudaDecoder(_DecodingDevice):
 
     def __init__(self, stage: DecodeStage):
         super().__init__(stage)
-        import torch
-        self.torch, self.decode_jpegs = torch, nvjpeg_decoder()
-        self.device = torch.device(stage.device)
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self._streams = itertools.cycle([torch.cuda.Stream(self.device)
-                                         for _ in range(stage.streams)])
-        self._decoding = torch.cuda.Stream(self.device)  # torchcodec's alone: owns its memory
+        self.decode_jpegs = nvjpeg_decoder()
+        self.gpu = CudaDevice(stage.device, stage.streams)  # crops. streams, page lock, hand-over
+        self.torch, self.device = self.gpu.torch, self.gpu.device
+        self._decoding = self.torch.cuda.Stream(self.device)  # torchcodec's alone: owns its memory
         self.scale, self.shift = stage.normalizer(self.device)
-        self._lock: PageLock | None = None
 
     def attach(self, ring) -> None:
-        self._lock = PageLock(ring, self.device.index)
+        self.gpu.attach(ring)
 
     def convert(self, views):
         """The decode runs on a stream that runs nothing but torchcodec's calls. torchcodec
@@ -365,7 +359,7 @@ class CudaDecoder(_DecodingDevice):
         torch = self.torch
         encoded, labels, ids = source_batch(views)
         _, failed = self.headers(encoded)
-        stream = next(self._streams)
+        stream = self.gpu.next_stream()
         with torch.cuda.stream(self._decoding):
             decoded = decoded_rows(self.decode_jpegs, encoded, failed, self.device)
         with torch.cuda.stream(stream):
@@ -390,16 +384,11 @@ class CudaDecoder(_DecodingDevice):
         events[0].synchronize()
 
     def hand_over(self, batch: Decoding, events):
-        current = self.torch.cuda.current_stream(self.device)
-        current.wait_event(events[1])
-        batch.images.record_stream(current)
-        batch.labels.record_stream(current)
+        self.gpu.hand_over((batch.images, batch.labels), events[1])
         return self.finished(batch)
 
     def close(self) -> None:
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release()
+        self.gpu.close()
 
 
 # decode(encoded, device): 1-D uint8 CPU tensors of JPEGs to (3, H, W) uint8 RGB images on

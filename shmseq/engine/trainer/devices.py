@@ -187,9 +187,13 @@ class CudaDevice:
     def attach(self, ring) -> None:
         self._lock = PageLock(ring, self.device.index)
 
+    def next_stream(self):
+        """The next of the device's streams, in turn."""
+        return next(self._streams)
+
     def convert(self, views):
         torch = self.torch
-        stream = next(self._streams)
+        stream = self.next_stream()
         with torch.cuda.stream(stream):
             batch = map_arrays(views, self._copy, (np.ndarray, torch.Tensor))
             event = torch.cuda.Event()
