@@ -173,6 +173,18 @@ class ShmSequence:
     def use_cuda(self) -> bool:
         return self.out_type.startswith("cuda")
 
+    # -- for inspection (shmseq.testing) --------------------------------------------------------
+    @property
+    def pipeline(self) -> Pipeline | Inline | None:
+        """The running pipeline (an ``Inline`` one without workers); None before ``start()``
+        and after ``finish()``."""
+        return self._runtime
+
+    @property
+    def plan(self) -> Plan:
+        """What draws every epoch's batches (``plan.batches(epoch)``: their sample indices)."""
+        return self._plan
+
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, compat=None) -> "ShmSequence":
         """Start the workers; interrupts a running pipeline first.

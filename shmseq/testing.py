@@ -195,10 +195,7 @@ class FakeGpuDecoder(HostDecoder):
 def _pipeline_of(loader):
     """The running pipeline of a ``ShmSequence`` (any front end built on it), or of a
     ``shmseq.torch.DataLoader``'s iterator (or the loader's persistent one)."""
-    pipeline = getattr(loader, "_runtime", None) or getattr(loader, "_pipeline", None)
-    iterator = getattr(loader, "_iterator", None)
-    if pipeline is None and iterator is not None:
-        pipeline = getattr(iterator, "_pipeline", None)
+    pipeline = getattr(loader, "pipeline", None)
     if pipeline is None or not hasattr(pipeline, "pool"):
         raise ValueError(f"{type(loader).__name__} object has no running pipeline with workers: "
                          "start it (start(), a with-block, or iter() on a loader) with "
@@ -220,4 +217,4 @@ def worker_pids(loader) -> list[int]:
 def planned_batches(sequence, epoch: int) -> list[np.ndarray]:
     """The sample indices of every batch of ``epoch``, in order, as a ``ShmSequence`` (with its
     own seeded plan) delivers them."""
-    return sequence._plan.batches(epoch)
+    return sequence.plan.batches(epoch)

@@ -208,6 +208,12 @@ class DataLoader(TorchDataLoader[T_co]):
         """Counters of the batches that came through the ring (all iterators of this loader)."""
         return self._stats
 
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """The persistent workers' pipeline, once an iterator started it (for inspection:
+        ``shmseq.testing``); None without persistent workers."""
+        return None if self._iterator is None else self._iterator.pipeline
+
     def close(self) -> None:
         """Stop the persistent workers now (dropping the loader does it too)."""
         iterator, self._iterator = self._iterator, None
@@ -323,6 +329,11 @@ class _RingIterator(_BaseDataLoaderIter):
         except (ShmSeqError, KeyboardInterrupt, SystemExit):
             self._shutdown_workers()  # a failure of the pipeline, or Ctrl-C: nothing left running
             raise
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """The running pipeline (for inspection: ``shmseq.testing``); None once shut down."""
+        return self._pipeline
 
     @property
     def _workers(self) -> list:
