@@ -15,13 +15,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from shmseq._apps import load
+from shmseq._apps.report import machine
 from shmseq.bench import limit, memory, remote_streaming, report, runner, streaming, systems
 from shmseq.bench.__main__ import ALL_SYSTEMS, main, parse_args
 from shmseq.bench.memory import pss_bytes, tree_pss_bytes
 from shmseq.bench.runner import LIMIT, Run, run_matrix
 from shmseq.bench.workloads import WORKLOADS
 from shmseq.shards import Shard, ShardIndex
-from shmseq.demo import load
 
 GB = WORKLOADS["imagenet64"].batch_bytes / 1e9
 
@@ -69,7 +70,7 @@ def test_a_ratio_above_the_limit_is_marked_and_explained():
     note = report.drift_note(cells)
     assert note.startswith("† Above the limit: imagenet64 bare-ring 1.15.")
     assert "serial" not in note and f"imagenet64 {1000 * GB:.2f} GB/s" in note
-    markdown = report.markdown(cells, report.machine(), {"buffer": 10, "repeats": 1, "seconds": 0.5},
+    markdown = report.markdown(cells, machine(), {"buffer": 10, "repeats": 1, "seconds": 0.5},
                                "python -m shmseq.bench --quick")
     assert note in markdown and "one run of 0.5 s each (no spread)" in markdown
     assert "interleaved repeats" not in markdown.split("\n", 1)[0]
@@ -84,7 +85,7 @@ def test_the_legend_says_what_the_limit_is():
 
 def test_the_markdown_names_its_repeats():
     cells = report.summarize(runs({LIMIT: [1000.0, 1000.0, 1000.0]}))
-    head = report.markdown(cells, report.machine(), {"buffer": 10, "repeats": 3, "seconds": 2.0},
+    head = report.markdown(cells, machine(), {"buffer": 10, "repeats": 3, "seconds": 2.0},
                            "python -m shmseq.bench").split("\n", 1)[0]
     assert "3 interleaved repeats of 2 s, medians (min-max)" in head
 
@@ -123,7 +124,7 @@ def test_the_matrix_runs_each_system_only_on_the_workloads_it_runs_on():
 def test_the_markdown_says_what_each_of_its_systems_is():
     cells = report.summarize(runs({LIMIT: [1000.0], "serial": [500.0], "bare-ring": [900.0],
                                    "mp-queue": [50.0]}))
-    text = report.markdown(cells, report.machine(), {"buffer": 10, "repeats": 1, "seconds": 0.5},
+    text = report.markdown(cells, machine(), {"buffer": 10, "repeats": 1, "seconds": 0.5},
                            "python -m shmseq.bench")
     said = text.split("What the systems are:\n", 1)[1].split("\n\n", 1)[0].splitlines()
     assert [line.split(":", 1)[0] for line in said] == [f"- {name}" for name in

@@ -13,7 +13,8 @@ from leaks import SHM_DIR, made_by
 for module in ("torch", "tqdm", "simplejpeg", "matplotlib"):
     pytest.importorskip(module)
 
-from shmseq.demo import load, report  # noqa: E402
+from shmseq._apps import load  # noqa: E402
+from shmseq.demo import report  # noqa: E402
 from shmseq.demo.__main__ import cache_dir  # noqa: E402
 from shmseq.demo.sweep import Summary  # noqa: E402
 

@@ -3,7 +3,7 @@
 Every loader delivers the same image batches (built by copying rows from memory, so that
 what is measured is the transport) to a consumer that checks every one. Prints a table, what
 each system is and what the table shows, with a warning where other work kept the machine busy
-(the demo's rule: ``shmseq/demo/load.py``), and writes ``results.md``, ``results.json`` and
+(the demo's rule: ``shmseq/_apps/load.py``), and writes ``results.md``, ``results.json`` and
 ``results.png`` into ``--out``.
 
 ``--streaming`` runs the streaming workloads instead: shmseq's ``ShardSequence`` against
@@ -40,12 +40,13 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from shmseq.demo import load
+from shmseq._apps import load
+from shmseq._apps.report import machine
 from shmseq.engine.trainer.devices import torch_available
 
 from . import systems
 from . import remote_streaming as remote
-from .report import machine, markdown, summarize, write_chart, write_json
+from .report import markdown, summarize, write_chart, write_json
 from .runner import LIMIT, run_matrix
 from .streaming import (QUICK_IMAGES, STAGE, STAGE_DEVICE, STREAM_SYSTEM_NAMES,
                         STREAM_TORCH_SYSTEMS, STREAM_WORKLOADS)

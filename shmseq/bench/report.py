@@ -8,14 +8,12 @@ measured side by side compare.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-import numpy as np
+from shmseq._apps.report import with_spread
 
 from .runner import LIMIT, Run
 from .systems import ABOUT, TORCH_SYSTEMS
@@ -117,14 +115,6 @@ def _fmt(value: float | None, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
-def with_spread(value: float, spread: tuple[float, float], spec: str, runs: int) -> str:
-    """``value (min-max)`` over two or more runs; one run has no spread: just ``value``."""
-    if runs < 2:
-        return format(value, spec)
-    low, high = spread
-    return f"{value:{spec}} ({low:{spec}}-{high:{spec}})"
-
-
 def above_limit(ratio: float | None) -> bool:
     """Whether a ``× limit`` ratio shows above 1.00, as printed (two decimals)."""
     return ratio is not None and round(ratio, 2) > 1.0
@@ -217,29 +207,6 @@ def _drop_in(cells: list[Cell], workload: str) -> list[str]:
             f"images/s), with {theirs.cpu_us_per_batch / ours.cpu_us_per_batch:.1f}x less "
             f"consumer CPU a batch ({ours.cpu_us_per_batch:.0f} against "
             f"{theirs.cpu_us_per_batch:.0f} µs)"]
-
-
-def _read(path: str, key: str) -> str:
-    with open(path) as file:
-        for line in file:
-            if line.startswith(key):
-                return line.split(":", 1)[1].strip()
-    return "unknown"
-
-
-def machine() -> dict:
-    """What the figures were measured on."""
-    kib = int(_read("/proc/meminfo", "MemTotal").split()[0])
-    try:
-        import torch
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = "not installed"
-    return {"nproc": len(os.sched_getaffinity(0)),
-            "cpu": _read("/proc/cpuinfo", "model name"),
-            "ram": f"{kib / 2**20:.1f} GiB",
-            "python": platform.python_version(), "numpy": np.__version__,
-            "torch": torch_version}
 
 
 def systems_legend(cells: list[Cell]) -> str:

@@ -14,7 +14,7 @@ labels against the plan:
   and last bytes mark the sample (as ``workloads``' pool rows are marked); ``decode_raw`` only
   wraps the bytes: what is left to measure is the transport.
 
-A set is written into a scratch folder and renamed into place (``shmseq.demo.data``'s rule),
+A set is written into a scratch folder and renamed into place (``shmseq._apps.data.made_once``),
 so an interrupted or concurrent run never leaves, or reads, a half-written one.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shmseq.demo.data import SHAPES, _made_once
+from shmseq._apps.data import SHAPES, made_once
 from shmseq.shards import ShardIndex, write_shards
 from shmseq.vision import MAX_PIXELS, ImageFolderWorker, _resize_into, _simplejpeg
 
@@ -107,7 +107,7 @@ def make_shards(root: str | os.PathLike, kind: str, images: int, samples_per_sha
         write_shards(samples, str(folder / "train-%05d.tar"), samples_per_shard=samples_per_shard,
                      index=str(folder / INDEX))
 
-    return _made_once(Path(root), write)
+    return made_once(Path(root), write)
 
 
 def load_index(root: str | os.PathLike, warm: bool = True) -> ShardIndex:

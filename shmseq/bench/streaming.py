@@ -39,13 +39,14 @@ from typing import Callable, ContextManager, Iterator
 
 import numpy as np
 
+from shmseq._apps.report import with_spread
 from shmseq.decode import DecodeStage, encoded_sample
 from shmseq.engine.trainer.devices import cuda_available, torch_available
 from shmseq.shards import ShardIndex, ShardPlan, ShardSequence, ShardWorker
 from shmseq.vision import IMAGENET_MEAN, IMAGENET_STD
 
 from . import limit, systems
-from .report import Cell, _fmt, drift_note, of_limit, summarize, with_spread
+from .report import Cell, _fmt, drift_note, of_limit, summarize
 from .runner import LIMIT, Run, timed_run
 from .shard_data import largest_sample
 from .workloads import BatchMismatch, ImageBatches, _head, _tail

@@ -14,8 +14,8 @@ keeps it where you say), then:
    how the accelerator is simulated);
 3. prints the table and writes ``results.md``, ``results.json`` and ``sweep.png`` (stall
    against step time) into ``--out`` (``demo-results``), with the load average at the start
-   and the end, and a warning where other work kept the machine busy (``load.py`` says when):
-   such figures may not reproduce;
+   and the end, and a warning where other work kept the machine busy (``shmseq._apps.load``
+   says when): such figures may not reproduce;
 4. says where the results are and how big, and whether the dataset was deleted or where it
    is kept, with how to delete it.
 
@@ -23,6 +23,6 @@ keeps it where you say), then:
 bounds every loader alike. ``--quick`` is a tiny run, for the tests.
 
 Modules: ``data`` (the synthetic datasets), ``loaders`` (the loaders compared), ``sweep``
-(the simulated accelerator and the measurements), ``training`` (the CNN), ``load`` (was the
-machine busy?), ``report``.
+(the simulated accelerator and the measurements), ``training`` (the CNN), ``report``; it
+shares ``shmseq._apps`` with the bench (was the machine busy, what it is, data written once).
 """

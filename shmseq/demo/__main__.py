@@ -21,10 +21,11 @@ except ImportError as missing:
     raise SystemExit(f"the demo needs torch and tqdm ({missing}): "
                      "pip install torch 'shmseq[demo]'") from missing
 
-from ..bench.report import machine
+from .._apps import load
+from .._apps.report import machine
 from ..vision import ImageArrayWorker, ImageFolderWorker
 from . import __doc__ as ABOUT
-from . import load, report, sweep
+from . import report, sweep
 from .data import make_array_store, make_jpeg_folder
 from .loaders import LOADERS, shmseq_loader
 from .training import Epoch, Trainer, train

@@ -16,37 +16,14 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 
+from .._apps.data import SHAPES, made_once
+
 MIN_SIDE, MAX_SIDE = 160, 320
 QUALITY = 90
-
-
-def _disc(dy, dx):
-    return dy * dy + dx * dx < 1.0
-
-
-def _square(dy, dx):
-    return np.maximum(abs(dy), abs(dx)) < 0.8
-
-
-def _triangle(dy, dx):
-    return (dy > -1.0) & (dy < 0.8) & (abs(dx) < (dy + 1.0) * 0.55)
-
-
-def _ring(dy, dx):
-    d2 = dy * dy + dx * dx
-    return (d2 > 0.35) & (d2 < 1.0)
-
-
-def _cross(dy, dx):
-    return ((abs(dy) < 0.25) & (abs(dx) < 1.0)) | ((abs(dx) < 0.25) & (abs(dy) < 1.0))
-
-
-SHAPES = (_disc, _square, _triangle, _ring, _cross)
 
 
 def class_colour(label: int, classes: int) -> np.ndarray:
@@ -86,7 +63,7 @@ def make_array_store(root: str | os.PathLike, images: int, classes: int, side: i
         del store
         np.save(folder / "labels.npy", np.arange(images, dtype=np.int64) % classes)
 
-    return _made_once(Path(root), write)
+    return made_once(Path(root), write)
 
 
 def make_jpeg_folder(root: str | os.PathLike, images: int, classes: int, seed: int = 0) -> Path:
@@ -104,21 +81,4 @@ def make_jpeg_folder(root: str | os.PathLike, images: int, classes: int, seed: i
                                           colorsubsampling="420")
             (folder / names[label] / f"{i:06d}.jpg").write_bytes(data)
 
-    return _made_once(Path(root), write)
-
-
-def _made_once(root: Path, write) -> Path:
-    """``root`` if it exists, else ``write`` it into a scratch folder and rename that."""
-    if root.is_dir():
-        return root
-    scratch = root.with_name(f"{root.name}.partial-{os.getpid()}")
-    shutil.rmtree(scratch, ignore_errors=True)
-    try:
-        write(scratch)
-        scratch.rename(root)
-    except OSError:
-        if not root.is_dir():
-            raise
-    finally:  # left over only when interrupted, or when another run finished first
-        shutil.rmtree(scratch, ignore_errors=True)
-    return root
+    return made_once(Path(root), write)

@@ -6,7 +6,7 @@ import textwrap
 from dataclasses import asdict
 from pathlib import Path
 
-from ..bench.report import with_spread
+from .._apps.report import with_spread
 from .sweep import Measurement, Summary, fed_down_to
 from .training import Epoch
 

@@ -1,7 +1,7 @@
 """Was the machine busy? Its cores, its load average, and the CPU that other work took meanwhile.
 
-The demo's figures are only comparable on a machine that gives the job its cores. The job
-runs ``workers + 1`` busy processes (the workers, and the trainer), so it leaves
+The figures of the demo and the bench are only comparable on a machine that gives the job its
+cores. The job runs ``workers + 1`` busy processes (the workers, and the trainer), so it leaves
 ``free = max(0, usable cores - workers - 1)`` cores to anything else. It warns that its
 figures may not reproduce when other work took more than ``free`` cores plus half a core
 (``SLACK``) on average while it ran: the non-idle time of the cores it may run on (from
