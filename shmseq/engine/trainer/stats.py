@@ -1,10 +1,104 @@
-"""Loader statistics a training loop can log: is the input pipeline keeping up?"""
+"""Loader statistics a training loop can log: is the input pipeline keeping up, and if not,
+where does the time go?
+
+The counters only add up (one add per batch, or per event). Where the time went over the last
+``window_length_s`` comes from snapshots of them that ``tick(now)`` takes, every half second
+or so, from the consumer's thread: the only periodic cost, a tuple in a small deque.
+"""
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..common.errors import SkippedSamplesWarning, warn_user
+from .tuning import INPUT_BOUND, RING_MOSTLY_FULL
+
+SNAPSHOTS = 60          # snapshots a window keeps at most: closer ticks replace the newest
+STORAGE_BOUND = 0.5     # workers waited on storage this share of their busy time: remote-bound
+STAGE_BOUND = 0.25      # decode or copies took this share of the wall time: that stage's
+WORKERS_BUSY = 0.8      # workers busy this share of their time: the trainer waits for them
+CPU_HEAVY = 0.8         # a busy worker on a CPU this share of the time: cores, not workers
+
+
+class _Totals(NamedTuple):
+    """The counters the window reads, at one time (or, subtracted, over a span)."""
+
+    at: float
+    batches: float
+    consumer_wait_s: float
+    worker_busy_s: float
+    worker_cpu_s: float
+    ring_full_s: float
+    decode_s: float
+    copy_s: float
+    storage_wait_s: float  # remote reads and shard fetches waited for
+    worker_s: float        # wall time of the workers, summed over them
+
+    def until(self, later: _Totals) -> _Totals:
+        return _Totals(*(b - a for a, b in zip(self, later)))
+
+
+class Breakdown(NamedTuple):
+    """Where the time went over a window; fractions are of its wall time unless said."""
+
+    window_s: float
+    batches_per_s: float
+    trainer_wait_fraction: float   # the consumer waited for a batch
+    worker_busy_fraction: float    # of the workers' time, building batches
+    worker_cpu_fraction: float     # of that busy time, on a CPU
+    ring_full_fraction: float      # no slot free for a new task: workers idle for want of one
+    decode_fraction: float         # decoding in the training process
+    copy_fraction: float           # host-to-device copies
+    remote_wait_fraction: float    # of the workers' busy time, waiting on remote storage
+
+    def verdict(self) -> str:
+        """One line a person reads: what bounds the rate, and the fix."""
+        if self.window_s <= 0:
+            return "no time measured yet"
+        span = f"the last {self.window_s:.3g} s"
+        if self.batches_per_s == 0 and self.trainer_wait_fraction <= INPUT_BOUND:
+            return f"no batches asked for in {span}"
+        if self.trainer_wait_fraction <= INPUT_BOUND:
+            if self.ring_full_fraction >= RING_MOSTLY_FULL:
+                return (f"trainer-bound: the ring was full {_pct(self.ring_full_fraction)} of "
+                        f"{span}; the loader keeps up, fewer workers would too")
+            return (f"trainer-bound: the trainer waited {_pct(self.trainer_wait_fraction)} "
+                    f"of {span}; the loader keeps up")
+        waited = f"the trainer waited {_pct(self.trainer_wait_fraction)} of {span}"
+        if self.ring_full_fraction >= RING_MOSTLY_FULL:
+            return (f"slot-bound: {waited}, yet the ring was full "
+                    f"{_pct(self.ring_full_fraction)}; give the ring more slots (buffer) or "
+                    f"let go of batches sooner")
+        if self.remote_wait_fraction >= STORAGE_BOUND:
+            return (f"remote reads: {waited}; workers waited on storage "
+                    f"{_pct(self.remote_wait_fraction)} of their time; add workers (reads "
+                    f"overlap) or cache the shards nearer")
+        if self.decode_fraction >= STAGE_BOUND:
+            return (f"decode-bound: {waited}; decoding took {_pct(self.decode_fraction)}; "
+                    f"decode on the GPU or in more threads")
+        if self.copy_fraction >= STAGE_BOUND:
+            return (f"copy-bound: {waited}; host-to-device copies took "
+                    f"{_pct(self.copy_fraction)}; page-lock the ring or send fewer bytes")
+        if self.worker_busy_fraction < WORKERS_BUSY:
+            return (f"input-bound: {waited}, yet workers were busy only "
+                    f"{_pct(self.worker_busy_fraction)}; the training process is slow to "
+                    f"hand out work or take batches: profile it")
+        busy = f"workers busy {_pct(self.worker_busy_fraction)}"
+        if self.worker_cpu_fraction >= CPU_HEAVY:
+            return (f"input-bound: {waited}; {busy}, on a CPU "
+                    f"{_pct(self.worker_cpu_fraction)} of it; add cores, or workers if "
+                    f"cores are free, or make each batch cheaper")
+        return f"input-bound: {waited}; {busy}; add workers or cores"
+
+
+def _pct(fraction: float) -> str:
+    return f"{100 * fraction:.0f} %"
+
+
+def _ratio(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else 0.0
 
 
 @dataclass
@@ -33,7 +127,21 @@ class LoaderStats:
     shard_read_bytes: int = 0     # bytes of the samples read from cached shards
     shard_wait_s: float = 0.0     # time workers waited for a shard not cached yet, summed
     cache_peak_bytes: int = 0     # the most the node's cache held, as this rank's fetches saw it
+    # where the time goes (breakdown()):
+    worker_cpu_s: float = 0.0     # CPU time of the workers, summed
+    ring_full_s: float = 0.0      # wall time with no slot free for a new task
+    decode_s: float = 0.0         # time spent decoding batches in the training process
+    copy_s: float = 0.0           # time spent on host-to-device copies of batches
+    workers: int = 0              # workers running now: the time since the last tick counts at it
     started: float = field(default_factory=time.perf_counter)
+    window_length_s: float = 30.0  # the span ``breakdown()`` and ``summary()`` look back on
+    _snapshots: deque[_Totals] = field(init=False, repr=False, compare=False)
+    _worker_s: float = field(default=0.0, init=False, repr=False, compare=False)
+    _worker_s_at: float = field(default=0.0, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._worker_s_at = self.started
+        self._snapshots = deque([self._totals(self.started)])
 
     @property
     def elapsed_s(self) -> float:
@@ -50,6 +158,45 @@ class LoaderStats:
         """Bytes fetched per byte of the samples read (1.0: each shard byte once); 0 before any
         read. Several ranks of a node share their fetches: add their counts up for the node's."""
         return self.shard_fetch_bytes / self.shard_read_bytes if self.shard_read_bytes else 0.0
+
+    def tick(self, now: float) -> None:
+        """Snapshot the counters at ``now`` (``time.perf_counter()``), for the window: from
+        the consumer's thread, every half second or so, never per batch."""
+        self._worker_s += self.workers * (now - self._worker_s_at)
+        self._worker_s_at = now
+        snapshots = self._snapshots
+        if len(snapshots) > 1 and now - snapshots[-2].at < self.window_length_s / SNAPSHOTS:
+            snapshots[-1] = self._totals(now)
+        else:
+            snapshots.append(self._totals(now))
+        while snapshots[1].at <= now - self.window_length_s:
+            snapshots.popleft()
+
+    def breakdown(self) -> Breakdown:
+        """Where the time went over the last ``window_length_s`` up to the last tick; before
+        any tick, over the whole run so far."""
+        snapshots = self._snapshots
+        last = snapshots[-1] if len(snapshots) > 1 else self._totals(time.perf_counter())
+        span = snapshots[0].until(last)
+        return Breakdown(
+            window_s=span.at, batches_per_s=_ratio(span.batches, span.at),
+            trainer_wait_fraction=_ratio(span.consumer_wait_s, span.at),
+            worker_busy_fraction=_ratio(span.worker_busy_s, span.worker_s),
+            worker_cpu_fraction=_ratio(span.worker_cpu_s, span.worker_busy_s),
+            ring_full_fraction=_ratio(span.ring_full_s, span.at),
+            decode_fraction=_ratio(span.decode_s, span.at),
+            copy_fraction=_ratio(span.copy_s, span.at),
+            remote_wait_fraction=_ratio(span.storage_wait_s, span.worker_busy_s))
+
+    def summary(self) -> str:
+        """One line on the last window: what bounds the rate, and the fix."""
+        return self.breakdown().verdict()
+
+    def _totals(self, now: float) -> _Totals:
+        return _Totals(now, self.batches, self.consumer_wait_s, self.worker_busy_s,
+                       self.worker_cpu_s, self.ring_full_s, self.decode_s, self.copy_s,
+                       self.remote_wait_s + self.shard_wait_s,
+                       self._worker_s + self.workers * (now - self._worker_s_at))
 
     def report_skipped(self, skipped: list[str], where: str) -> None:
         """Count the samples a worker left out (``skipped``: why, one each), and warn."""
@@ -84,4 +231,7 @@ class LoaderStats:
                 "shard_read_bytes": self.shard_read_bytes, "shard_wait_s": self.shard_wait_s,
                 "cache_peak_bytes": self.cache_peak_bytes,
                 "read_amplification": self.read_amplification,
-                "elapsed_s": self.elapsed_s, "stall_fraction": self.stall_fraction}
+                "elapsed_s": self.elapsed_s, "stall_fraction": self.stall_fraction,
+                "worker_cpu_s": self.worker_cpu_s, "ring_full_s": self.ring_full_s,
+                "decode_s": self.decode_s, "copy_s": self.copy_s, "workers": self.workers,
+                **self.breakdown()._asdict()}

@@ -1,0 +1,132 @@
+"""LoaderStats' window: the fractions of where the time went, from ticks of a fake clock."""
+import time
+
+import pytest
+
+from shmseq.engine.trainer.stats import SNAPSHOTS, Breakdown, LoaderStats
+
+TICK_S = 0.5
+
+
+def feed(stats: LoaderStats, seconds: float, now: float, *, rate: float = 100.0,
+         wait: float = 0.0, busy: float = 1.0, cpu: float = 1.0, full: float = 0.0,
+         storage: float = 0.0, decode: float = 0.0, copy: float = 0.0) -> float:
+    """``seconds`` of a pipeline ticked every half second: ``rate`` batches/s, the trainer
+    waiting ``wait`` of the time, each worker busy ``busy`` of it, ``cpu`` of that on a CPU
+    and ``storage`` waiting on remote reads; the ring full ``full`` of the time, decode and
+    copies taking ``decode`` and ``copy`` of it. The clock's time at the end."""
+    for _ in range(round(seconds / TICK_S)):
+        busy_s = stats.workers * TICK_S * busy
+        stats.batches += round(rate * TICK_S)
+        stats.consumer_wait_s += wait * TICK_S
+        stats.worker_busy_s += busy_s
+        stats.worker_cpu_s += busy_s * cpu
+        stats.remote_wait_s += busy_s * storage
+        stats.ring_full_s += full * TICK_S
+        stats.decode_s += decode * TICK_S
+        stats.copy_s += copy * TICK_S
+        now += TICK_S
+        stats.tick(now)
+    return now
+
+
+def test_the_fractions_say_where_the_time_went():
+    stats = LoaderStats(started=0.0, workers=4)
+    feed(stats, 20, 0.0, wait=0.38, busy=0.97, cpu=0.5, full=0.1, storage=0.2, decode=0.05,
+         copy=0.02)
+    window = stats.breakdown()
+    assert window.window_s == pytest.approx(20)
+    assert window.batches_per_s == pytest.approx(100)
+    assert window.trainer_wait_fraction == pytest.approx(0.38)
+    assert window.worker_busy_fraction == pytest.approx(0.97)
+    assert window.worker_cpu_fraction == pytest.approx(0.5)
+    assert window.ring_full_fraction == pytest.approx(0.1)
+    assert window.remote_wait_fraction == pytest.approx(0.2)
+    assert window.decode_fraction == pytest.approx(0.05)
+    assert window.copy_fraction == pytest.approx(0.02)
+
+
+def test_the_window_drops_what_is_older_than_its_length():
+    stats = LoaderStats(started=0.0, workers=4)
+    now = feed(stats, 40, 0.0, wait=0.5)
+    feed(stats, 30, now, wait=0.0, full=0.9)
+    window = stats.breakdown()
+    assert 30 <= window.window_s <= 30 + TICK_S
+    assert window.trainer_wait_fraction == 0 and window.ring_full_fraction == pytest.approx(0.9)
+
+
+def test_ticks_closer_than_the_window_needs_keep_the_deque_small():
+    stats = LoaderStats(started=0.0, workers=2)
+    for tick in range(1, 100_001):
+        stats.batches += 1
+        stats.tick(tick / 1000)
+    assert len(stats._snapshots) <= SNAPSHOTS + 2
+    assert stats.breakdown().batches_per_s == pytest.approx(1000)  # the newest tick counts
+
+
+def test_workers_added_count_from_the_tick_after():
+    stats = LoaderStats(started=0.0, workers=2)
+    now = feed(stats, 10, 0.0)
+    stats.workers = 4
+    feed(stats, 10, now)
+    assert stats.breakdown().worker_busy_fraction == pytest.approx(1)
+
+
+def test_before_any_tick_the_window_is_the_whole_run():
+    stats = LoaderStats(started=time.perf_counter() - 10)
+    stats.consumer_wait_s, stats.batches = 5.0, 100
+    window = stats.breakdown()
+    assert window.window_s == pytest.approx(10, abs=0.5)
+    assert window.trainer_wait_fraction == pytest.approx(0.5, abs=0.03)
+
+
+def test_the_summary_names_the_bound_and_the_fix():
+    stats = LoaderStats(started=0.0, workers=4)
+    feed(stats, 30, 0.0, wait=0.38, busy=0.97, cpu=0.3)
+    assert stats.summary() == ("input-bound: the trainer waited 38 % of the last 30 s; workers "
+                               "busy 97 %; add workers or cores")
+    feed(stats, 30, 30.0, wait=0.0, full=0.92)
+    assert stats.summary() == ("trainer-bound: the ring was full 92 % of the last 30 s; the "
+                               "loader keeps up, fewer workers would too")
+
+
+def breakdown(**fractions: float) -> Breakdown:
+    return Breakdown(**{"window_s": 30.0, "batches_per_s": 100.0,
+                        "trainer_wait_fraction": 0.3, "worker_busy_fraction": 0.95,
+                        "worker_cpu_fraction": 0.3, "ring_full_fraction": 0.0,
+                        "decode_fraction": 0.0, "copy_fraction": 0.0,
+                        "remote_wait_fraction": 0.0, **fractions})
+
+
+@pytest.mark.parametrize("fractions, verdict, fix", [
+    ({"trainer_wait_fraction": 0.0, "ring_full_fraction": 0.92}, "trainer-bound: the ring was "
+     "full 92 %", "fewer workers would too"),
+    ({"trainer_wait_fraction": 0.03}, "trainer-bound: the trainer waited 3 %", "keeps up"),
+    ({"trainer_wait_fraction": 0.0, "batches_per_s": 0.0}, "no batches asked for", "30 s"),
+    ({"window_s": 0.0}, "no time measured yet", ""),
+    ({"ring_full_fraction": 0.8}, "slot-bound: the trainer waited 30 %", "more slots"),
+    ({"remote_wait_fraction": 0.6}, "remote reads: the trainer waited 30 %",
+     "storage 60 % of their time; add workers"),
+    ({"decode_fraction": 0.4}, "decode-bound", "on the GPU"),
+    ({"copy_fraction": 0.4}, "copy-bound", "page-lock"),
+    ({"worker_busy_fraction": 0.4}, "input-bound: the trainer waited 30 %", "busy only 40 %"),
+    ({"worker_cpu_fraction": 0.95}, "input-bound: the trainer waited 30 %", "add cores"),
+    ({}, "input-bound: the trainer waited 30 % of the last 30 s; workers busy 95 %",
+     "add workers"),
+])
+def test_the_verdict_follows_the_fractions(fractions, verdict, fix):
+    line = breakdown(**fractions).verdict()
+    assert line.startswith(verdict) and fix in line, line
+
+
+def test_as_dict_keeps_its_keys_and_adds_the_window():
+    stats = LoaderStats(started=0.0, workers=2)
+    stats.add_counts({"decode_s": 1.5, "worker_cpu_s": 2.0})
+    feed(stats, 10, 0.0, wait=0.1)
+    found = stats.as_dict()
+    assert {"batches", "bytes", "worker_busy_s", "consumer_wait_s", "remote_wait_s",
+            "shard_wait_s", "elapsed_s", "stall_fraction", "cache_peak_bytes"} <= set(found)
+    assert found["decode_s"] == 1.5 and found["worker_cpu_s"] > 2.0
+    assert found["window_s"] == pytest.approx(10)
+    assert found["trainer_wait_fraction"] == pytest.approx(0.1)
+    assert set(Breakdown._fields) <= set(found)
