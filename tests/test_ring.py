@@ -222,6 +222,14 @@ def test_acquire_hands_out_each_free_slot_once(ring):
     assert ring.acquire() == slots[1]
 
 
+def test_acquire_free_hands_out_every_free_slot_not_owed_and_unsent_ones_come_back(ring):
+    ring.owe(1)
+    slots = ring.acquire_free()
+    assert len(slots) == 2 and ring.acquire_free() == [] and ring.free_count() == 0
+    ring.unsent(slots)
+    assert ring.acquire_free() == slots  # in the order they were given
+
+
 def test_close_with_live_views_unmaps_when_the_last_dies():
     ring = Ring.create(2, 10_000, wake=lambda: None)
     view = ring.lease(written(ring))

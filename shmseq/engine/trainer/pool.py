@@ -281,25 +281,31 @@ class WorkerPool:
         self._waker.drain()
 
     def _dispatch(self, waiting: int) -> None:
-        """Send the next batches of the stream with the free slots the ring gives new tasks
-        (before there is a ring, one batch without a slot to each worker that has none, while
-        fewer than a ring's worth of failures wait for the consumer)."""
-        stream = self.stream
+        """Send the next batches of the stream with the free slots the ring gives new tasks,
+        asked for once: those the stream has no batch for now, or no worker takes, go back
+        (before there is a ring, ``_dispatch_unsized``)."""
         if self.ring is None:
-            while waiting < self._n_slots and (task := stream.peek()) is not None:
-                chosen = self._choose(task, pack=False)
-                if chosen is None or chosen.open:
-                    return
-                self._send_task(chosen, task, None)
-                stream.advance()
+            self._dispatch_unsized(waiting)
             return
-        ring, pack = self.ring, self._pace.consumer_is_slower
-        while ring.free_count() and (task := stream.peek()) is not None:
-            chosen = self._choose(task, pack)
-            if chosen is None or (slot := ring.acquire()) is None:
+        slots, pack = self.ring.acquire_free(), self._pace.consumer_is_slower
+        for at, slot in enumerate(slots):
+            task = self.stream.peek()
+            chosen = None if task is None else self._choose(task, pack)
+            if chosen is None:
+                self.ring.unsent(slots[at:])
                 return
             self._send_task(chosen, task, slot)
-            stream.advance()
+            self.stream.advance()
+
+    def _dispatch_unsized(self, waiting: int) -> None:
+        """One batch without a slot to each worker that has none, while fewer than a ring's
+        worth of failures wait for the consumer."""
+        while waiting < self._n_slots and (task := self.stream.peek()) is not None:
+            chosen = self._choose(task, pack=False)
+            if chosen is None or chosen.open:
+                return
+            self._send_task(chosen, task, None)
+            self.stream.advance()
 
     def _choose(self, task: Task, pack: bool) -> WorkerHandle | None:
         """The worker for a task; None if none takes tasks (gone: their sentinels say why).

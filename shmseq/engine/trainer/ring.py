@@ -13,12 +13,12 @@ it), and COPYING while a device copy, or a copy the consumer enqueued from a pag
 slot, may still read it. Every transition happens here, in the consumer's thread; a
 transition the machine does not allow raises ``IllegalTransition``.
 
-The ring answers every question about its slots, so that nothing else counts them: how many
-a new task may take (``free_count``: free ones, less those ``owe``d to batches built before
-the ring, which take theirs with ``acquire_owed``), whether the consumer may keep one
-more batch in place (``keep_in_place``: not when it would hold every slot), how long the
-consumer may wait (``wait_bound``), and what to wait for once a lease dies (the device's
-``fence``, and the copies ``track_copy`` was told of).
+The ring answers every question about its slots, so that nothing else counts them: the
+slots new tasks may take (``acquire_free``: the free ones, less those ``owe``d to batches
+built before the ring, which take theirs with ``acquire_owed``), whether the consumer may
+keep one more batch in place (``keep_in_place``: not when it would hold every slot), how
+long the consumer may wait (``wait_bound``), and what to wait for once a lease dies (the
+device's ``fence``, and the copies ``track_copy`` was told of).
 
 Events from other threads (the last view of a lease dies wherever it is dropped; copies
 complete on the releaser thread) are recorded and applied by the consumer's thread at its
@@ -137,6 +137,22 @@ class Ring:
         slot = self._free.pop()
         self._move(slot, FREE, DISPATCHED)
         return slot
+
+    def acquire_free(self) -> list[int]:
+        """Every slot a new task may take now (``free_count``), each dispatched to a writer, in
+        the order ``acquire`` would give them: the dispatcher asks once a step."""
+        slots = []
+        for _ in range(self.free_count()):
+            slot = self._free.pop()
+            self._move(slot, FREE, DISPATCHED)
+            slots.append(slot)
+        return slots
+
+    def unsent(self, slots: list[int]) -> None:
+        """Slots ``acquire_free`` gave that no task was sent with (the stream had none for them,
+        or no worker takes tasks): free again, in the order they were."""
+        for slot in reversed(slots):
+            self._move(slot, DISPATCHED, FREE)
 
     def acquire_owed(self) -> int | None:
         """A free slot for a batch built before the ring, one of those kept for them; None
