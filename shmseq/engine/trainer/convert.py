@@ -38,15 +38,12 @@ class OrderedOutput:
         self._items: dict[int, Delivery] = {}
         self._closed: str | None = None
         self.floor = 0
-
-    @property
-    def waiting(self) -> int:
-        """Deliveries the consumer has not taken yet."""
-        return len(self._items)
+        self.waiting = 0  # deliveries the consumer has not taken yet (kept: read at every step)
 
     def put(self, number: int, delivery: Delivery) -> None:
         if number >= self.floor:
             self._items[number] = delivery
+            self.waiting = len(self._items)
 
     def close(self, reason: str) -> None:
         if self._closed is None:
@@ -59,7 +56,9 @@ class OrderedOutput:
 
     def pop(self, number: int) -> Delivery | None:
         self.check()
-        return self._items.pop(number, None)
+        delivery = self._items.pop(number, None)
+        self.waiting = len(self._items)
+        return delivery
 
     def pop_first(self, first_number: int) -> tuple[int, Delivery] | None:
         """The delivery of number ``first_number`` or after that arrived first, with its number."""
@@ -72,6 +71,7 @@ class OrderedOutput:
         self.floor = max(self.floor, number)
         for key in [key for key in self._items if key < number]:
             del self._items[key]
+        self.waiting = len(self._items)
 
     def clear(self) -> None:
         self.drop_below(float("inf"))
