@@ -77,17 +77,18 @@ class OrderedOutput:
         self.drop_below(float("inf"))
 
 
-def handed_over(device: Device, skipped: Callable[[], list[str]], batch, copy, name: str,
-                stats: LoaderStats):
-    """The device's hand-over of the batch called ``name``; a consumer-side stage that decodes
-    (``shmseq.decode``) may fail here, named with the batch, or leave samples out (what its
-    ``skipped``, ``Hooks(device).pop_skipped``, returns)."""
+def handed_over(device: Device, skipped: Callable[[], list[str]], batch, copy,
+                name: Callable[[], str], stats: LoaderStats):
+    """The device's hand-over of the batch ``name()`` calls (asked only for a message); a
+    consumer-side stage that decodes (``shmseq.decode``) may fail here, named with the batch,
+    or leave samples out (what its ``skipped``, ``Hooks(device).pop_skipped``, returns)."""
     try:
         delivered = device.hand_over(batch, copy)
     except Exception as exc:
-        add_note(exc, f"shmseq: handing over {name}")
+        add_note(exc, f"shmseq: handing over {name()}")
         raise
-    stats.report_skipped(skipped(), name)
+    if left_out := skipped():
+        stats.report_skipped(left_out, name())
     return delivered
 
 
@@ -139,18 +140,20 @@ class Converter:
                         skipped=reply.skipped)
 
     def hand_over(self, number: int, delivery: Delivery):
-        """The batch as the consumer gets it; copied out when keeping it would starve the ring."""
+        """The batch as the consumer gets it; copied out when keeping it would starve the ring.
+        The batch is named (``name``) only for a message."""
         if delivery.error is not None:
             raise delivery.error()
         self.stats.batches += 1
         self.stats.bytes += delivery.nbytes
-        self.stats.report_skipped(delivery.skipped, self.name(number))
+        if delivery.skipped:
+            self.stats.report_skipped(delivery.skipped, self.name(number))
         if delivery.payload_bytes:
             self._overflowed(self.name(number), delivery.payload_bytes)
         if delivery.slot is not None and not self.ring.keep_in_place(delivery.slot):
             return self._copied_out(delivery.batch)
         return handed_over(self.device, self._device_skipped, delivery.batch, delivery.copy,
-                           self.name(number), self.stats)
+                           functools.partial(self.name, number), self.stats)
 
     def _copied_out(self, batch):
         n_slots = self.ring.spec.n_slots

@@ -351,7 +351,7 @@ class Inline:
             if self.test_mode != "numpy":
                 views = read_batch(encode_batch(batch), self.device.wrap)
                 batch = handed_over(self.device, self._device_skipped,
-                                    *self.device.convert(views), name, self.stats)
+                                    *self.device.convert(views), lambda: name, self.stats)
             self.plan.release(epoch, position + 1)
             yield batch
 
