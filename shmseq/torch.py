@@ -95,7 +95,7 @@ class _Index:
 def _as_task(index):
     """What a worker is sent for one item of the index sampler: a list of ints (what torch's
     samplers give) as int64 indices, the wire's fixed binary frame; anything else as is."""
-    if type(index) is list and index and all(type(i) is int for i in index):
+    if type(index) is list and set(map(type, index)) == {int}:
         return np.array(index, dtype=np.int64)
     return _Index(index)
 

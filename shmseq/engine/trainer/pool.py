@@ -319,10 +319,12 @@ class WorkerPool:
         would be a sleeping one woken for each batch; on small batches the wake-ups cost more
         than the batches themselves."""
         workers = self._workers
-        if self._in_turn:
+        if self._in_turn:  # a worker's id is its place
             first = self._turn if self._ended else task.position % len(workers)
-            return next((workers[at] for at in [*range(first, len(workers)), *range(first)]
-                         if workers[at].accepting and workers[at].wid not in self._ended), None)
+            for at in (*range(first, len(workers)), *range(first)):
+                if workers[at].accepting and at not in self._ended:
+                    return workers[at]
+            return None
         taking = [handle for handle in workers if handle.accepting]
         if not taking:
             return None
