@@ -216,16 +216,25 @@ def systems_legend(cells: list[Cell]) -> str:
         f"- {name}: {about[name]}" for name in dict.fromkeys(c.system for c in cells))
 
 
+def machine_line(info: dict) -> str:
+    """What the figures were measured on, as the reports' first line begins."""
+    return (f"Machine: {info['nproc']} CPUs ({info['cpu']}), {info['ram']} RAM; Python "
+            f"{info['python']}, numpy {info['numpy']}, torch {info['torch']}.")
+
+
+def timing(settings: dict) -> str:
+    """How each figure was timed: its repeats and their window."""
+    repeats = settings["repeats"]
+    return (f"{repeats} interleaved repeats of {settings['seconds']:g} s, medians (min-max)"
+            if repeats > 1 else f"one run of {settings['seconds']:g} s each (no spread)")
+
+
 def markdown(cells: list[Cell], info: dict, settings: dict, command: str,
              load: Sequence[str] = (), warning: str | None = None) -> str:
     """The table with its machine and load (a ``warning`` if it was busy), what each column
     and system is, what it shows, the command."""
-    repeats = settings["repeats"]
-    timed = (f"{repeats} interleaved repeats of {settings['seconds']:g} s, medians (min-max)"
-             if repeats > 1 else f"one run of {settings['seconds']:g} s each (no spread)")
-    head = (f"Machine: {info['nproc']} CPUs ({info['cpu']}), {info['ram']} RAM; Python "
-            f"{info['python']}, numpy {info['numpy']}, torch {info['torch']}. 2 workers and "
-            f"{settings['buffer']} batches in flight for every loader; {timed}.")
+    head = (f"{machine_line(info)} 2 workers and {settings['buffer']} batches in flight for "
+            f"every loader; {timing(settings)}.")
     shows = "\n".join(f"- {line}" for line in highlights(cells))
     parts = [head, "Load: " + "; ".join(load) if load else None, warning, table(cells),
              drift_note(cells), COLUMNS, systems_legend(cells),

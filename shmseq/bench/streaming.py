@@ -46,7 +46,7 @@ from shmseq.shards import ShardIndex, ShardPlan, ShardSequence, ShardWorker
 from shmseq.vision import IMAGENET_MEAN, IMAGENET_STD
 
 from . import limit, systems
-from .report import Cell, _fmt, drift_note, of_limit, summarize
+from .report import Cell, _fmt, drift_note, machine_line, of_limit, summarize, timing
 from .runner import LIMIT, Run, timed_run
 from .shard_data import largest_sample
 from .workloads import BatchMismatch, ImageBatches, _head, _tail
@@ -502,13 +502,8 @@ def markdown(runs: list[Run], workloads: dict[str, ShardWorkload], info: dict, s
     columns, what it shows, the command; ``remote`` (``remote_streaming.Report``) adds the
     remote mode's notes, columns and lines."""
     cells = cells_of(runs, workloads)
-    repeats = settings["repeats"]
-    timed = (f"{repeats} interleaved repeats of {settings['seconds']:g} s, medians (min-max)"
-             if repeats > 1 else f"one run of {settings['seconds']:g} s each (no spread)")
-    head = (f"Machine: {info['nproc']} CPUs ({info['cpu']}), {info['ram']} RAM; Python "
-            f"{info['python']}, numpy {info['numpy']}, torch {info['torch']}. "
-            f"{systems.NUM_WORKERS} workers and {settings['buffer']} batches in flight for every "
-            f"loader; {timed}.")
+    head = (f"{machine_line(info)} {systems.NUM_WORKERS} workers and {settings['buffer']} "
+            f"batches in flight for every loader; {timing(settings)}.")
     shows = "\n".join(f"- {line}" for line in highlights(runs, cells, workloads)
                       + (remote.highlights(runs, cells) if remote else []))
     decoded = [workloads[c.workload] for c in cells if c.system == STAGE]
