@@ -71,13 +71,15 @@ def apart(pid: int) -> Iterator[None]:
 
 
 class PeakPss:
-    """While entered, samples this process tree's PSS every ``SAMPLE_SECONDS`` on a thread of
-    its own, on entering and on leaving too, and whenever ``sample()`` is called: ``peak`` is
-    the largest sample, in bytes. (Each sample costs the CPU a few milliseconds: keep it out of
-    windows whose rates are measured.)"""
+    """While entered, samples this process tree's PSS every ``every`` seconds on a thread of
+    its own (None: no thread), on entering and on leaving too, and whenever ``sample()`` is
+    called: ``peak`` is the largest sample, in bytes. (Each sample costs the CPU a few
+    milliseconds a process: keep it out of windows whose rates are measured, and away from a
+    loader that sizes its pool by the CPU it finds free.)"""
 
-    def __init__(self):
+    def __init__(self, every: float | None = SAMPLE_SECONDS):
         self.peak = 0
+        self.every = every
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="shmseq-bench-pss", daemon=True)
 
@@ -85,15 +87,17 @@ class PeakPss:
         self.peak = max(self.peak, tree_pss_bytes())
 
     def _run(self) -> None:
-        while not self._stop.wait(SAMPLE_SECONDS):
+        while not self._stop.wait(self.every):
             self.sample()
 
     def __enter__(self) -> "PeakPss":
         self.sample()
-        self._thread.start()
+        if self.every is not None:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc_info) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
         self.sample()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator
 
 from .limit import limit_rate
-from .memory import PeakPss
+from .memory import SAMPLE_SECONDS, PeakPss
 from .systems import SYSTEMS, UNORDERED
 from .workloads import Workload, check_any_batch, check_batch
 
@@ -82,13 +82,16 @@ def measure(name: str, workload: Workload, repeat: int, seconds: float,
 def timed_run(name: str, workload: str, repeat: int, system: Callable[[], ContextManager[Iterator]],
               check: Callable[[int, object], None], seconds: float, warmup_seconds: float,
               early_batches: int = EARLY_BATCHES, whole: int = 1,
-              window: Window | None = None) -> Run:
+              window: Window | None = None, window_at: float = 0.0,
+              pss_every: float | None = SAMPLE_SECONDS) -> Run:
     """``measure``'s timing for any system (``system()`` makes it, on the clock: a context
     manager giving its batches) and any ``check(k, batch)`` of the ``k``-th batch: the first
     batch, the ``early_batches`` after it, a warm-up, then ``seconds`` of the steady state; the
-    process tree's peak PSS, sampled during the warm-up and at the end (none of its timed
-    windows pays for the sampling). ``whole``: the timed window begins and ends at a multiple
-    of that many batches (an epoch's); ``window`` observes it."""
+    process tree's peak PSS, sampled every ``pss_every`` seconds of the warm-up (None: only as
+    it begins and ends) and at the end (none of its timed windows pays for the sampling).
+    ``whole``: the timed window begins and ends at a multiple of that many batches (an
+    epoch's); ``window`` observes it; ``window_at``: it begins no sooner than that many seconds
+    after the start (a loader that tunes itself is timed once it has had that long)."""
     window = window or Window()
     start = time.perf_counter()
     with system() as batches:
@@ -96,8 +99,9 @@ def timed_run(name: str, workload: str, repeat: int, system: Callable[[], Contex
         first_batch = time.perf_counter() - start
         k = _consume(batches, check, k, early_batches, 0)
         early = early_batches / (time.perf_counter() - start - first_batch)
-        with PeakPss() as memory:
-            k = _consume(batches, check, k, 0, warmup_seconds, whole)
+        with PeakPss(pss_every) as memory:
+            warmup = max(warmup_seconds, window_at - (time.perf_counter() - start))
+            k = _consume(batches, check, k, 0, warmup, whole)
         window.begin(k)
         cpu0, t0 = time.process_time(), time.perf_counter()
         timed = _consume(batches, check, k, MIN_BATCHES, seconds, whole) - k
