@@ -24,6 +24,18 @@ cache (``--cache-fraction`` of the set) against torch's ``DataLoader`` reading i
 the requests per sample, read amplification and peak cache of each remote run, and each
 endpoint's own ceiling. Its shards have 64 samples each, 8,192 of them per set (2,048 with
 ``--quick``): a set four times the cache's budget (``shmseq.bench.remote_streaming``).
+
+``--autotune`` runs a loader that sizes itself beside a sweep of fixed settings, on workloads
+whose best setting the sweep finds: latency-bound workers (each batch waits 20 ms, as on object
+storage; num_workers 1 to 16), CPU-bound ones (JPEG decode; 1 to 2x the CPU budget), a slow
+trainer (25 ms a step), and big batches (imagenet256, and imagenet64 and cifar; ring slots 2 to
+10 with 2 workers). num_workers='auto' is timed from --settle seconds after its loader is made
+(10) and traced (its workers and rate every 0.5 s); the default ring (no buffer) is timed as
+the fixed settings are; each is left out, saying why, where ShmSequence does not have it yet.
+What torch's defaults (num_workers=0; prefetch_factor=2) and Grain's pick_performance_config
+pick on each workload runs as fixed settings beside them. Writes ``autotune.md``,
+``autotune.json`` and ``autotune.png`` (auto's workers and rate over time); about 9 minutes
+(--quick: about 1), ``shmseq.bench.autotune``.
 """
 from __future__ import annotations
 
@@ -39,12 +51,13 @@ import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Mapping
 
 from shmseq._apps import load
 from shmseq._apps.report import machine
 from shmseq.engine.trainer.devices import torch_available
 
-from . import systems
+from . import autotune, systems
 from . import remote_streaming as remote
 from .report import markdown, summarize, write_chart, write_json
 from .runner import LIMIT, run_matrix
@@ -74,11 +87,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="one short repeat of the matrix (about a minute; no spreads)")
-    parser.add_argument("--workloads", type=_names([*WORKLOADS, *STREAM_WORKLOADS]),
+    parser.add_argument("--workloads",
+                        type=_names(list({**WORKLOADS, **STREAM_WORKLOADS, **autotune.AUTOTUNE_WORKLOADS})),
                         help=f"comma-separated, among {', '.join(WORKLOADS)} (default: all but "
                              "augment, whose workers spend their time augmenting images with "
                              "torch's operators); with --streaming, among "
-                             f"{', '.join(STREAM_WORKLOADS)} (default: both)")
+                             f"{', '.join(STREAM_WORKLOADS)} (default: both); with --autotune, "
+                             f"among {', '.join(autotune.AUTOTUNE_WORKLOADS)} (default: all)")
     parser.add_argument("--systems",
                         type=_names([*ALL_SYSTEMS, *STREAM_SYSTEM_NAMES[1:], *remote.SYSTEM_NAMES]),
                         help=f"comma-separated, among {', '.join(ALL_SYSTEMS)} "
@@ -89,6 +104,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--streaming", action="store_true",
                         help="run the streaming workloads instead: ShardSequence against torch's "
                              "DataLoader over the same tar shards (see above)")
+    parser.add_argument("--autotune", action="store_true",
+                        help="run num_workers='auto' and the default ring beside sweeps of fixed "
+                             "settings and the static rules' picks instead (see above)")
+    parser.add_argument("--settle", type=float,
+                        help="--autotune: seconds from making an auto loader to its timed window "
+                             f"(default: {autotune.SETTLE_SECONDS:g})")
     parser.add_argument("--remote", nargs="?", const=",".join(remote.BACKENDS),
                         type=_names(list(remote.BACKENDS)),
                         help="--streaming: read the shards over these servers too, comma-separated "
@@ -117,26 +138,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, help="rounds over the matrix (default: 3, quick: 1)")
     parser.add_argument("--seconds", type=float,
                         help="timed seconds per system and workload (default: 2, quick: 0.5)")
-    parser.add_argument("--buffer", type=int, default=systems.IN_FLIGHT,
+    parser.add_argument("--buffer", type=int,
                         help="batches in flight: shmseq's ring slots, the bare ring's, "
-                             "DataLoader's prefetch over its workers (default: %(default)s)")
+                             f"DataLoader's prefetch over its workers (default: {systems.IN_FLIGHT}; "
+                             "not with --autotune, which sweeps it)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"),
                         help="directory for results.md, .json and .png, or with --streaming "
-                             "streaming.md and .json (default: bench-results)")
+                             "streaming.md and .json, with --autotune autotune.md, .json and "
+                             ".png (default: bench-results)")
     args = parser.parse_args(argv)
     _check_remote(parser, args)
-    kind = "streaming" if args.streaming else "transport"
-    known = ((STREAM_WORKLOADS, _remote_systems(args.remote) if args.remote else STREAM_SYSTEM_NAMES)
-             if args.streaming else (WORKLOADS, ALL_SYSTEMS))
+    _check_autotune(parser, args)
+    kind = "streaming" if args.streaming else "autotune" if args.autotune else "transport"
+    known: tuple[Mapping[str, object], list[str]] = (
+        (STREAM_WORKLOADS, _remote_systems(args.remote) if args.remote else STREAM_SYSTEM_NAMES)
+        if args.streaming else (autotune.AUTOTUNE_WORKLOADS, []) if args.autotune
+        else (WORKLOADS, ALL_SYSTEMS))
     for option, names, among in (("workloads", args.workloads, known[0]),
                                  ("systems", args.systems, known[1])):
         if names is not None and any(name not in among for name in names):
-            parser.error(f"--{option}: the {kind} benchmark{'' if args.streaming else ' (no --streaming)'} "
-                         f"runs {', '.join(among)}")
+            parser.error(f"--{option}: the {kind} benchmark{' (no --streaming)' * (kind == 'transport')} "
+                         f"runs {', '.join(among) or f'no {option}'}")
     if args.images is not None and (not args.streaming or args.images < 1):
         parser.error("--images: a positive number of images, with --streaming")
     if args.workloads is None:
-        args.workloads = list(STREAM_WORKLOADS) if args.streaming else TRANSPORT_WORKLOADS
+        args.workloads = list(known[0]) if args.streaming or args.autotune else TRANSPORT_WORKLOADS
     if args.systems is None:
         args.systems = list(known[1]) if args.streaming else DEFAULT_SYSTEMS
     return args
@@ -164,6 +190,19 @@ def _check_remote(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(f"--bandwidth {args.bandwidth:g}: MB/s > 0 (leave it out for no cap)")
     if not 0 < args.cache_fraction <= 1:
         parser.error(f"--cache-fraction {args.cache_fraction:g}: a fraction of the set, in (0, 1]")
+
+
+def _check_autotune(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--autotune: a mode of its own, which sweeps the ring; --settle goes with it, and the
+    defaults of --settle and --buffer."""
+    if args.autotune and args.streaming:
+        parser.error("--autotune or --streaming: one mode at a time")
+    if args.autotune and args.buffer is not None:
+        parser.error("--buffer: --autotune sweeps the ring's slots itself")
+    if args.settle is not None and (not args.autotune or args.settle < 0):
+        parser.error("--settle: seconds >= 0, with --autotune")
+    args.settle = autotune.SETTLE_SECONDS if args.settle is None else args.settle
+    args.buffer = systems.IN_FLIGHT if args.buffer is None else args.buffer
 
 
 def _remote_systems(backends: list[str]) -> list[str]:
@@ -222,6 +261,8 @@ def main(argv: list[str]) -> int:
                      if v is not None})
     if args.streaming:
         return streaming_main(args, settings, argv)
+    if args.autotune:
+        return autotune_main(args, settings, argv)
     workloads = [WORKLOADS[name] for name in args.workloads]
     systems.IN_FLIGHT = args.buffer
     if not torch_available():
@@ -318,6 +359,48 @@ def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) ->
              f"{'--keep-shards' if args.shards_dir is None else '--shards-dir ' + shlex.quote(str(root))}"
              f"; delete them with: rm -r {' '.join(shlex.quote(str(f)) for f in folders.values())}")
     _log(f"wrote streaming.{{md, json}} into {args.out} in {time.perf_counter() - began:.0f} s")
+    if warning:
+        _log(warning)
+    return 0
+
+
+def autotune_main(args: argparse.Namespace, settings: dict, argv: list[str]) -> int:
+    """The self-tuning loader against the sweeps and the static rules: the runs, the report."""
+    if importlib.util.find_spec("simplejpeg") is None and "cpu-jpeg" in args.workloads:
+        _log("simplejpeg is not installed: cpu-jpeg skipped (pip install 'shmseq[vision]')")
+        args.workloads = [name for name in args.workloads if name != "cpu-jpeg"]
+    if not args.workloads:
+        _log("nothing left to run")
+        return 1
+    began = time.perf_counter()
+    matrix = autotune.matrix(args.workloads, args.settle, _log)
+    for workload in matrix.workloads:  # built before any clock starts, then inherited by workers
+        image_pool(workload.side)
+        if workload.jpeg:
+            autotune.jpeg_pool()
+    at_start = load.snapshot()
+    runs = run_matrix(matrix.names, matrix.workloads, log=_log, measure=matrix.measure,
+                      runs_on=matrix.runs_on, **settings)
+    facts, warning = _machine_load(at_start, load.snapshot())
+    info = machine()
+    command = shlex.join(["python", "-m", "shmseq.bench", *argv])
+    text = autotune.markdown(runs, matrix, info, settings, command, facts, warning)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "autotune.md").write_text(text)
+    write_json(args.out / "autotune.json", runs, summarize(runs, autotune.AUTOTUNE_WORKLOADS), info,
+               {**settings, "settle_seconds": args.settle, "workloads": args.workloads,
+                "settings": {w: list(found) for w, found in matrix.settings.items()},
+                "picks": matrix.picks, "left_out": matrix.left_out, "load": facts,
+                "warning": warning})
+    written = "md, json"
+    if not autotune.traced(runs, matrix):
+        _log(f"num_workers='{autotune.AUTO}' did not run: no chart of its workers over time")
+    elif autotune.write_chart(args.out / "autotune.png", runs, matrix):
+        written += ", png"
+    else:
+        _log("matplotlib is not installed (pip install 'shmseq[bench]'): no chart")
+    _log(f"wrote autotune.{{{written}}} into {args.out} in {time.perf_counter() - began:.0f} s")
     if warning:
         _log(warning)
     return 0

@@ -42,6 +42,7 @@ import numpy as np
 from shmseq._apps.report import with_spread
 from shmseq.decode import DecodeStage, encoded_sample
 from shmseq.engine.trainer.devices import cuda_available, torch_available
+from shmseq import ShmSequence
 from shmseq.shards import ShardIndex, ShardPlan, ShardSequence, ShardWorker
 from shmseq.vision import IMAGENET_MEAN, IMAGENET_STD
 
@@ -134,7 +135,7 @@ def shard_sequence(shards, workload: ShardWorkload, decode: Callable[[dict], obj
 
 
 @contextmanager
-def started(seq: ShardSequence) -> Iterator[Iterator]:
+def started(seq: ShmSequence) -> Iterator[Iterator]:
     """The sequence's batches, epoch after epoch; finished after the block."""
     try:
         yield systems._epochs(seq.start())
