@@ -3,6 +3,7 @@ its mark, and the limit's rule (the faster of 1 and 2 processes); the streaming 
 mode: its columns, budgets and lines from made-up runs, its parts (windows, servers, PSS) and
 one short run end to end."""
 import contextlib
+import importlib.util
 import itertools
 import json
 import math
@@ -17,11 +18,13 @@ import pytest
 
 from shmseq._apps import load
 from shmseq._apps.report import machine
-from shmseq.bench import limit, memory, remote_streaming, report, runner, streaming, systems
+from shmseq.bench import (autotune, limit, memory, remote_streaming, report, runner, streaming,
+                          systems)
 from shmseq.bench.__main__ import ALL_SYSTEMS, main, parse_args
 from shmseq.bench.memory import pss_bytes, tree_pss_bytes
 from shmseq.bench.runner import LIMIT, Run, run_matrix
 from shmseq.bench.workloads import WORKLOADS
+from shmseq.engine.trainer.stats import LoaderStats
 from shmseq.shards import Shard, ShardIndex
 
 GB = WORKLOADS["imagenet64"].batch_bytes / 1e9
@@ -336,3 +339,131 @@ def test_a_server_in_a_process_of_its_own_counts_what_it_serves(tmp_path):
         with pytest.raises(AttributeError, match="upload"):
             server.upload(tmp_path, "bucket")  # a file server has no buckets
     assert not server.process.is_alive() and server.process.exitcode == 0
+
+
+# -- the autotune mode -------------------------------------------------------------------------------
+def table_rows(text: str, workload: str) -> dict[str, list[str]]:
+    """The autotune table's rows of one workload, by setting."""
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in text.splitlines()
+            if line.startswith(f"| {workload} |")]
+    return {cells[1]: cells for cells in rows}
+
+
+def test_the_autotune_mode_runs_each_workloads_settings_and_reports_them(monkeypatch, tmp_path):
+    """End to end, with short sweeps and windows: every setting of each workload (its sweep,
+    the static rules' picks, the self-tuned one where ShmSequence has it, else a line saying
+    why not) has a row; the lines of what it shows and the JSON's runs say the same."""
+    monkeypatch.setattr(autotune, "WORKER_SWEEP", (1, 2))
+    monkeypatch.setattr(autotune, "RING_SWEEP", (2, 3))
+    main(["--autotune", "--quick", "--workloads", "latency,ring-cifar", "--seconds", "0.1",
+          "--settle", "0.3", "--out", str(tmp_path)])
+    text = (tmp_path / "autotune.md").read_text()
+    matrix = autotune.matrix(["latency", "ring-cifar"], 0.3, lambda line: None)
+    for workload, settings in matrix.settings.items():
+        rows = table_rows(text, workload)
+        assert list(rows) == list(settings)
+        assert sum("best fixed" in cells[2] for cells in rows.values()) == 1
+        assert "torch's default" in rows["num_workers=0"][2]
+        assert rows["num_workers=0"][-2] == "—"  # no ring: built in the trainer's process
+    assert table_rows(text, "ring-cifar")["num_workers=2, buffer=3"][-2] == "3"
+    for line in matrix.left_out:
+        assert line in text
+    assert ("num_workers='auto' not run" in text) == (autotune.auto_refused() is not None)
+    assert (tmp_path / "autotune.png").exists() == (autotune.auto_refused() is None)
+    assert re.search(r"^- ring-cifar: GB/s by ring slots \(2 workers\): 2: [\d.]+, 3: [\d.]+",
+                     text, re.MULTILINE)
+    assert re.search(r"^- latency: torch's default \(num_workers=0\): [\d.]+x the best fixed",
+                     text, re.MULTILINE)
+    document = json.loads((tmp_path / "autotune.json").read_text())
+    assert {(r["workload"], r["system"]) for r in document["runs"]} == {
+        (workload, name) for workload, settings in matrix.settings.items() for name in settings}
+    assert all(isinstance(r["trace"], list) for r in document["runs"])
+
+
+def test_a_self_tuned_loader_is_timed_after_it_settles_and_its_workers_charted(monkeypatch,
+                                                                               tmp_path):
+    """A stand-in for num_workers='auto' (2 workers, which say their count as
+    ``seq.stats.workers`` does): its window starts ``--settle`` seconds after its loader was
+    made, its trace (every 0.5 s) and its workers reach the table, the lines and the chart."""
+    real_loader = autotune.loader
+
+    def loader(workload, setting):
+        return real_loader(workload, autotune.Setting(2) if setting.workers == autotune.AUTO
+                           else setting)
+
+    monkeypatch.setattr(autotune, "auto_refused", lambda: None)
+    monkeypatch.setattr(autotune, "loader", loader)
+    monkeypatch.setattr(LoaderStats, "workers", 2, raising=False)
+    monkeypatch.setattr(autotune, "WORKER_SWEEP", (1,))
+    main(["--autotune", "--quick", "--workloads", "latency", "--seconds", "0.1", "--settle",
+          "1.1", "--out", str(tmp_path)])
+    text = (tmp_path / "autotune.md").read_text()
+    assert table_rows(text, "latency")["num_workers='auto'"][6] == "2 max, 2 last"
+    assert re.search(r"^- latency: num_workers='auto' [\d,.]+ batches/s from 1.1 s after its "
+                     r"start, [\d.]+x the best fixed setting's .*; target >= 0.90x: (met|not met)"
+                     "; 2 workers at most, 2 at the end$", text, re.MULTILINE)
+    auto = next(r for r in json.loads((tmp_path / "autotune.json").read_text())["runs"]
+                if r["system"] == "num_workers='auto'")
+    times = [t for t, workers, rate in auto["trace"]]
+    assert len(times) >= 2 and times == sorted(times) and times[-1] >= 1.0
+    assert all(workers == 2 and rate > 0 for _, workers, rate in auto["trace"])
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "autotune.png").stat().st_size > 0
+
+
+def made_up(matrix: autotune.Matrix, workload: str, rates: dict[str, list[float]],
+            final: int | None = None) -> list[Run]:
+    """Runs of a workload's settings at these batches/s, one a repeat."""
+    return [autotune.TunedRun(name, workload, repeat, rate, 50.0, 0.01, workers_final=final,
+                              workers_max=final)
+            for name, found in rates.items() for repeat, rate in enumerate(found)]
+
+
+def test_the_autotune_lines_hold_each_case_to_its_target():
+    """From made-up runs: auto against the best fixed (0.9x), the trainer-bound case's fewest
+    workers within 2 % of the best, the default ring against the best ring (0.95x)."""
+    auto, ring = autotune.Setting(autotune.AUTO), autotune.Setting(2)
+    fixed = {w: autotune.Setting(w, autotune.in_flight(w)) for w in (1, 2, 4)}
+    slots = {b: autotune.Setting(2, b) for b in (3, 4)}
+    matrix = autotune.Matrix(
+        [autotune.AUTOTUNE_WORKLOADS[name] for name in ("latency", "trainer", "ring-cifar")],
+        {"latency": {s.name: s for s in (*fixed.values(), auto)},
+         "trainer": {s.name: s for s in (*fixed.values(), auto)},
+         "ring-cifar": {s.name: s for s in (*slots.values(), ring)}},
+        {"latency": {}, "trainer": {}, "ring-cifar": {}}, 10.0, [])
+    runs = (made_up(matrix, "latency", {fixed[1].name: [40, 40], fixed[2].name: [80, 80],
+                                        fixed[4].name: [100, 120], auto.name: [95, 105]}, 4)
+            + made_up(matrix, "trainer", {fixed[1].name: [39.5, 39.4], fixed[2].name: [40, 40],
+                                          fixed[4].name: [40, 40], auto.name: [40, 40]}, 2)
+            + made_up(matrix, "ring-cifar", {slots[3].name: [100, 100], slots[4].name: [90, 90],
+                                             ring.name: [90, 90]}))
+    text = autotune.markdown(runs, matrix, machine(), {"repeats": 2, "seconds": 2.0},
+                             "python -m shmseq.bench --autotune", ["idle"])
+    assert ("latency: num_workers='auto' 100.0 (95.0-105.0) batches/s from 10 s after its start, "
+            "0.91x (0.88-0.95) the best fixed setting's (num_workers=4, buffer=10: 110.0 "
+            "(100.0-120.0) batches/s), repeat by repeat; target >= 0.90x: met") in text
+    assert ("trainer: the fewest workers within 2 % of the best fixed rate: 1; num_workers='auto' "
+            "ended with 2 (target: 1)") in text
+    assert "ring-cifar: num_workers=2, buffer=default 90.0 (90.0-90.0) batches/s, 0.90x" in text
+    assert "target >= 0.95x: not met" in text
+    assert table_rows(text, "latency")[fixed[4].name][2] == "best fixed"
+
+
+def test_the_static_rules_pick_as_torch_and_grain_do(monkeypatch):
+    """torch's default is num_workers=0; Grain's rule, as many workers as batches fit in the RAM
+    budget (this machine's RAM here), at most cpu_count(); a fixed setting of W workers keeps
+    2W + 2 slots."""
+    monkeypatch.setattr(autotune, "ram_mb", lambda: 1024)
+    monkeypatch.setattr(autotune.multiprocessing, "cpu_count", lambda: 16)
+    assert autotune.grain_workers(38_535_168) == 16           # 27 batches of 36.75 MiB fit
+    assert autotune.grain_workers(100 * 2**20) == 10
+    assert autotune.grain_workers(2048 * 2**20) == 0
+    assert autotune.in_flight(3) == 8
+    picks = autotune.static_picks(autotune.AUTOTUNE_WORKLOADS["ring-imagenet256"])
+    assert {s.name: who for s, who in picks.items()} == {
+        "num_workers=0": ["torch's default"],
+        "num_workers=2, buffer=6": ["torch, 2 workers: prefetch_factor=2"],
+        "num_workers=16, buffer=34": ["Grain's rule"]}
+    monkeypatch.setattr(autotune, "ram_mb", lambda: 10)
+    picks = autotune.static_picks(autotune.AUTOTUNE_WORKLOADS["ring-imagenet256"])
+    assert picks[autotune.Setting(0)] == ["torch's default", "Grain's rule"]
