@@ -10,4 +10,7 @@ the same tar shards, with its own limit and report) and ``shard_data`` (the JPEG
 shards, written once, and the decoders). ``--streaming --remote``: ``remote_streaming`` (the
 same shards over HTTP and S3 from ``servers``, each in a process of its own: shmseq through its
 shard cache against torch reading in place, with the servers' traffic and ceilings).
+``--autotune``: ``autotune`` (``num_workers='auto'`` and the default ring against sweeps of
+fixed settings, and the static rules of torch's DataLoader and Grain, with a trace of auto's
+workers over time).
 """
