@@ -31,7 +31,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Final, Literal
+from typing import Any, Callable, ContextManager, Final, Iterator, Literal
 
 import numpy as np
 
@@ -177,8 +177,9 @@ STATIC_RULES = (
     "what mp_prefetch hands over (a batch, where batching comes first); each worker keeps "
     "per_worker_buffer_size=1 element, which the rule leaves alone (its buffer size is for "
     "the thread prefetch of single elements). Here ram_budget_mb is this machine's RAM "
-    "({ram} MiB) and cpu_count() {cores}. Both run as fixed settings of 2W + 2 slots for W "
-    "workers.")
+    "({ram} MiB) and cpu_count() {cores}. Both run as fixed settings: ShmSequence with W "
+    "workers and 2W + 2 slots; num_workers=0 as torch runs it, each batch built by the same "
+    "worker in the trainer's thread into fresh arrays.")
 
 
 # -- the workers and the trainer ---------------------------------------------------------------
@@ -197,10 +198,19 @@ def jpeg_pool() -> tuple[dict, ...]:
     return tuple(jpeg_samples(JPEGS))
 
 
+class FreshArrays:
+    """``fill_batch``'s ``out`` outside a loader: fresh arrays, as a dataset returns them."""
+
+    @staticmethod
+    def empty(shape, dtype) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+
 class CostlyWorker(InPlaceWorker):
     """The transport matrix's in-place worker, each batch then costing what its workload says:
     a wait, CPU, or its images decoded from JPEGs (each image's two marker bytes kept, so that
-    ``check_batch`` still tells a torn or misordered batch)."""
+    ``check_batch`` still tells a torn or misordered batch). ``worker[indices]`` builds it into
+    fresh arrays, for the trainer's own thread (``num_workers=0``)."""
 
     def __init__(self, workload: TunedWorkload):
         super().__init__(workload)
@@ -219,6 +229,9 @@ class CostlyWorker(InPlaceWorker):
                 images[row] = image
         return images, labels
 
+    def __getitem__(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.fill_batch(indices, FreshArrays)
+
 
 def loader(workload: TunedWorkload, setting: Setting) -> ShmSequence:
     """ShmSequence as the transport matrix's shmseq-inplace, with the setting's workers and ring."""
@@ -230,8 +243,8 @@ def loader(workload: TunedWorkload, setting: Setting) -> ShmSequence:
 
 class Trace:
     """A run's worker count and the batches/s it delivered, every ``TRACE_SECONDS`` from its
-    loader's start; its most and last worker counts, and its ring's slots. The count is the
-    loader's (``seq.stats.workers``) where it says, else the setting's."""
+    start (made as its loader is); its most and last worker counts, and its ring's slots. The
+    count is the loader's (``seq.stats.workers``) where it says, else the setting's."""
 
     def __init__(self, setting: Setting):
         self.fixed = setting.workers if isinstance(setting.workers, int) else None
@@ -239,13 +252,11 @@ class Trace:
         self.most = self.final = self.fixed
         self.slots: int | None = None
         self.seq: ShmSequence | None = None
-        self.start = self.since = 0.0
+        self.start = self.since = time.perf_counter()
         self.count = 0
 
     def follow(self, seq: ShmSequence) -> ShmSequence:
-        """Trace ``seq``, made now."""
-        self.seq, self.start = seq, time.perf_counter()
-        self.since = self.start
+        self.seq = seq
         return seq
 
     def workers(self) -> int | None:
@@ -354,14 +365,22 @@ class Matrix:
         from ``settle_s`` after its start, with no PSS sampling meanwhile (its CPU would be
         taken from the loader sizing its pool by the CPU it finds free)."""
         setting = self.setting(workload.name, name)
-        trace = Trace(setting)
         tuning = setting.workers == AUTO
-        run = timed_run(name, workload.name, repeat,
-                        lambda: started(trace.follow(loader(workload, setting))),
+        trace = Trace(setting)
+        run = timed_run(name, workload.name, repeat, lambda: running(workload, setting, trace),
                         trainer(workload, trace), seconds, warmup_seconds, EARLY_BATCHES,
                         window_at=self.settle_s if tuning else 0.0,
                         pss_every=None if tuning else SAMPLE_SECONDS)
         return TunedRun(**asdict(run), **trace.figures())
+
+
+def running(workload: TunedWorkload, setting: Setting, trace: Trace) -> ContextManager[Iterator]:
+    """The setting's batches: ShmSequence's, traced; with ``num_workers=0`` built in the
+    trainer's thread, as torch's DataLoader builds them (the transport matrix's ``serial``:
+    ShmSequence's own ``num_workers=0`` also encodes each batch as into a slot, a second copy)."""
+    if setting.workers == 0:
+        return systems.serial(workload, CostlyWorker(workload))
+    return started(trace.follow(loader(workload, setting)))
 
 
 def matrix(names: list[str], settle_s: float, log: Callable[[str], None]) -> Matrix:

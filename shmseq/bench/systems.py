@@ -223,9 +223,10 @@ def stop_processes(processes: list) -> None:
 
 # -- serial ------------------------------------------------------------------------------------
 @contextmanager
-def serial(workload: Workload) -> Iterator[Batches]:
-    """Everything in the consumer's thread: no transport, and no overlap either."""
-    worker = ReturningWorker(workload)
+def serial(workload: Workload, worker=None) -> Iterator[Batches]:
+    """Everything in the consumer's thread: no transport, and no overlap either (``worker``:
+    what builds each batch, ``worker[indices]``; by default the pool's copy into fresh arrays)."""
+    worker = worker or ReturningWorker(workload)
     yield (_to_torch(worker[workload.indices(k)]) for k in itertools.count())
 
 
