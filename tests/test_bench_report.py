@@ -24,7 +24,6 @@ from shmseq.bench.__main__ import ALL_SYSTEMS, main, parse_args
 from shmseq.bench.memory import pss_bytes, tree_pss_bytes
 from shmseq.bench.runner import LIMIT, Run, run_matrix
 from shmseq.bench.workloads import WORKLOADS
-from shmseq.engine.trainer.stats import LoaderStats
 from shmseq.shards import Shard, ShardIndex
 
 GB = WORKLOADS["imagenet64"].batch_bytes / 1e9
@@ -382,18 +381,24 @@ def test_the_autotune_mode_runs_each_workloads_settings_and_reports_them(monkeyp
 
 def test_a_self_tuned_loader_is_timed_after_it_settles_and_its_workers_charted(monkeypatch,
                                                                                tmp_path):
-    """A stand-in for num_workers='auto' (2 workers, which say their count as
-    ``seq.stats.workers`` does): its window starts ``--settle`` seconds after its loader was
-    made, its trace (every 0.5 s) and its workers reach the table, the lines and the chart."""
-    real_loader = autotune.loader
+    """A stand-in for num_workers='auto' (2 workers, which say their count in
+    ``seq.stats.workers``): its window starts ``--settle`` seconds after its loader was made,
+    its trace (every 0.5 s) and its workers reach the table, the lines and the chart."""
+    real_loader, real_started = autotune.loader, autotune.started
 
     def loader(workload, setting):
         return real_loader(workload, autotune.Setting(2) if setting.workers == autotune.AUTO
                            else setting)
 
+    @contextlib.contextmanager
+    def started(seq):
+        with real_started(seq) as batches:
+            seq.stats.workers = 2
+            yield batches
+
     monkeypatch.setattr(autotune, "auto_refused", lambda: None)
     monkeypatch.setattr(autotune, "loader", loader)
-    monkeypatch.setattr(LoaderStats, "workers", 2, raising=False)
+    monkeypatch.setattr(autotune, "started", started)
     monkeypatch.setattr(autotune, "WORKER_SWEEP", (1,))
     main(["--autotune", "--quick", "--workloads", "latency", "--seconds", "0.1", "--settle",
           "1.1", "--out", str(tmp_path)])

@@ -244,7 +244,7 @@ def loader(workload: TunedWorkload, setting: Setting) -> ShmSequence:
 class Trace:
     """A run's worker count and the batches/s it delivered, every ``TRACE_SECONDS`` from its
     start (made as its loader is); its most and last worker counts, and its ring's slots. The
-    count is the loader's (``seq.stats.workers``) where it says, else the setting's."""
+    count is the setting's, or auto's own (``seq.stats.workers``)."""
 
     def __init__(self, setting: Setting):
         self.fixed = setting.workers if isinstance(setting.workers, int) else None
@@ -260,8 +260,10 @@ class Trace:
         return seq
 
     def workers(self) -> int | None:
-        said = None if self.seq is None else getattr(self.seq.stats, "workers", None)
-        return self.fixed if said is None else int(said)
+        if self.fixed is not None or self.seq is None:
+            return self.fixed
+        said = getattr(self.seq.stats, "workers", None)
+        return None if said is None else int(said)
 
     def batch(self) -> None:
         """A batch arrived: the counts as they are now, and a point where one is due."""
