@@ -619,12 +619,12 @@ def _draw(axes, runs: list[Run], best: Cell | None, workload: TunedWorkload,
           settle_s: float) -> None:
     """One workload's panel: each repeat's rate (left axis) and workers (right axis)."""
     counts = axes.twinx()
-    for run in tuned_runs(runs, workload.name, self_tuned(workload).name):
+    for n, run in enumerate(tuned_runs(runs, workload.name, self_tuned(workload).name)):
         axes.plot([t for t, _, _ in run.trace], [rate for _, _, rate in run.trace],
-                  color="tab:blue", alpha=0.7, label=f"batches/s, repeat {run.repeat + 1}")
+                  color="tab:blue", alpha=0.7, label=None if n else "batches/s, each repeat")
         counted = [(t, workers) for t, workers, _ in run.trace if workers is not None]
         counts.step([t for t, _ in counted], [workers for _, workers in counted], where="post",
-                    color="tab:orange", alpha=0.7, label=f"workers, repeat {run.repeat + 1}")
+                    color="tab:orange", alpha=0.7, label=None if n else "workers, each repeat")
     if best is not None:
         axes.axhline(best.batches_per_s, color="black", linestyle="dashed",
                      label=f"best fixed: {best.system}")
@@ -632,6 +632,7 @@ def _draw(axes, runs: list[Run], best: Cell | None, workload: TunedWorkload,
     axes.set_title(f"{workload.name}: num_workers='{AUTO}' over time")
     axes.set_xlabel("seconds since the loader was made")
     axes.set_ylabel("batches/s (every 0.5 s)")
+    axes.set_ylim(bottom=0)
     counts.set_ylabel("workers")
     counts.set_ylim(bottom=0)
     lines, labels = axes.get_legend_handles_labels()
