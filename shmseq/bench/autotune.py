@@ -220,8 +220,10 @@ class CostlyWorker(InPlaceWorker):
 
     def fill_batch(self, indices: np.ndarray, out) -> tuple[np.ndarray, np.ndarray]:
         images, labels = super().fill_batch(indices, out)
-        time.sleep(self.costs.latency_s)
-        spend_cpu(self.costs.cpu_s)
+        if self.costs.latency_s:
+            time.sleep(self.costs.latency_s)
+        if self.costs.cpu_s:
+            spend_cpu(self.costs.cpu_s)
         if self.decode is not None:
             for row, index in enumerate(indices):
                 image, _ = self.decode(self.jpegs[index % len(self.jpegs)])
@@ -357,9 +359,8 @@ class Matrix:
 
     def in_order(self, cells: list[Cell]) -> list[Cell]:
         """The cells by workload and setting, in the order the matrix lists them."""
-        rank = {(workload, name): i for i, (workload, name) in enumerate(
-            (workload, name) for workload, found in self.settings.items() for name in found)}
-        return sorted(cells, key=lambda c: rank[c.workload, c.system])
+        order = [(workload, name) for workload, found in self.settings.items() for name in found]
+        return sorted(cells, key=lambda c: order.index((c.workload, c.system)))
 
     def measure(self, name: str, workload: TunedWorkload, repeat: int, seconds: float,
                 warmup_seconds: float) -> TunedRun:
@@ -403,9 +404,9 @@ def matrix(names: list[str], settle_s: float, log: Callable[[str], None]) -> Mat
     settings, picks = {}, {}
     for workload in workloads:
         tuned = self_tuned(workload)
-        runs = not (refused if tuned.workers == AUTO else fixed_ring)
+        available = refused is None if tuned.workers == AUTO else fixed_ring is None
         found = static_picks(workload)
-        chosen = [*sweep(workload, usable_cores()), *([tuned] * runs), *found]
+        chosen = [*sweep(workload, usable_cores()), *([tuned] if available else []), *found]
         settings[workload.name] = {s.name: s for s in chosen}
         picks[workload.name] = {s.name: who for s, who in found.items()}
     return Matrix(workloads, settings, picks, settle_s, left_out)
