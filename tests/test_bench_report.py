@@ -361,7 +361,7 @@ def test_the_autotune_mode_runs_each_workloads_settings_and_reports_them(monkeyp
     for workload, settings in matrix.settings.items():
         rows = table_rows(text, workload)
         assert list(rows) == list(settings)
-        assert sum("best fixed" in cells[2] for cells in rows.values()) == 1
+        assert sum("best of the sweep" in cells[2] for cells in rows.values()) == 1
         assert "torch's default" in rows["num_workers=0"][2]
         assert rows["num_workers=0"][-2] == "—"  # no ring: built in the trainer's process
     assert table_rows(text, "ring-cifar")["num_workers=2, buffer=3"][-2] == "3"
@@ -371,7 +371,7 @@ def test_the_autotune_mode_runs_each_workloads_settings_and_reports_them(monkeyp
     assert (tmp_path / "autotune.png").exists() == (autotune.auto_refused() is None)
     assert re.search(r"^- ring-cifar: GB/s by ring slots \(2 workers\): 2: [\d.]+, 3: [\d.]+",
                      text, re.MULTILINE)
-    assert re.search(r"^- latency: torch's default \(num_workers=0\): [\d.]+x the best fixed",
+    assert re.search(r"^- latency: torch's default \(num_workers=0\): [\d.]+x the sweep's best",
                      text, re.MULTILINE)
     document = json.loads((tmp_path / "autotune.json").read_text())
     assert {(r["workload"], r["system"]) for r in document["runs"]} == {
@@ -405,7 +405,7 @@ def test_a_self_tuned_loader_is_timed_after_it_settles_and_its_workers_charted(m
     text = (tmp_path / "autotune.md").read_text()
     assert table_rows(text, "latency")["num_workers='auto'"][6] == "2 max, 2 last"
     assert re.search(r"^- latency: num_workers='auto' [\d,.]+ batches/s from 1.1 s after its "
-                     r"start, [\d.]+x the best fixed setting's .*; target >= 0.90x: (met|not met)"
+                     r"start, [\d.]+x the sweep's best .*; target >= 0.90x: (met|not met)"
                      "; 2 workers at most, 2 at the end$", text, re.MULTILINE)
     auto = next(r for r in json.loads((tmp_path / "autotune.json").read_text())["runs"]
                 if r["system"] == "num_workers='auto'")
@@ -416,42 +416,41 @@ def test_a_self_tuned_loader_is_timed_after_it_settles_and_its_workers_charted(m
         assert (tmp_path / "autotune.png").stat().st_size > 0
 
 
-def made_up(matrix: autotune.Matrix, workload: str, rates: dict[str, list[float]],
-            final: int | None = None) -> list[Run]:
-    """Runs of a workload's settings at these batches/s, one a repeat."""
-    return [autotune.TunedRun(name, workload, repeat, rate, 50.0, 0.01, workers_final=final,
-                              workers_max=final)
-            for name, found in rates.items() for repeat, rate in enumerate(found)]
-
-
 def test_the_autotune_lines_hold_each_case_to_its_target():
-    """From made-up runs: auto against the best fixed (0.9x), the trainer-bound case's fewest
-    workers within 2 % of the best, the default ring against the best ring (0.95x)."""
-    auto, ring = autotune.Setting(autotune.AUTO), autotune.Setting(2)
-    fixed = {w: autotune.Setting(w, autotune.in_flight(w)) for w in (1, 2, 4)}
-    slots = {b: autotune.Setting(2, b) for b in (3, 4)}
+    """From made-up runs: auto against the sweep's best (0.9x), the trainer-bound case's fewest
+    workers within 2 % of the best, the default ring against the best ring (0.95x); a static
+    rule's pick outside the sweep is held against it, and may beat it."""
+    auto, ring, inline = autotune.Setting(autotune.AUTO), autotune.Setting(2), autotune.Setting(0)
+    fixed = [autotune.Setting(w, autotune.in_flight(w)) for w in (1, 2, 4)]
+    slots = [autotune.Setting(2, b) for b in (3, 4)]
+    swept = {"latency": fixed, "trainer": fixed, "ring-cifar": slots}
+    tuned = {"latency": auto, "trainer": auto, "ring-cifar": ring}
     matrix = autotune.Matrix(
-        [autotune.AUTOTUNE_WORKLOADS[name] for name in ("latency", "trainer", "ring-cifar")],
-        {"latency": {s.name: s for s in (*fixed.values(), auto)},
-         "trainer": {s.name: s for s in (*fixed.values(), auto)},
-         "ring-cifar": {s.name: s for s in (*slots.values(), ring)}},
-        {"latency": {}, "trainer": {}, "ring-cifar": {}}, 10.0, [])
-    runs = (made_up(matrix, "latency", {fixed[1].name: [40, 40], fixed[2].name: [80, 80],
-                                        fixed[4].name: [100, 120], auto.name: [95, 105]}, 4)
-            + made_up(matrix, "trainer", {fixed[1].name: [39.5, 39.4], fixed[2].name: [40, 40],
-                                          fixed[4].name: [40, 40], auto.name: [40, 40]}, 2)
-            + made_up(matrix, "ring-cifar", {slots[3].name: [100, 100], slots[4].name: [90, 90],
-                                             ring.name: [90, 90]}))
+        [autotune.AUTOTUNE_WORKLOADS[name] for name in swept],
+        {w: {s.name: s for s in (*found, tuned[w], inline)} for w, found in swept.items()},
+        {w: [s.name for s in found] for w, found in swept.items()},
+        {w: {inline.name: ["torch's default"]} for w in swept}, 10.0, [])
+    rates = {"latency": [[40, 40], [80, 80], [100, 120], [95, 105], [30, 30]],
+             "trainer": [[39.5, 39.4], [40, 40], [40, 40], [40, 40], [20, 20]],
+             "ring-cifar": [[100, 100], [90, 90], [90, 90], [120, 120]]}
+    runs = [autotune.TunedRun(name, w, repeat, rate, 50.0, 0.01, workers_final=2, workers_max=4)
+            for w, found in rates.items() for name, pair in zip(matrix.settings[w], found)
+            for repeat, rate in enumerate(pair)]
     text = autotune.markdown(runs, matrix, machine(), {"repeats": 2, "seconds": 2.0},
                              "python -m shmseq.bench --autotune", ["idle"])
     assert ("latency: num_workers='auto' 100.0 (95.0-105.0) batches/s from 10 s after its start, "
-            "0.91x (0.88-0.95) the best fixed setting's (num_workers=4, buffer=10: 110.0 "
-            "(100.0-120.0) batches/s), repeat by repeat; target >= 0.90x: met") in text
-    assert ("trainer: the fewest workers within 2 % of the best fixed rate: 1; num_workers='auto' "
-            "ended with 2 (target: 1)") in text
-    assert "ring-cifar: num_workers=2, buffer=default 90.0 (90.0-90.0) batches/s, 0.90x" in text
+            "0.91x (0.88-0.95) the sweep's best (num_workers=4, buffer=10: 110.0 "
+            "(100.0-120.0) batches/s), repeat by repeat; target >= 0.90x: met; 4 workers at "
+            "most, 2 at the end") in text
+    assert ("trainer: the fewest workers within 2 % of the sweep's best rate: 1; "
+            "num_workers='auto' ended with 2 (target: 1)") in text
+    assert ("ring-cifar: num_workers=2, buffer=default 90.0 (90.0-90.0) batches/s, 0.90x "
+            "(0.90-0.90) the sweep's best (num_workers=2, buffer=3") in text
     assert "target >= 0.95x: not met" in text
-    assert table_rows(text, "latency")[fixed[4].name][2] == "best fixed"
+    assert "ring-cifar: torch's default (num_workers=0): 1.20x (1.20-1.20) the sweep's best" in text
+    assert table_rows(text, "latency")[fixed[2].name][2] == "best of the sweep"
+    assert table_rows(text, "ring-cifar")[inline.name][2:6] == [
+        "torch's default", "120.0 (120.0-120.0)", "0.095", "1.20"]
 
 
 def test_the_static_rules_pick_as_torch_and_grain_do(monkeypatch):

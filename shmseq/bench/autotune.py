@@ -56,7 +56,7 @@ TRACE_SECONDS = 0.5
 EARLY_BATCHES = 10      # timed apart after the first, as runner.timed_run does
 JPEGS = 64              # the photo-like JPEGs the cpu-jpeg workers decode, in turn
 NEAR_BEST = 0.98        # within 2 % of the best: enough workers to keep the ring full
-TARGETS = {"auto": 0.90, "ring": 0.95}  # of the best fixed setting's rate
+TARGETS = {"auto": 0.90, "ring": 0.95}  # of the rate of the sweep's best setting
 GRAIN_RULE = "google/grain: grain/_src/python/dataset/transformations/prefetch_autotune.py"
 
 
@@ -337,11 +337,12 @@ def fixed_default_ring() -> int | None:
 
 @dataclass
 class Matrix:
-    """What runs: each workload's settings and who picks which (by workload, by setting name),
-    auto's window, and why a self-tuned setting was left out."""
+    """What runs: each workload's settings, those of its sweep and who picks which (by
+    workload, by setting name), auto's window, and why a self-tuned setting was left out."""
 
     workloads: list[TunedWorkload]
     settings: dict[str, dict[str, Setting]]
+    swept: dict[str, list[str]]
     picks: dict[str, dict[str, list[str]]]
     settle_s: float
     left_out: list[str]
@@ -401,15 +402,16 @@ def matrix(names: list[str], settle_s: float, log: Callable[[str], None]) -> Mat
     for line in left_out:
         log(line)
     workloads = [AUTOTUNE_WORKLOADS[name] for name in names]
-    settings, picks = {}, {}
+    settings, swept, picks = {}, {}, {}
     for workload in workloads:
         tuned = self_tuned(workload)
         available = refused is None if tuned.workers == AUTO else fixed_ring is None
-        found = static_picks(workload)
-        chosen = [*sweep(workload, usable_cores()), *([tuned] if available else []), *found]
+        fixed, found = sweep(workload, usable_cores()), static_picks(workload)
+        chosen = [*fixed, *([tuned] if available else []), *found]
         settings[workload.name] = {s.name: s for s in chosen}
+        swept[workload.name] = [s.name for s in fixed]
         picks[workload.name] = {s.name: who for s, who in found.items()}
-    return Matrix(workloads, settings, picks, settle_s, left_out)
+    return Matrix(workloads, settings, swept, picks, settle_s, left_out)
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -419,7 +421,8 @@ What the columns mean:
   (min-max). Fixed settings are timed after their first {early} batches and a warm-up;
   num_workers='auto' from {settle:g} s after its loader was made (its start, first batch and
   tuning inside those {settle:g} s).
-- × best: over the rate of the workload's best fixed setting (picked by: "best fixed").
+- × best: over the rate of the best setting of the workload's sweep (picked by: "best of the
+  sweep"); the static rules' picks may beat it.
 - workers: the setting's; auto's, the most it ran and the last (seq.stats.workers).
 - ring slots: the slots of the loader's ring (— for num_workers=0: batches built in the
   trainer's process, no ring).
@@ -443,11 +446,17 @@ def _median(runs: list[TunedRun], figure: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def best_fixed(cells: list[Cell], matrix: Matrix, workload: str) -> Cell | None:
-    """The workload's fastest fixed setting (median batches/s)."""
-    fixed = [c for c in cells
-             if c.workload == workload and not matrix.setting(workload, c.system).tuned]
-    return max(fixed, key=lambda c: c.batches_per_s, default=None)
+def best_swept(cells: list[Cell], matrix: Matrix, workload: str) -> Cell | None:
+    """The fastest setting of the workload's sweep (median batches/s)."""
+    return max((c for _, c in _swept(cells, matrix, workload)), key=lambda c: c.batches_per_s,
+               default=None)
+
+
+def _swept(cells: list[Cell], matrix: Matrix, workload: str) -> list[tuple[Setting, Cell]]:
+    """The settings of a workload's sweep that ran, with their cells, in the sweep's order."""
+    get = {c.system: c for c in cells if c.workload == workload}
+    return [(matrix.setting(workload, name), get[name]) for name in matrix.swept[workload]
+            if name in get]
 
 
 def _workers(runs: list[TunedRun], setting: Setting) -> str:
@@ -463,8 +472,8 @@ def table(runs: list[Run], cells: list[Cell], matrix: Matrix) -> str:
     lines = [f"| workload | setting | picked by | batches/s{spread} | GB/s | × best | workers | "
              "ring slots | first batch s |", "| --- | --- | --- |" + " ---: |" * 6]
     for c in cells:
-        best = best_fixed(cells, matrix, c.workload)
-        picked = matrix.picks[c.workload].get(c.system, []) + ["best fixed"] * (c is best)
+        best = best_swept(cells, matrix, c.workload)
+        picked = matrix.picks[c.workload].get(c.system, []) + ["best of the sweep"] * (c is best)
         found = tuned_runs(runs, c.workload, c.system)
         of_best = None if best is None else c.batches_per_s / best.batches_per_s
         lines.append(f"| {c.workload} | {c.system} | {', '.join(picked)} | {batches_rate(c)} | "
@@ -488,15 +497,15 @@ def _against(target: float, ratios: list[float]) -> str:
 
 def tuned_line(runs: list[Run], get: dict[str, Cell], best: Cell, workload: TunedWorkload,
                settle_s: float) -> str:
-    """The self-tuned setting against the best fixed one, and the target it is held to."""
+    """The self-tuned setting against the sweep's best, and the target it is held to."""
     name = self_tuned(workload).name
     best_said = f"{best.system}: {batches_rate(best)} batches/s"
     if name not in get:
-        return f"{workload.name}: {name} not run (see above); the best fixed setting: {best_said}"
+        return f"{workload.name}: {name} not run (see above); the sweep's best: {best_said}"
     ratios = _rates(runs, workload.name, name, best.system)
     since = f" from {settle_s:g} s after its start" if workload.case != "ring" else ""
     return (f"{workload.name}: {name} {batches_rate(get[name])} batches/s{since}, "
-            f"{_ratio(ratios)} the best fixed setting's ({best_said}), repeat by repeat; "
+            f"{_ratio(ratios)} the sweep's best ({best_said}), repeat by repeat; "
             f"{_against(TARGETS['ring' if workload.case == 'ring' else 'auto'], ratios)}"
             f"{_tuned_detail(workload, tuned_runs(runs, workload.name, name))}")
 
@@ -513,16 +522,10 @@ def _tuned_detail(workload: TunedWorkload, found: list[TunedRun]) -> str:
     return detail
 
 
-def _fixed(cells: list[Cell], matrix: Matrix, workload: str) -> list[tuple[Setting, Cell]]:
-    """The swept settings of a workload, with their cells, in the sweep's order."""
-    found = [(matrix.setting(workload, c.system), c) for c in cells if c.workload == workload]
-    return [(s, c) for s, c in found if not s.tuned and s.workers != 0]
-
-
 def sweep_line(cells: list[Cell], matrix: Matrix, workload: TunedWorkload) -> str:
     """Each swept setting's rate: GB/s by ring slots (to calibrate the default ring), or
     batches/s by workers."""
-    swept = _fixed(cells, matrix, workload.name)
+    swept = _swept(cells, matrix, workload.name)
     if workload.case == "ring":
         return (f"{workload.name}: GB/s by ring slots ({RING_WORKERS} workers): "
                 + ", ".join(f"{s.buffer}: {c.gb_per_s:.2f}" for s, c in swept))
@@ -534,29 +537,29 @@ def fewest_line(runs: list[Run], cells: list[Cell], matrix: Matrix, best: Cell,
                 workload: TunedWorkload) -> str:
     """Trainer-bound: the fewest workers whose rate is within 2 % of the best, and auto's
     count at the end (its target)."""
-    near = [s.workers for s, c in _fixed(cells, matrix, workload.name)
+    near = [s.workers for s, c in _swept(cells, matrix, workload.name)
             if c.batches_per_s >= NEAR_BEST * best.batches_per_s]
     name = self_tuned(workload).name
     found = tuned_runs(runs, workload.name, name)
     ended = (f"{name} ended with {_fmt(_median(found, 'workers_final'), '.0f')}" if found
              else f"{name} not run")
     return (f"{workload.name}: the fewest workers within {100 * (1 - NEAR_BEST):.0f} % of the "
-            f"best fixed rate: {min(near)}; {ended} (target: {min(near)})")
+            f"sweep's best rate: {min(near)}; {ended} (target: {min(near)})")
 
 
 def static_line(runs: list[Run], matrix: Matrix, best: Cell, workload: str) -> str | None:
-    """What the static rules pick on a workload, and how it fares against the best fixed."""
+    """What the static rules pick on a workload, and how it fares against the sweep's best."""
     if not matrix.picks[workload]:
         return None
     return f"{workload}: " + "; ".join(
         f"{' and '.join(who)} ({name}): {_ratio(_rates(runs, workload, name, best.system))} "
-        "the best fixed" for name, who in matrix.picks[workload].items())
+        "the sweep's best" for name, who in matrix.picks[workload].items())
 
 
 def highlights(runs: list[Run], cells: list[Cell], matrix: Matrix) -> list[str]:
     found: list[str | None] = []
     for workload in matrix.workloads:
-        best = best_fixed(cells, matrix, workload.name)
+        best = best_swept(cells, matrix, workload.name)
         if best is None:
             continue
         get = {c.system: c for c in cells if c.workload == workload.name}
@@ -595,7 +598,7 @@ def traced(runs: list[Run], matrix: Matrix) -> list[TunedWorkload]:
 
 
 def write_chart(path: Path, runs: list[Run], matrix: Matrix) -> bool:
-    """auto's worker count and batches/s over time, a panel a workload, its best fixed rate
+    """auto's worker count and batches/s over time, a panel a workload, its sweep's best rate
     and the start of its window marked; False where matplotlib is missing."""
     try:
         import matplotlib
@@ -609,7 +612,7 @@ def write_chart(path: Path, runs: list[Run], matrix: Matrix) -> bool:
     figure, panels = pyplot.subplots(len(workloads), 1, figsize=(9, 3.2 * len(workloads)),
                                      squeeze=False)
     for axes, workload in zip(panels[:, 0], workloads):
-        _draw(axes, runs, best_fixed(cells, matrix, workload.name), workload, matrix.settle_s)
+        _draw(axes, runs, best_swept(cells, matrix, workload.name), workload, matrix.settle_s)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     pyplot.close(figure)
@@ -628,7 +631,7 @@ def _draw(axes, runs: list[Run], best: Cell | None, workload: TunedWorkload,
                     color="tab:orange", alpha=0.7, label=None if n else "workers, each repeat")
     if best is not None:
         axes.axhline(best.batches_per_s, color="black", linestyle="dashed",
-                     label=f"best fixed: {best.system}")
+                     label=f"the sweep's best: {best.system}")
     axes.axvline(settle_s, color="grey", linestyle="dotted", label="timed window starts")
     axes.set_title(f"{workload.name}: num_workers='{AUTO}' over time")
     axes.set_xlabel("seconds since the loader was made")
