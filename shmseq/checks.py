@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Collection
 
 import numpy as np
 
@@ -13,12 +14,12 @@ from .engine.trainer.devices import OUT_TYPES
 MAX_TIMEOUT = 2_147_483  # seconds: the most select() takes (a 32-bit count of milliseconds)
 
 
-def _given(value) -> str:
+def _given(value: object) -> str:
     """The value as an error shows it, with its type's name (a "64" that is a string)."""
     return f"{value!r} ({type(value).__name__})"
 
 
-def check_int(name: str, value, minimum: int, *, optional: bool = False) -> None:
+def check_int(name: str, value: object, minimum: int, *, optional: bool = False) -> None:
     if optional and value is None:
         return
     wanted = f"{name} must be an integer >= {minimum}{' or None' if optional else ''}"
@@ -28,26 +29,26 @@ def check_int(name: str, value, minimum: int, *, optional: bool = False) -> None
         raise ValueError(f"{wanted}, got {value!r}")
 
 
-def check_bool(name: str, value, *, optional: bool = False) -> None:
+def check_bool(name: str, value: object, *, optional: bool = False) -> None:
     """A flag: True or False (numpy's too), not a value that is merely truthy ('no' is)."""
     if not (isinstance(value, (bool, np.bool_)) or (optional and value is None)):
         raise TypeError(f"{name} must be True or False{' or None' if optional else ''}, "
                         f"got {_given(value)}")
 
 
-def check_choice(name: str, value, choices) -> None:
+def check_choice(name: str, value: object, choices: Collection[object]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
-def check_out_type(out_type) -> None:
+def check_out_type(out_type: object) -> None:
     if not isinstance(out_type, str) or not (
             out_type in OUT_TYPES or (out_type.startswith("cuda:") and out_type[5:].isdigit())):
         raise ValueError(f"out_type must be 'null' (numpy), 'cpu' (torch), 'cuda' or 'cuda:N', "
                          f"got {out_type!r}")
 
 
-def check_timeout(timeout) -> float | None:
+def check_timeout(timeout: object) -> float | None:
     """Seconds to wait for a batch; None (given as None or inf): as long as it takes."""
     if timeout is None or (isinstance(timeout, numbers.Real) and timeout == math.inf):
         return None
@@ -55,12 +56,12 @@ def check_timeout(timeout) -> float | None:
               "to wait as long as it takes")
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"{wanted}, got {_given(timeout)}")
-    if not 0 < timeout <= MAX_TIMEOUT:
+    if timeout <= 0 or not timeout <= MAX_TIMEOUT:  # numbers.Real declares only < and <=; NaN fails
         raise ValueError(f"{wanted}, got {timeout!r}")
     return float(timeout)
 
 
-def check_worker(worker) -> None:
+def check_worker(worker: object) -> None:
     if not (hasattr(worker, "__getitem__") or hasattr(worker, "fill_batch")):
         raise TypeError(f"worker must be a class or an object with __getitem__(indices) "
                         f"(or fill_batch(indices, out)), got {worker!r}")

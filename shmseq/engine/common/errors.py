@@ -18,7 +18,8 @@ class WorkerError(ShmSeqError):
     own type."""
 
     def __init__(self, message: str, *, exc_type: str = "", exc_message: str = "",
-                 worker_traceback: str = "", batch_indices=None, batch_number: int | None = None):
+                 worker_traceback: str = "", batch_indices: object = None,
+                 batch_number: int | None = None) -> None:
         super().__init__(message)
         self.exc_type = exc_type
         self.exc_message = exc_message
@@ -30,7 +31,8 @@ class WorkerError(ShmSeqError):
 class WorkerDied(ShmSeqError):
     """A worker process ended without being asked to (killed, crashed, exited)."""
 
-    def __init__(self, message: str, *, pid: int | None = None, exitcode: int | None = None):
+    def __init__(self, message: str, *, pid: int | None = None,
+                 exitcode: int | None = None) -> None:
         super().__init__(message)
         self.pid = pid
         self.exitcode = exitcode
@@ -61,11 +63,11 @@ def add_note(exc: BaseException, note: str) -> None:
     """``exc.add_note(note)``; on Python 3.10, which has no notes, kept in ``__notes__`` only."""
     if hasattr(exc, "add_note"):
         exc.add_note(note)
-    else:
-        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+    else:  # the type ignored: 3.10's BaseException declares no __notes__
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
-def raised_in_worker(described: tuple, *, what: str, batch_indices=None,
+def raised_in_worker(described: tuple, *, what: str, batch_indices: object = None,
                      batch_number: int | None = None) -> BaseException:
     """The exception to raise in the consumer for one a worker raised: the worker's own, of its
     own type (an ``except KeyError`` catches it, as it would without workers), its cause a
@@ -108,6 +110,7 @@ def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
     import os
     import sys
     import sysconfig
+    import types
     import warnings
 
     paths = sysconfig.get_paths()
@@ -118,7 +121,8 @@ def warn_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
         return filename.startswith(package) or (
             filename.startswith(paths["stdlib"]) and not filename.startswith(installed))
 
-    frame, level = sys._getframe(1), 2
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 2
     while frame is not None and passed_over(frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)

@@ -25,12 +25,16 @@ import pickle
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, TypeGuard
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .errors import UnsupportedBatch
-from .ragged import Ragged, copied, is_jagged, is_tensor, make_leaf, map_ragged
+from .ragged import ArrayOrTensor, Ragged, copied, is_jagged, is_tensor, make_leaf, map_ragged
+
+if TYPE_CHECKING:
+    import torch
 
 ALIGN = 64
 PAGE = 4096
@@ -47,7 +51,7 @@ _BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}  # carries a dtype nump
 class SlotOverflow(Exception):
     """The batch needs ``needed`` bytes, more than the slot holds."""
 
-    def __init__(self, needed: int):
+    def __init__(self, needed: int) -> None:
         super().__init__(needed)
         self.needed = needed
 
@@ -75,12 +79,12 @@ class SlotAllocator:
     batch is copied into its slot, or takes the overflow path.
     """
 
-    def __init__(self, region: np.ndarray | None):
+    def __init__(self, region: np.ndarray | None) -> None:
         self.region = region
         self.used = PAYLOAD_START
         self.placed: dict[int, tuple[np.ndarray, int]] = {}  # id -> (array, offset in region)
 
-    def empty(self, shape, dtype) -> np.ndarray:
+    def empty(self, shape: int | Iterable[int], dtype: DTypeLike) -> np.ndarray:
         """An uninitialised C-contiguous array, inside the slot when it fits."""
         dtype = np.dtype(dtype)
         shape = tuple(shape) if np.iterable(shape) else (int(shape),)
@@ -93,7 +97,7 @@ class SlotAllocator:
         self.used = offset + nbytes
         return array
 
-    def zeros(self, shape, dtype) -> np.ndarray:
+    def zeros(self, shape: int | Iterable[int], dtype: DTypeLike) -> np.ndarray:
         array = self.empty(shape, dtype)
         array.fill(0)
         return array
@@ -124,7 +128,7 @@ def stack_into(arrays: list[np.ndarray], out: SlotAllocator) -> np.ndarray:
 
 @dataclass
 class _Packed:
-    copies: list        # (array, offset) still to write
+    copies: list[tuple[np.ndarray, int]]  # (array, offset) still to write
     header: bytes
     header_offset: int
 
@@ -144,12 +148,12 @@ def _in_place_offset(array: np.ndarray, region: np.ndarray | None) -> int | None
     return None
 
 
-def _is_dense_tensor(obj) -> bool:
+def _is_dense_tensor(obj: object) -> TypeGuard[torch.Tensor]:
     """A tensor whose elements lie in one strided buffer (not sparse, not nested)."""
     return is_tensor(obj) and obj.layout is sys.modules["torch"].strided and not obj.is_nested
 
 
-def _plain_array(obj) -> bool:
+def _plain_array(obj: object) -> TypeGuard[np.ndarray]:
     """An ndarray (or a subclass that is only a view of memory, such as a memmap) of values,
     placed in the slot as it is: not a masked array, whose mask would be lost, nor an array of
     Python objects."""
@@ -157,7 +161,7 @@ def _plain_array(obj) -> bool:
         not obj.dtype.hasobject
 
 
-def tensor_bits(tensor) -> tuple[np.ndarray, str | None]:
+def tensor_bits(tensor: torch.Tensor) -> tuple[np.ndarray, str | None]:
     """A dense tensor's data as numpy, without a copy when on the CPU; a dtype numpy lacks
     (bfloat16, float8, complex32) as its bits, with the dtype's name to restore it."""
     tensor = tensor.detach().cpu()
@@ -169,7 +173,7 @@ def tensor_bits(tensor) -> tuple[np.ndarray, str | None]:
         return tensor.view(bits).numpy(), str(tensor.dtype).removeprefix("torch.")
 
 
-def as_ndarray(obj) -> np.ndarray | None:
+def as_ndarray(obj: object) -> np.ndarray | None:
     """``obj`` as a numpy array if it is one, or a dense torch tensor of a dtype numpy has."""
     if _is_dense_tensor(obj):
         array, torch_dtype = tensor_bits(obj)
@@ -183,7 +187,7 @@ class _Unplaceable(Exception):
     """Part of a batch cannot travel in a slot: ``reason`` names it ``{where}``, the path to it
     (gathered on the way out, so that batches that do travel pay nothing for it)."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
         self.keys: list[str] = []
@@ -193,13 +197,14 @@ class _Unplaceable(Exception):
 
 
 class _Packer:
-    def __init__(self, region: np.ndarray | None, start: int, placed: dict):
+    def __init__(self, region: np.ndarray | None, start: int,
+                 placed: dict[int, tuple[np.ndarray, int]]) -> None:
         self.region = region
         self.cursor = start
-        self.copies: list = []
+        self.copies: list[tuple[np.ndarray, int]] = []
         self.placed = placed
 
-    def skeleton(self, obj):
+    def skeleton(self, obj: Any) -> tuple:  # Any: dispatched on type(obj), which mypy does not narrow
         kind = type(obj)
         if kind is np.ndarray and not obj.dtype.hasobject:  # the common leaf first
             return self.array(obj, None)
@@ -223,7 +228,8 @@ class _Packer:
             return self.ragged(Ragged(obj.values(), obj.offsets()))
         return self.pickled(obj)
 
-    def children(self, items, show=str) -> tuple:
+    def children(self, items: Iterable[tuple[Any, object]],
+                 show: Callable[[Any], str] = str) -> tuple:
         skeletons = []
         for key, value in items:
             try:
@@ -233,7 +239,7 @@ class _Packer:
                 raise
         return tuple(skeletons)
 
-    def array(self, array: np.ndarray, torch_dtype: str | None):
+    def array(self, array: np.ndarray, torch_dtype: str | None) -> tuple:
         placed = self.placed.get(id(array))
         offset = placed[1] if placed is not None and placed[0] is array else \
             _in_place_offset(array, self.region)
@@ -243,7 +249,7 @@ class _Packer:
             self.copies.append((array, offset))
         return (_ARRAY, _described(array.dtype), array.shape, offset, torch_dtype)
 
-    def ragged(self, leaf: Ragged):
+    def ragged(self, leaf: Ragged) -> tuple:
         """One values array (the items back to back, each copied once) and int64 offsets."""
         if leaf.items is None:
             values = self.array(*_bits(leaf.values))
@@ -252,7 +258,7 @@ class _Packer:
             values, offsets = self.items(leaf.items), leaf.offsets
         return (_RAGGED, values, self.array(offsets, None))
 
-    def items(self, items: list):
+    def items(self, items: list[ArrayOrTensor]) -> tuple:
         """A values node whose rows are ``items``, each written straight to its place."""
         parts = [_bits(item) for item in items] or [(np.empty(0, np.uint8), None)]
         first, torch_dtype = parts[0]
@@ -265,7 +271,7 @@ class _Packer:
             at += array.nbytes
         return (_ARRAY, _described(first.dtype), (rows, *first.shape[1:]), offset, torch_dtype)
 
-    def pickled(self, obj):
+    def pickled(self, obj: object) -> tuple:
         """An object the skeleton has no node for: pickled whole, the plain arrays and dense
         tensors in it placed in the slot (``_SlotPickler``)."""
         pickler = _SlotPickler(io.BytesIO(), self)
@@ -280,7 +286,7 @@ class _Packer:
         return (_PICKLED, pickler.getvalue(), tuple(pickler.arrays))
 
 
-def _described(dtype: np.dtype):
+def _described(dtype: np.dtype) -> str | np.dtype:
     """A dtype as the skeleton keeps it: its short string, or the dtype itself where that
     string would lose its fields (records) or subarray shape."""
     return dtype.str if dtype.fields is None and dtype.subdtype is None else dtype
@@ -292,7 +298,7 @@ def _holds_objects(leaf: Ragged) -> bool:
     return not is_tensor(first) and np.asarray(first).dtype.hasobject
 
 
-def _bits(obj) -> tuple[np.ndarray, str | None]:
+def _bits(obj: ArrayOrTensor) -> tuple[np.ndarray, str | None]:
     """An array or dense tensor as numpy (see ``tensor_bits``)."""
     return tensor_bits(obj) if is_tensor(obj) else (np.asarray(obj), None)
 
@@ -311,13 +317,13 @@ class _SlotPickler(pickle.Pickler):
     """Pickles an object but places the plain arrays and dense tensors in it in the slot: each
     is pickled as its array node, and read back as a view (``_SlotUnpickler``)."""
 
-    def __init__(self, file: io.BytesIO, packer: _Packer):
+    def __init__(self, file: io.BytesIO, packer: _Packer) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.file = file
         self.packer = packer
-        self.arrays: list = []
+        self.arrays: list[tuple] = []
 
-    def persistent_id(self, obj):
+    def persistent_id(self, obj: object) -> tuple | None:
         if _plain_array(obj):
             node = self.packer.array(obj, None)
         elif _is_dense_tensor(obj):
@@ -332,16 +338,16 @@ class _SlotPickler(pickle.Pickler):
 
 
 class _SlotUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, region: np.ndarray, wrap):
+    def __init__(self, data: bytes, region: np.ndarray, wrap: Wrap | None) -> None:
         super().__init__(io.BytesIO(data))
         self.region = region
         self.wrap = wrap
 
-    def persistent_load(self, node):
+    def persistent_load(self, node: tuple) -> object:
         _, dtype, shape, offset, torch_dtype = node
         return _array_builder(np.dtype(dtype), shape, offset, torch_dtype, self.wrap)(self.region)
 
-    def load(self):
+    def load(self) -> object:
         try:
             return super().load()
         finally:
@@ -357,7 +363,7 @@ def _validate_sparse_tensors() -> None:
         validate()
 
 
-def _pack(batch, region: np.ndarray | None, start: int, placed: dict) -> _Packed:
+def _pack(batch: object, region: np.ndarray | None, start: int, placed: dict) -> _Packed:
     packer = _Packer(region, start, placed)
     try:
         skeleton = packer.skeleton(batch)
@@ -378,10 +384,11 @@ def _emit(packed: _Packed, region: np.ndarray) -> None:
         np.copyto(target, array, casting="no")
     end = packed.header_offset + len(packed.header)
     region[packed.header_offset:end] = np.frombuffer(packed.header, np.uint8)
-    _PREFIX.pack_into(region, 0, packed.header_offset, len(packed.header))
+    # the types ignored here and in batch_reader: numpy declares the buffer protocol from 3.12 on
+    _PREFIX.pack_into(region, 0, packed.header_offset, len(packed.header))  # type: ignore[arg-type]
 
 
-def write_batch(batch, region: np.ndarray, allocator: SlotAllocator | None = None) -> int:
+def write_batch(batch: object, region: np.ndarray, allocator: SlotAllocator | None = None) -> int:
     """Write ``batch`` into ``region``; the bytes used, or ``SlotOverflow``.
 
     Arrays that ``allocator`` placed in the region stay where they are.
@@ -396,12 +403,12 @@ def write_batch(batch, region: np.ndarray, allocator: SlotAllocator | None = Non
     return packed.size
 
 
-def packed_size(batch) -> int:
+def packed_size(batch: object) -> int:
     """The bytes ``batch`` takes in a slot (nothing is copied)."""
     return _pack(batch, None, PAYLOAD_START, {}).size
 
 
-def encode_batch(batch) -> np.ndarray:
+def encode_batch(batch: object) -> np.ndarray:
     """The batch in slot format in a buffer of its own (the overflow path)."""
     packed = _pack(batch, None, PAYLOAD_START, {})
     buffer = np.empty(packed.size, np.uint8)
@@ -425,7 +432,7 @@ def batch_reader(region: np.ndarray, wrap: Wrap | None = None) -> BatchReader:
     """The reader of the batch in ``region``: batches of one shape share a header, so the
     header is unpickled and compiled once, not for every batch. ``wrap(dtype)`` says, once
     per array of the layout, what its views become (a torch tensor, say); None: views."""
-    header_offset, header_length = _PREFIX.unpack_from(region, 0)
+    header_offset, header_length = _PREFIX.unpack_from(region, 0)  # type: ignore[arg-type]
     key = (region[header_offset:header_offset + header_length].tobytes(), wrap)
     reader = _READERS.get(key)
     if reader is None:
@@ -438,13 +445,13 @@ def batch_reader(region: np.ndarray, wrap: Wrap | None = None) -> BatchReader:
     return reader
 
 
-def read_batch(region: np.ndarray, wrap: Wrap | None = None):
+def read_batch(region: np.ndarray, wrap: Wrap | None = None) -> object:
     """The batch stored in ``region``, its arrays views of ``region`` (no copy), made leaves
     by ``wrap`` when given (see ``batch_reader``)."""
     return batch_reader(region, wrap).build(region)
 
 
-def _arrays_of(node) -> list:
+def _arrays_of(node: tuple) -> list[tuple]:
     tag = node[0]
     if tag == _ARRAY:
         return [node]
@@ -459,11 +466,11 @@ def _arrays_of(node) -> list:
     return []
 
 
-def _nbytes(node) -> int:
+def _nbytes(node: tuple) -> int:
     return int(np.prod(node[2], dtype=np.int64)) * np.dtype(node[1]).itemsize
 
 
-def _compile(node, wrap: Wrap | None) -> Callable:
+def _compile(node: tuple, wrap: Wrap | None) -> Callable[[np.ndarray], object]:
     """A function ``region -> part of the batch`` for a skeleton node."""
     tag = node[0]
     if tag == _ARRAY:
@@ -486,7 +493,7 @@ def _compile(node, wrap: Wrap | None) -> Callable:
 
 
 def _array_builder(dtype: np.dtype, shape: tuple, offset: int, torch_dtype: str | None,
-                   wrap: Wrap | None):
+                   wrap: Wrap | None) -> Callable[[np.ndarray], object]:
     ndarray = np.ndarray
     if torch_dtype is not None:
         return lambda region: _restored_tensor(ndarray(shape, dtype, region, offset), torch_dtype)
@@ -496,17 +503,18 @@ def _array_builder(dtype: np.dtype, shape: tuple, offset: int, torch_dtype: str 
     return lambda region: make(ndarray(shape, dtype, region, offset))
 
 
-def _restored_tensor(bits: np.ndarray, torch_dtype: str):
+def _restored_tensor(bits: np.ndarray, torch_dtype: str) -> torch.Tensor:
     """A tensor of a dtype numpy lacks, from its bits (a view of them: no copy)."""
     import torch
     return torch.from_numpy(bits).view(getattr(torch, torch_dtype))
 
 
-def _is_namedtuple(obj) -> bool:
+def _is_namedtuple(obj: object) -> bool:
     return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
 
 
-def map_arrays(batch, function, leaf_type=np.ndarray):
+def map_arrays(batch: object, function: Callable[[Any], object],
+               leaf_type: type | tuple[type, ...] = np.ndarray) -> object:
     """Apply ``function`` to every array (``leaf_type``) of a batch, keeping its nesting; a
     ragged leaf's values and offsets are two such arrays."""
     if isinstance(batch, Ragged) or is_jagged(batch):
@@ -515,7 +523,8 @@ def map_arrays(batch, function, leaf_type=np.ndarray):
         return function(batch)
     if isinstance(batch, tuple):
         items = [map_arrays(item, function, leaf_type) for item in batch]
-        return type(batch)(*items) if _is_namedtuple(batch) else tuple(items)
+        # the type ignored: a namedtuple's class takes its fields, not tuple's one iterable
+        return type(batch)(*items) if _is_namedtuple(batch) else tuple(items)  # type: ignore[arg-type]
     if isinstance(batch, list):
         return [map_arrays(item, function, leaf_type) for item in batch]
     if isinstance(batch, dict):
@@ -523,9 +532,9 @@ def map_arrays(batch, function, leaf_type=np.ndarray):
     return batch
 
 
-def iter_arrays(batch, leaf_type=np.ndarray):
+def iter_arrays(batch: object, leaf_type: type | tuple[type, ...] = np.ndarray) -> list:
     """The arrays (``leaf_type``) of a batch, in ``map_arrays`` order."""
-    found = []
+    found: list = []
     map_arrays(batch, found.append, leaf_type)
     return found
 

@@ -15,9 +15,14 @@ Item ``i`` is ``values[offsets[i]:offsets[i + 1]]``; every item has the trailing
 from __future__ import annotations
 
 import sys
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeGuard
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+ArrayOrTensor = Any  # a numpy array or a torch tensor, used alike (torch is imported only if loaded)
 
 
 class Ragged:
@@ -30,10 +35,10 @@ class Ragged:
 
     __slots__ = ("_values", "offsets", "_items")
 
-    def __init__(self, values, offsets):
+    def __init__(self, values: ArrayOrTensor | None, offsets: ArrayOrTensor) -> None:
         self._values = values
         self.offsets = offsets
-        self._items: list | None = None
+        self._items: list[ArrayOrTensor] | None = None
 
     @classmethod
     def from_items(cls, items: Sequence) -> "Ragged":
@@ -49,14 +54,15 @@ class Ragged:
         return ragged
 
     @property
-    def values(self):
+    def values(self) -> ArrayOrTensor:
         """The items one after the other (concatenated on first use for ``from_items``)."""
         if self._values is None:
+            assert self._items is not None  # made by from_items
             self._values = _concatenated(self._items)
         return self._values
 
     @property
-    def items(self) -> list | None:
+    def items(self) -> list[ArrayOrTensor] | None:
         """The items given to ``from_items`` (not yet concatenated), else None."""
         return self._items
 
@@ -72,7 +78,7 @@ class Ragged:
         """A ragged leaf of its own memory (a delivered one is views of its slot)."""
         return Ragged(copied(self.values), copied(self.offsets))
 
-    def __getitem__(self, number: int):
+    def __getitem__(self, number: int) -> ArrayOrTensor:
         count = len(self)
         if not -count <= number < count:
             raise IndexError(f"item {number} of a Ragged of {count} items")
@@ -81,7 +87,7 @@ class Ragged:
             return self._items[number]
         return self.values[int(self.offsets[number]):int(self.offsets[number + 1])]
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[ArrayOrTensor]:
         return (self[number] for number in range(len(self)))
 
     def __repr__(self) -> str:
@@ -90,7 +96,7 @@ class Ragged:
                 f"{tuple(values.shape[1:])}, {values.shape[0]} rows)")
 
 
-def as_item(item, number: int = 0):
+def as_item(item: object, number: int = 0) -> ArrayOrTensor:
     """An item as an array or tensor of at least one dimension (``bytes`` as ``uint8``)."""
     if isinstance(item, (bytes, bytearray, memoryview)):
         return np.frombuffer(item, np.uint8)
@@ -102,7 +108,7 @@ def as_item(item, number: int = 0):
     return item
 
 
-def _check_alike(arrays: list) -> None:
+def _check_alike(arrays: list[ArrayOrTensor]) -> None:
     if not arrays:
         return
     first = arrays[0]
@@ -114,7 +120,7 @@ def _check_alike(arrays: list) -> None:
                 f"{tuple(array.shape)} (only the first dimension may differ)")
 
 
-def _concatenated(items: list):
+def _concatenated(items: list[ArrayOrTensor]) -> ArrayOrTensor:
     if items and is_tensor(items[0]):
         return sys.modules["torch"].cat(items)
     if not items:
@@ -122,26 +128,27 @@ def _concatenated(items: list):
     return np.concatenate(items)
 
 
-def copied(array):
+def copied(array: ArrayOrTensor) -> ArrayOrTensor:
     """A copy of an array or tensor."""
     return array.clone() if is_tensor(array) else array.copy()
 
 
-def is_tensor(obj) -> bool:
+def is_tensor(obj: object) -> TypeGuard[torch.Tensor]:
     """A torch tensor, asked without importing torch (numpy-only runs never load it)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
-def is_jagged(obj) -> bool:
+def is_jagged(obj: object) -> bool:
     """A torch nested tensor of the jagged layout, its items back to back in ``values()``."""
     if not is_tensor(obj) or not obj.is_nested:
         return False
     torch = sys.modules["torch"]
-    return obj.layout is torch.jagged and obj.lengths() is None
+    # the type ignored: a nested tensor's method, which torch's stubs lack
+    return obj.layout is torch.jagged and obj.lengths() is None  # type: ignore[attr-defined]
 
 
-def make_leaf(values, offsets):
+def make_leaf(values: ArrayOrTensor, offsets: ArrayOrTensor) -> Ragged | torch.Tensor:
     """What the consumer gets for a ragged leaf: a jagged tensor over tensors, else a
     ``Ragged`` (numpy views, or tensors of a dtype torch cannot nest)."""
     if is_tensor(values) and is_tensor(offsets):
@@ -153,7 +160,8 @@ def make_leaf(values, offsets):
     return Ragged(values, offsets)
 
 
-def map_ragged(leaf, function):
+def map_ragged(leaf: Ragged | ArrayOrTensor,
+               function: Callable[[ArrayOrTensor], ArrayOrTensor]) -> Ragged | torch.Tensor:
     """``function`` applied to a ragged leaf's values and offsets, the leaf rebuilt."""
     if isinstance(leaf, Ragged):
         return make_leaf(function(leaf.values), function(leaf.offsets))

@@ -33,7 +33,7 @@ _READ_BYTES = 1 << 16
 _new = tuple.__new__  # a message made from its fields, as NamedTuple's _make but without its checks
 
 Message = ToWorker | FromWorker
-_KINDS = (Build, Rebuild, MapRing, Place, TakeWorker, Stop,
+_KINDS: tuple[type[Message], ...] = (Build, Rebuild, MapRing, Place, TakeWorker, Stop,
           Ready, Attached, Built, Done, Overflow, Failed, Ended, Skipped, Counted, InitFailed)
 _NUMBERS = {kind: number for number, kind in enumerate(_KINDS)}
 
@@ -53,7 +53,7 @@ def encode(message: Message) -> bytes:
     return framed(message)[_FRAME.size:]
 
 
-def build_frame(number: int, slot: int | None, indices) -> bytes:
+def build_frame(number: int, slot: int | None, indices: object) -> bytes:
     """``Build(number, slot, indices)``, framed; pickled when ``indices`` is not one array (a
     multi-shard batch's list, a torch sampler's item)."""
     if not isinstance(indices, np.ndarray):
@@ -74,12 +74,12 @@ def _pickled(message: Message) -> bytes:
                                             protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def decode(data) -> Message:
+def decode(data: bytes | bytearray | memoryview) -> Message:
     """The message ``encode`` made."""
     return _decode_at(data, 0, len(data))
 
 
-def _decode_at(data, start: int, size: int) -> Message:
+def _decode_at(data: bytes | bytearray | memoryview, start: int, size: int) -> Message:
     """The message of ``size`` bytes at ``start``: the common ones read in place, no copy."""
     tag = data[start]
     if tag == _DONE_BYTE:
@@ -113,7 +113,7 @@ class FrameReader:
     batch) waits in the buffer for the rest; a ``Done``, the common message, is decoded in
     place."""
 
-    def __init__(self, fd: int, *, blocking: bool = False):
+    def __init__(self, fd: int, *, blocking: bool = False) -> None:
         self.fd = fd
         os.set_blocking(fd, blocking)
         self._buffer = bytearray()
