@@ -6,7 +6,7 @@ reproducible and resumable); they are here for code written against Gluon's
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sized
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from .engine.trainer.plan import LAST_BATCH_POLICIES
 class SequentialSampler:
     """0, 1, ..., length - 1 (from ``start``)."""
 
-    def __init__(self, length: int, start: int = 0):
+    def __init__(self, length: int, start: int = 0) -> None:
         self._length, self._start = length, start
 
     def __iter__(self) -> Iterator[int]:
@@ -29,7 +29,7 @@ class SequentialSampler:
 class RandomSampler:
     """A fresh random permutation of ``range(length)`` at every pass (seeded once)."""
 
-    def __init__(self, length: int, seed: int | None = None):
+    def __init__(self, length: int, seed: int | None = None) -> None:
         self._length = length
         self._rng = np.random.default_rng(seed)
 
@@ -44,7 +44,7 @@ class BatchSampler:
     """Groups a sampler's indices into batches; ``last_batch`` as in Gluon (keep, discard,
     rollover: the short last batch is carried into the next pass)."""
 
-    def __init__(self, sampler: Iterable[int], batch_size: int, last_batch: str = "keep"):
+    def __init__(self, sampler: Iterable[int], batch_size: int, last_batch: str = "keep") -> None:
         if last_batch not in LAST_BATCH_POLICIES:
             raise ValueError(f"last_batch must be one of {', '.join(map(repr, LAST_BATCH_POLICIES))}, "
                              f"got {last_batch!r}")
@@ -69,6 +69,8 @@ class BatchSampler:
             self._carried = batch
 
     def __len__(self) -> int:
+        if not isinstance(self._sampler, Sized):
+            raise TypeError(f"object of type '{type(self._sampler).__name__}' has no len()")
         samples = len(self._sampler) + len(self._carried)
         if self._last_batch == "keep":
             return -(-samples // self._batch_size)

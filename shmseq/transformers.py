@@ -14,13 +14,20 @@ or, for a Trainer subclass of your own (or a library's), mix ``OnRing`` in befor
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import transformers
 from torch.utils.data import DataLoader, Dataset
 
 from .torch import on_ring
 
+if TYPE_CHECKING:  # what OnRing is mixed into, for the checker: super() is a Trainer's
+    _Mixed = transformers.Trainer
+else:
+    _Mixed = object
 
-class OnRing:
+
+class OnRing(_Mixed):
     """Mixed into a ``transformers.Trainer`` class (before it): its train, eval and test
     loaders, with ``dataloader_num_workers`` > 0, come through shmseq's ring."""
 

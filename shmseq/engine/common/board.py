@@ -38,20 +38,23 @@ def _cells(fd: int, n_workers: int) -> tuple[mmap.mmap, np.ndarray]:
 class Board:
     """The consumer's side: reads which batch a worker was building; clears a dead worker's cell."""
 
-    def __init__(self, n_workers: int):
+    def __init__(self, n_workers: int) -> None:
         segment = unlinked_segment(f"/shmseq-{os.getpid()}-board-{secrets.token_hex(4)}",
                                    size=max(n_workers, 1) * 8)
         self._segment = segment
         self.spec = BoardSpec(os.getpid(), segment.fd, n_workers)
-        self._memory, self._cells = _cells(segment.fd, n_workers)
-        self._cells[:] = IDLE
+        self._memory, cells = _cells(segment.fd, n_workers)
+        self._cells: np.ndarray | None = cells  # None once closed
+        cells[:] = IDLE
 
     def building(self, wid: int) -> int:
         """The number of the batch worker ``wid`` began and did not finish; ``IDLE`` if none."""
+        assert self._cells is not None, "the board is closed"
         return int(self._cells[wid])
 
     def clear(self, wid: int) -> None:
         """Before a replacement starts: nothing is being built in the cell's name."""
+        assert self._cells is not None, "the board is closed"
         self._cells[wid] = IDLE
 
     def close(self) -> None:
@@ -63,15 +66,16 @@ class Board:
 class WorkerCell:
     """A worker's side: one cell, written as each task begins."""
 
-    def __init__(self, spec: BoardSpec, wid: int):
+    def __init__(self, spec: BoardSpec, wid: int) -> None:
         fd = owners_segment(spec.owner_pid, spec.owner_fd)
         try:
             self._memory, cells = _cells(fd, spec.n_workers)
         finally:
             os.close(fd)
-        self._cell = cells[wid:wid + 1]
+        self._cell: np.ndarray | None = cells[wid:wid + 1]  # None once closed
 
     def begin(self, number: int) -> None:
+        assert self._cell is not None, "the cell is closed"
         self._cell[0] = number
 
     def close(self) -> None:
