@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, TypeGuard
 
 import numpy as np
-from numpy.typing import DTypeLike
 
 from .errors import UnsupportedBatch
 from .ragged import ArrayOrTensor, Ragged, copied, is_jagged, is_tensor, make_leaf, map_ragged
 
 if TYPE_CHECKING:
     import torch
+    from numpy.typing import DTypeLike
 
 ALIGN = 64
 PAGE = 4096

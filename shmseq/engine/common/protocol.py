@@ -27,9 +27,13 @@ This module imports nothing of shmseq: every other part may import it.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:  # for the checker only: nothing of shmseq is imported when this runs
+    from .layout import SlotAllocator
+    from .segments import RingSpec
 
 
 # -- to a worker --------------------------------------------------------------------------------
@@ -52,8 +56,8 @@ class Rebuild(NamedTuple):
 
 
 class MapRing(NamedTuple):
-    """Map the ring ``spec`` (a ``segments.RingSpec``) and say so (``Attached``)."""
-    spec: object
+    """Map the ring ``spec`` and say so (``Attached``)."""
+    spec: RingSpec
 
 
 class Place(NamedTuple):
@@ -198,7 +202,7 @@ class Worker(Protocol):
     def __getitem__(self, indices: np.ndarray) -> object:
         """The batch of ``indices`` (int64 sample indices, or a sampler's item)."""
 
-    def fill_batch(self, indices: np.ndarray, out) -> object:
+    def fill_batch(self, indices: np.ndarray, out: SlotAllocator) -> object:
         """The batch of ``indices``, its arrays taken from ``out`` (a ``layout.SlotAllocator``:
         ``out.empty(shape, dtype)``), straight in the slot. Called instead of ``__getitem__``."""
 
@@ -228,8 +232,8 @@ class Hooks:
     looked up once, here, when it is made, and defaults for those it lacks: nothing else asks
     what the object has. ``obj`` is the object itself."""
 
-    def __init__(self, obj: object):
-        self.obj = obj
+    def __init__(self, obj: object) -> None:
+        self.obj: Any = obj  # used as the user made it: ``obj[indices]`` for a worker
         self.fill_batch: Callable | None = getattr(obj, "fill_batch", None)
         self.pop_skipped: Callable[[], list[str]] = getattr(obj, "pop_skipped", list)
         self.pop_counts: Callable[[], dict[str, float]] = getattr(obj, "pop_counts", dict)

@@ -20,14 +20,20 @@ from __future__ import annotations
 import collections
 import numbers
 import sys
-from typing import Callable, Iterable, NamedTuple
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, NamedTuple, Sequence, Sized
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
+
+    from ..common.protocol import Plan
 
 LAST_BATCH_POLICIES = ("keep", "discard", "rollover")
 
 
-def as_index_array(dset_size) -> np.ndarray:
+def as_index_array(dset_size: ArrayLike) -> np.ndarray:
     """The dataset's sample indices from an int size or a 1-D index array."""
     if isinstance(dset_size, numbers.Integral) and not isinstance(dset_size, bool):
         if dset_size < 0:
@@ -66,7 +72,7 @@ def distributed_ranks(rank: int | None = None, world_size: int | None = None) ->
     return rank, world_size
 
 
-def _distributed():
+def _distributed() -> ModuleType | None:
     """``torch.distributed`` when a process group is up (torch is never imported for this)."""
     torch = sys.modules.get("torch")
     dist = getattr(torch, "distributed", None) if torch is not None else None
@@ -94,7 +100,7 @@ class EpochPlan:
 
     def __init__(self, indices: np.ndarray, batch_size: int, *, shuffle: bool, seed: int,
                  last_batch: str = "keep", rank: int | None = None, world_size: int | None = None,
-                 seed_given: bool = True):
+                 seed_given: bool = True) -> None:
         if last_batch not in LAST_BATCH_POLICIES:
             raise ValueError(f"last_batch must be one of {', '.join(map(repr, LAST_BATCH_POLICIES))}, "
                              f"got {last_batch!r}")
@@ -223,7 +229,7 @@ class EpochPlan:
         return self.batches(epoch)[0][:carried].tolist() if carried and self.length(epoch) else []
 
 
-def as_batch(indices):
+def as_batch(indices: Sequence[Any]) -> np.ndarray | list[np.ndarray]:
     """A batch sampler's item as indices: one int64 array, or a list of them (multi-shard)."""
     if len(indices) and not isinstance(indices[0], numbers.Integral):
         return [np.asarray(part, dtype=np.int64) for part in indices]
@@ -240,15 +246,17 @@ class SamplerPlan:
     indices). The sampler decides the batches' size, order and last batch itself, and deals
     them to ranks if it does."""
 
-    batch_size = seed = last_batch = None
+    batch_size: int | None = None
+    seed: int | None = None
+    last_batch: str | None = None
     rank, world_size = 0, 1
 
-    def __init__(self, batch_sampler, as_task: Callable = as_batch):
+    def __init__(self, batch_sampler: Iterable, as_task: Callable[[Any], object] = as_batch) -> None:
         self.batch_sampler = batch_sampler
         self._as_task = as_task
         self._epoch: int | None = None
-        self._pass = None               # the open pass's iterator, until it ends
-        self._drawn: collections.deque = collections.deque()
+        self._pass: Iterator | None = None  # the open pass's iterator, until it ends
+        self._drawn: collections.deque[object] = collections.deque()
         self._first = 0                 # the position of _drawn[0]
         self.version = 0
 
@@ -284,7 +292,7 @@ class SamplerPlan:
     def has_batches(self) -> bool:
         return True  # known only once drawn: an empty pass simply yields nothing
 
-    def batch(self, epoch: int, position: int):
+    def batch(self, epoch: int, position: int) -> object | None:
         """Batch ``position`` of the open pass, drawn now if it was not yet; None past the end."""
         if epoch != self._epoch:
             raise ValueError(f"epoch {epoch} of the batch sampler is not open: a sampler is "
@@ -316,11 +324,13 @@ class SamplerPlan:
     def length(self, epoch: int) -> int:
         if epoch == self._epoch and self._pass is None:
             return self._first + len(self._drawn)
-        try:
-            return len(self.batch_sampler)
-        except TypeError:
-            raise TypeError(f"the batch sampler {type(self.batch_sampler).__name__} has no len(), "
-                            "so neither has this loader before its epoch ends") from None
+        if isinstance(self.batch_sampler, Sized):
+            try:
+                return len(self.batch_sampler)
+            except TypeError:
+                pass
+        raise TypeError(f"the batch sampler {type(self.batch_sampler).__name__} has no len(), "
+                        "so neither has this loader before its epoch ends")
 
 
 class Task(NamedTuple):
@@ -340,7 +350,7 @@ class BatchStream:
     epochs the plan has open; ``open(epoch, position)`` tells it where the consumer is.
     """
 
-    def __init__(self, plan, epoch: int = 0, position: int = 0):
+    def __init__(self, plan: Plan, epoch: int = 0, position: int = 0) -> None:
         self.plan = plan
         self._next_number = 0
         self._segments: list[list[int]] = []  # [first number, epoch, first position, count] taken
