@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from multiprocessing import resource_tracker
+from multiprocessing.process import BaseProcess
 from typing import Callable, NamedTuple
 
 WATCH_SECONDS = 0.1
@@ -73,7 +74,11 @@ class _StartingThread:
     pool's workers are gone. SIGINT is blocked in it, which the workers inherit: a Ctrl-C is
     never its, nor a starting worker's, to take."""
 
-    def __init__(self):
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """As made: in a forked child too, where the parent's thread is not."""
         self._lock = threading.Lock()
         self._requests: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
@@ -94,6 +99,7 @@ class _StartingThread:
             if self._holders > 0 or self._thread is None:
                 return
             thread, self._thread = self._thread, None
+            assert self._requests is not None  # made with the thread
             self._requests.put(None)
         thread.join()
 
@@ -102,6 +108,7 @@ class _StartingThread:
         starts a process by exec (spawn, forkserver). A Ctrl-C while the consumer waits here is
         raised once the process has started, so that no worker is started behind its back."""
         done: concurrent.futures.Future = concurrent.futures.Future()
+        assert self._requests is not None, "the starting thread is not held"
         self._requests.put((start, execs, done))
         interrupted = None
         while True:
@@ -137,7 +144,7 @@ def _block_sigint(execs: bool) -> None:
 
 
 _starting_thread = _StartingThread()
-os.register_at_fork(after_in_child=_starting_thread.__init__)  # the parent's thread is not here
+os.register_at_fork(after_in_child=_starting_thread.reset)  # the parent's thread is not here
 
 
 def hold_starting_thread() -> None:
@@ -150,7 +157,7 @@ def release_starting_thread() -> None:
     _starting_thread.release()
 
 
-def start_process(process, start_method: str) -> None:
+def start_process(process: BaseProcess, start_method: str) -> None:
     """Start a worker process from the starting thread, which a pool holds."""
     _starting_thread.run(process.start, execs=start_method != "fork")
 
@@ -158,7 +165,7 @@ def start_process(process, start_method: str) -> None:
 class Lifeline:
     """A worker process's tie to its consumer (created first thing in the worker)."""
 
-    def __init__(self, consumer: ProcessId):
+    def __init__(self, consumer: ProcessId) -> None:
         self.consumer = consumer
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the consumer's to handle
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -187,7 +194,7 @@ def _let_the_fork_server_go() -> None:
     with it, instead of the fork server waiting on this process."""
     server = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
     alive = getattr(server, "_forkserver_alive_fd", None)
-    if alive is not None:
+    if server is not None and alive is not None:
         server._forkserver_alive_fd = None
         try:
             os.close(alive)

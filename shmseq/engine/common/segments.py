@@ -28,7 +28,7 @@ import os
 import secrets
 import threading
 import weakref
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import posix_ipc
@@ -162,7 +162,7 @@ def owners_segment(owner_pid: int, owner_fd: int) -> int:
 
 
 @functools.cache
-def _madvise():
+def _madvise() -> Callable[..., int]:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     return libc.madvise
@@ -178,10 +178,10 @@ def _populate(address: int, size: int) -> None:
 class SlotPages:
     """A process's mapping of the ring, each slot's pages mapped the first time it is used."""
 
-    def __init__(self, spec: RingSpec, memory: mmap.mmap, fd: int):
+    def __init__(self, spec: RingSpec, memory: mmap.mmap, fd: int) -> None:
         self.spec = spec
-        self._memory = memory
-        self._array = np.frombuffer(memory, np.uint8)
+        self._memory: mmap.mmap | None = memory  # None once closed
+        self._array: np.ndarray | None = np.frombuffer(memory, np.uint8)
         self._fd = fd
         self._mapped = bytearray(spec.n_slots)  # 1: populated in this process
         self._whole = bytearray(spec.n_slots)  # 1: a batch needed the whole slot (``whole``)
@@ -190,12 +190,14 @@ class SlotPages:
         """The slot's bytes batches are expected to take (``RingSpec.expected``; all of them
         once one needed more), its pages allocated and mapped."""
         start, reserved = slot * self.spec.stride, self.spec.reserved
+        array = self._array
+        assert array is not None, "the ring is closed"
         if not self._mapped[slot]:
             self._allocate(slot, start, reserved)
-            _populate(self._array.ctypes.data + start, reserved)
+            _populate(array.ctypes.data + start, reserved)
             self._mapped[slot] = 1
         size = self.spec.slot_bytes if self._whole[slot] else min(reserved, self.spec.slot_bytes)
-        return self._array[start:start + size]
+        return array[start:start + size]
 
     def whole(self, slot: int) -> np.ndarray:
         """The whole slot, for a batch larger than expected: the rest of it allocated first."""
@@ -222,7 +224,7 @@ class SlotPages:
 class WorkerRing(SlotPages):
     """A worker's mapping of the ring: the slots it writes."""
 
-    def __init__(self, spec: RingSpec):
+    def __init__(self, spec: RingSpec) -> None:
         fd = owners_segment(spec.owner_pid, spec.owner_fd)
         try:
             memory = mmap.mmap(fd, spec.total_bytes, flags=_MAP_FLAGS)
@@ -234,6 +236,7 @@ class WorkerRing(SlotPages):
     def close(self) -> None:
         self._array = None
         os.close(self._fd)
+        assert self._memory is not None, "the ring is closed already"
         try:
             self._memory.close()
         except BufferError:
@@ -247,7 +250,7 @@ class Reservation:
     them). The consumer's own mapping is left to fault in as it reads: a read fault maps 16
     pages at once, which costs no more than mapping them ahead."""
 
-    def __init__(self, spec: RingSpec, fd: int):
+    def __init__(self, spec: RingSpec, fd: int) -> None:
         self.error: SharedMemoryFull | None = None
         self._allocated = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(spec, fd),
@@ -294,7 +297,7 @@ class Reservation:
 class RingSegment(SlotPages):
     """The consumer's segment: made, reserved, mapped; unmapped at close, or with the last view."""
 
-    def __init__(self, n_slots: int, slot_bytes: int, expected: int = 0):
+    def __init__(self, n_slots: int, slot_bytes: int, expected: int = 0) -> None:
         name = f"/{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         spec = RingSpec(name, n_slots, slot_bytes, expected=expected)
         if spec.reserved_bytes > shm_free_bytes():
@@ -316,6 +319,7 @@ class RingSegment(SlotPages):
     @property
     def address(self) -> int:
         """Where the ring is mapped in this process (for page-locking it)."""
+        assert self._array is not None, "the ring is closed"
         return self._array.ctypes.data
 
     @property
@@ -325,14 +329,15 @@ class RingSegment(SlotPages):
 
     def contains(self, array: np.ndarray) -> bool:
         """Whether ``array``'s data lies inside this ring (the zero-copy check)."""
-        start = self.address
+        start, size = self.address, self.spec.total_bytes
         pointer = array.__array_interface__["data"][0]
-        return start <= pointer and pointer + array.nbytes <= start + len(self._array)
+        return start <= pointer and pointer + array.nbytes <= start + size
 
     def slot_bytes_of(self, slot: int) -> np.ndarray:
         """A new array of the slot's bytes, made from the mapping itself: numpy sets the base of
         every view of it to it (a view of a view would skip the intermediate array), so that
         the slot is in use exactly as long as this array or any view of it lives."""
+        assert self._memory is not None, "the ring is closed"
         return np.frombuffer(self._memory, np.uint8, count=self.spec.slot_bytes,
                              offset=slot * self.spec.stride)
 
@@ -342,6 +347,7 @@ class RingSegment(SlotPages):
         self._segment.close_fd()
         self._array = None
         memory, self._memory = self._memory, None
+        assert memory is not None, "the ring is closed already"
         try:
             memory.close()
         except BufferError:  # views alive: the mapping goes with the last of them

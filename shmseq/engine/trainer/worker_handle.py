@@ -8,7 +8,9 @@ import sys
 import threading
 import weakref
 from multiprocessing import connection
-from typing import Iterable
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -29,8 +31,8 @@ def _disown_inherited_workers() -> None:
     children, which the child inherited. Its exit hook (``multiprocessing.util._exit_function``)
     would take them for the child's own (``poll()`` gets ECHILD and calls them alive) and send
     them SIGTERM: a trainer's forked helper that merely exits would kill the parent's workers."""
-    for process in _started_here:
-        multiprocessing.process._children.discard(process)
+    for process in _started_here:  # the type ignored: a private set, not in the stubs
+        multiprocessing.process._children.discard(process)  # type: ignore[attr-defined]
     _started_here.clear()
 
 
@@ -42,7 +44,7 @@ class TaskPipe:
     take now (Linux may give a busy user's pipes one page) waits here and goes out as the
     worker reads. Messages are framed as ``Connection.send_bytes`` frames them."""
 
-    def __init__(self, writer: connection.Connection):
+    def __init__(self, writer: connection.Connection) -> None:
         self._writer = writer
         self.fd = writer.fileno()
         os.set_blocking(self.fd, False)
@@ -82,8 +84,8 @@ class TaskPipe:
 class WorkerHandle:
     """A worker process or thread, its pipes, and the tasks it has not finished."""
 
-    def __init__(self, info: WorkerInfo, tasks: TaskPipe, replies: connection.Connection, runner,
-                 imports_main: bool = False):
+    def __init__(self, info: WorkerInfo, tasks: TaskPipe, replies: connection.Connection,
+                 runner: threading.Thread | BaseProcess, imports_main: bool = False) -> None:
         self.info = info
         self.tasks = tasks
         self._replies = replies
@@ -128,7 +130,7 @@ class WorkerHandle:
         except OSError:
             self.accepting = False  # it died: its sentinel (or last message) tells why
 
-    def closed(self, number: int):
+    def closed(self, number: int) -> np.ndarray | None:
         """The task ``number`` is done (or failed): its indices."""
         indices, _ = self.open.pop(number, (None, None))
         return indices
@@ -144,7 +146,7 @@ class WorkerHandle:
         self.close_replies()
 
 
-def preload_in_fork_server(context) -> None:
+def preload_in_fork_server(context: BaseContext) -> None:
     """Have the fork server import shmseq's worker side (numpy with it) before it forks a worker,
     when it is not running yet: a worker then starts in 20 ms instead of 180 ms (measured), the
     time each forked child took to import them. Modules asked for already (``__main__``, by
@@ -158,8 +160,8 @@ def preload_in_fork_server(context) -> None:
         context.set_forkserver_preload([*modules, __name__])
 
 
-def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn,
-                 consumer: ProcessId, other_ends: list[int],
+def start_worker(worker: object, info: WorkerInfo, backend: str, context: BaseContext,
+                 worker_init_fn: Callable[[int], object] | None, consumer: ProcessId, other_ends: list[int],
                  board: BoardSpec | None = None) -> WorkerHandle:
     """A new worker thread or process. A process follows ``consumer`` (lifeline.py), and
     marks on ``board`` the batch it is building; forked, it closes the consumer's descriptors
@@ -168,8 +170,9 @@ def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn
     result_reader, result_writer = connection.Pipe(duplex=False)
     name = f"shmseq-worker-{info.id}"
     method = None
+    runner: threading.Thread | BaseProcess
     if backend == "thread":
-        args = (worker, task_reader, result_writer, info, worker_init_fn, None)
+        args: tuple = (worker, task_reader, result_writer, info, worker_init_fn, None)
         runner = threading.Thread(target=worker_loop, name=name, daemon=True, args=args)
         runner.start()
     else:
@@ -179,12 +182,15 @@ def start_worker(worker, info: WorkerInfo, backend: str, context, worker_init_fn
             consumer, inherited_fds=((task_writer.fileno(), result_reader.fileno(), *other_ends)
                                      if method == "fork" else None), board=board)
         args = (worker, task_reader, result_writer, info, worker_init_fn, ties)
-        runner = context.Process(target=worker_loop, name=name, daemon=True, args=args)
-        _started_here.add(runner)  # before it is one of multiprocessing's children: no fork between
+        # the type ignored: the stubs give BaseContext no Process, which every start method's has
+        process: BaseProcess = context.Process(  # type: ignore[attr-defined]
+            target=worker_loop, name=name, daemon=True, args=args)
+        runner = process
+        _started_here.add(process)  # before it is one of multiprocessing's children: no fork between
         try:
-            start_process(runner, method)
+            start_process(process, method)
         except BaseException:
-            _discard(runner)  # a Ctrl-C that came while it started: no worker behind our back
+            _discard(process)  # a Ctrl-C that came while it started: no worker behind our back
             raise
         finally:
             task_reader.close()
@@ -207,7 +213,7 @@ def _leave_if_bootstrapping() -> None:
         raise SystemExit(1)
 
 
-def _discard(runner) -> None:
+def _discard(runner: BaseProcess) -> None:
     """End a worker process that started while its start was being given up."""
     if getattr(runner, "_popen", None) is not None:
         runner.kill()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pickle
 import time
 import traceback
-from typing import NamedTuple
+from typing import Any, Iterator, NamedTuple, Sized
 
 import numpy as np
 
@@ -28,14 +28,14 @@ from ..common.segments import WorkerRing
 from ..common.wire import done_frame, framed
 
 
-def make_worker(worker) -> Hooks:
+def make_worker(worker: object) -> Hooks:
     """The worker object, with its hooks (``protocol.Hooks``). MDNC's convention: a class is
     instantiated in each worker, an instance is used as is."""
     return Hooks(worker() if isinstance(worker, type) else worker)
 
 
-def build_batch(worker: Hooks, indices: np.ndarray, region: np.ndarray | None,
-                first: bool = False):
+def build_batch(worker: Hooks, indices: Any, region: np.ndarray | None,
+                first: bool = False) -> tuple[object, SlotAllocator | None]:
     """Call the user's worker; in-place workers get an allocator over the slot. A worker's
     ``__getitem__`` that returns None most likely forgot its ``return``: that is refused, and
     so is a ``first`` batch without a row per index (``check_rows``)."""
@@ -51,7 +51,7 @@ def build_batch(worker: Hooks, indices: np.ndarray, region: np.ndarray | None,
     return batch, None
 
 
-def check_rows(batch, indices: np.ndarray) -> None:
+def check_rows(batch: object, indices: Sized) -> None:
     """Refuse a batch in which nothing has a row per index: the worker was written for one
     sample (a torch ``Dataset``'s ``dataset[i]``), and given the index array it returned one
     sample, which would travel as a batch of the wrong size, silently.
@@ -74,7 +74,7 @@ def check_rows(batch, indices: np.ndarray) -> None:
         "arrays, shmseq.torch.DataLoader (torch's DataLoader) for torch tensors")
 
 
-def _rows(batch):
+def _rows(batch: object) -> Iterator[tuple[int, tuple | None]]:
     """(rows, shape) of each array and tensor of a batch (not of a 0-d one); (items, None) of
     each list and ragged leaf (a ``Ragged``, a nested tensor)."""
     if isinstance(batch, Ragged):
@@ -122,12 +122,12 @@ class Held(NamedTuple):
 
 
 def run_task(worker: Hooks, ring: WorkerRing | None, number: int, slot: int | None,
-              indices: np.ndarray, first: bool) -> bytes | Held:
+              indices: object, first: bool) -> bytes | Held:
     """Build and write one batch (``first``: the worker's first); the framed reply, with its
     size and the time it took. Without a slot, the batch built, to be held (``place``)."""
     began = time.perf_counter()
     try:
-        region = ring.region(slot) if slot is not None else None  # may find /dev/shm full
+        region = _region(ring, slot)  # may find /dev/shm full
         batch, allocator = build_batch(worker, indices, region, first)
         skipped = worker.pop_skipped()
         told = framed(Skipped(number, skipped)) if skipped else b""
@@ -144,17 +144,26 @@ def place(held: Held, ring: WorkerRing | None, slot: int | None) -> bytes:
     """The reply for a held batch, given ``slot`` (None: it goes back encoded)."""
     began = time.perf_counter() - held.seconds
     try:
-        region = ring.region(slot) if slot is not None else None
+        region = _region(ring, slot)
         return _written(held.number, ring, slot, region, held.batch, None, held.told, began)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
         return _failed(held.number, slot, exc)
 
 
+def _region(ring: WorkerRing | None, slot: int | None) -> np.ndarray | None:
+    """The part of ``slot`` a batch is written into; None without a slot."""
+    if slot is None:
+        return None
+    assert ring is not None, "a slot given before the ring"
+    return ring.region(slot)
+
+
 def _written(number: int, ring: WorkerRing | None, slot: int | None, region: np.ndarray | None,
-             batch, allocator: SlotAllocator | None, told: bytes, began: float) -> bytes:
+             batch: object, allocator: SlotAllocator | None, told: bytes, began: float) -> bytes:
     """The batch written into its slot (``Done``), or encoded where it has none or does not
     fit (``Overflow``)."""
     if region is not None:
+        assert ring is not None and slot is not None  # a region is a slot's
         try:
             size = _write(batch, ring, slot, region, allocator)
             return told + done_frame(number, slot, size, time.perf_counter() - began)
@@ -164,7 +173,7 @@ def _written(number: int, ring: WorkerRing | None, slot: int | None, region: np.
     return told + framed(Overflow(number, slot, payload, time.perf_counter() - began))
 
 
-def _write(batch, ring: WorkerRing, slot: int, region: np.ndarray,
+def _write(batch: object, ring: WorkerRing, slot: int, region: np.ndarray,
            allocator: SlotAllocator | None) -> int:
     """Write the batch into ``region``, the part of its slot batches are expected to take, or
     into the whole slot if it is larger (see ``segments.RingSpec.expected``)."""

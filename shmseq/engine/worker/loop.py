@@ -17,17 +17,21 @@ import select
 import sys
 import threading
 import time
-from typing import NamedTuple
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 
 from ..common.board import BoardSpec, WorkerCell
 from ..common.lifeline import Lifeline, ProcessId
 from ..common.protocol import (Attached, Build, Built, Hooks, InitFailed, MapRing, Place, Ready,
-                               Rebuild, Stop, ToWorker)
+                               Rebuild, Stop, TakeWorker)
 from ..common.segments import WorkerRing, drop_inherited_rings
-from ..common.wire import FrameReader, decode, encode, framed, write_all
+from ..common.wire import FrameReader, Message, decode, encode, framed, write_all
 from .batch import Held, counted_frame, describe_exception, make_worker, place, run_task
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 _KEEP_BYTES = 256 << 20
@@ -65,7 +69,8 @@ def _keep_large_buffers() -> None:
     mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES)
 
 
-def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn, dataset) -> None:
+def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn: Callable[[int], object] | None,
+            dataset: object) -> None:
     """Seed the worker's random generators as torch's DataLoader seeds its workers, run torch's
     operators on one thread, then run the user's hook.
 
@@ -119,16 +124,16 @@ class _Inbox:
     is ``STOP_CHECK_SECONDS`` old: quick tasks drain within milliseconds anyway, and a look
     before each would cost two system calls a batch."""
 
-    def __init__(self, tasks):
+    def __init__(self, tasks: Connection) -> None:
         self._reader = FrameReader(tasks.fileno(), blocking=True)
-        self._queued: collections.deque = collections.deque()
-        self._again: collections.deque = collections.deque()  # Builds, ahead of _queued's
+        self._queued: collections.deque[Message] = collections.deque()
+        self._again: collections.deque[Build] = collections.deque()  # ahead of _queued's
         self._stopped = False
         self._readable = select.poll()
         self._readable.register(tasks.fileno(), select.POLLIN)
         self._looked = time.monotonic()
 
-    def next(self) -> ToWorker | None:
+    def next(self) -> Message | None:
         """The next message; None when asked to stop. Raises EOFError once the pipe closed."""
         if not (self._queued or self._again or self._stopped):
             while not (self._queued or self._again or self._stopped):
@@ -144,7 +149,7 @@ class _Inbox:
             return self._again.popleft()
         return self._queued.popleft()
 
-    def next_answer(self) -> ToWorker | None:
+    def next_answer(self) -> Message | None:
         """The next message that is not a ``Build`` (the ring, a held batch's ``Place``), the
         tasks left queued: a worker holding a batch builds no other, which could reuse its
         buffers. None when asked to stop. Raises EOFError once the pipe closed."""
@@ -157,7 +162,7 @@ class _Inbox:
             self._queue(self._reader.read())
         return None
 
-    def _queue(self, messages: list[ToWorker]) -> None:
+    def _queue(self, messages: list[Message]) -> None:
         """The latest batches given again go first: they begin with the latest suspect."""
         again = []
         for message in messages:
@@ -171,24 +176,29 @@ class _Inbox:
         self._again.extendleft(reversed(again))
 
 
-def _tell_torch(torch, info: WorkerInfo, dataset) -> None:
+def _tell_torch(torch: ModuleType, info: WorkerInfo, dataset: object) -> None:
     """What ``torch.utils.data.get_worker_info()`` reads in its own workers."""
     from torch.utils.data._utils import worker as torch_worker
+    # the type ignored: ``dataset`` is whatever the worker names (None if nothing), not always
+    # the Dataset torch's stubs want
     torch_worker._worker_info = torch_worker.WorkerInfo(
-        id=info.id, num_workers=info.num_workers, seed=info.seed, dataset=dataset)
+        id=info.id, num_workers=info.num_workers, seed=info.seed,
+        dataset=dataset)  # type: ignore[arg-type]
 
 
-def _received_worker(tasks):
+def _received_worker(tasks: Connection) -> object:
     """The worker, sent pickled as the first message of the task pipe by a consumer that spawned
     this process. Not among the process's arguments: multiprocessing writes those into a pipe
     whose read end the consumer holds until the write ends, so a child that dies before it has
     read a large worker (a main module that fails to import, say) would hold the consumer in
     ``Process.start()`` forever."""
-    return pickle.loads(decode(tasks.recv_bytes()).pickled)
+    message = decode(tasks.recv_bytes())
+    assert isinstance(message, TakeWorker), message
+    return pickle.loads(message.pickled)
 
 
-def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
-                ties: ProcessTies | None) -> None:
+def worker_loop(worker: object, tasks: Connection, results: Connection, info: WorkerInfo,
+                worker_init_fn: Callable[[int], object] | None, ties: ProcessTies | None) -> None:
     """The body of a worker, process or thread (``ties`` is set in processes)."""
     if ties is not None:
         Lifeline(ties.consumer)
@@ -204,7 +214,8 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
     except BaseException as exc:  # noqa: BLE001
         results.send_bytes(encode(InitFailed(info.id, describe_exception(exc))))
         return
-    ring = held = None
+    ring: WorkerRing | None = None
+    held: Held | None = None
     cell = WorkerCell(ties.board, info.id) if ties is not None and ties.board is not None else None
     inbox, replies, first = _Inbox(tasks), results.fileno(), True
     try:
@@ -223,6 +234,7 @@ def worker_loop(worker, tasks, results, info: WorkerInfo, worker_init_fn,
                     ring = WorkerRing(spec)
                     write_all(replies, framed(Attached(info.id)))
                 case Place(_, slot):
+                    assert held is not None  # a Place answers a Built
                     write_all(replies, place(held, ring, slot))
                     held = None
     except (EOFError, OSError):
