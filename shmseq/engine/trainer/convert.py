@@ -23,6 +23,7 @@ import numpy as np
 from ..common.errors import PipelineClosed, ShmSeqError, add_note, warn_user
 from ..common.layout import batch_reader, map_arrays, slot_bytes_for
 from ..common.protocol import Delivery, Hooks, Reply
+from ..common.ragged import ArrayOrTensor
 from .devices import Device
 from .ring import Ring
 from .stats import LoaderStats
@@ -34,10 +35,10 @@ class OrderedOutput:
     Only the consumer's thread puts and pops; ``close`` may come from any thread (a
     ``finish()`` elsewhere), and wins over deliveries still waiting."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._items: dict[int, Delivery] = {}
         self._closed: str | None = None
-        self.floor = 0
+        self.floor: float = 0  # infinite once cleared
         self.waiting = 0  # deliveries the consumer has not taken yet (kept: read at every step)
 
     def put(self, number: int, delivery: Delivery) -> None:
@@ -64,9 +65,13 @@ class OrderedOutput:
         """The delivery of number ``first_number`` or after that arrived first, with its number."""
         self.check()
         number = next((number for number in self._items if number >= first_number), None)
-        return None if number is None else (number, self.pop(number))
+        if number is None:
+            return None
+        delivery = self.pop(number)
+        assert delivery is not None  # it was there
+        return number, delivery
 
-    def drop_below(self, number: int) -> None:
+    def drop_below(self, number: float) -> None:
         """Forget deliveries before ``number`` (an epoch left early): their leases die here."""
         self.floor = max(self.floor, number)
         for key in [key for key in self._items if key < number]:
@@ -77,8 +82,8 @@ class OrderedOutput:
         self.drop_below(float("inf"))
 
 
-def handed_over(device: Device, skipped: Callable[[], list[str]], batch, copy,
-                name: Callable[[], str], stats: LoaderStats):
+def handed_over(device: Device, skipped: Callable[[], list[str]], batch: object, copy: object,
+                name: Callable[[], str], stats: LoaderStats) -> object:
     """The device's hand-over of the batch ``name()`` calls (asked only for a message); a
     consumer-side stage that decodes (``shmseq.decode``) may fail here, named with the batch,
     or leave samples out (what its ``skipped``, ``Hooks(device).pop_skipped``, returns)."""
@@ -97,7 +102,7 @@ class Converter:
     how messages call a batch ("batch 3 of epoch 1")."""
 
     def __init__(self, device: Device, ring: Ring | None, output: OrderedOutput,
-                 stats: LoaderStats, name: Callable[[int], str]):
+                 stats: LoaderStats, name: Callable[[int], str]) -> None:
         self.device = device
         self._device_skipped = Hooks(device).pop_skipped
         self.ring = ring  # None until the first batches sized it: only failures come before
@@ -105,6 +110,12 @@ class Converter:
         self.stats = stats
         self.name = name
         self._warned: set[str] = set()
+
+    @property
+    def _ring(self) -> Ring:
+        """The ring, there before any reply with a slot (or any delivery of one)."""
+        assert self.ring is not None, "no ring yet"
+        return self.ring
 
     def use_ring(self, ring: Ring) -> None:
         """The ring the replies' slots are of, from now on."""
@@ -114,7 +125,7 @@ class Converter:
         """Convert a reply as soon as it is there (a copy starts while the consumer works)."""
         if reply.number < self.output.floor:
             if reply.slot is not None:
-                self.ring.discard(reply.slot)  # stale: its epoch was left
+                self._ring.discard(reply.slot)  # stale: its epoch was left
             return
         if reply.ended:
             delivery = Delivery(None, ended=True)
@@ -129,17 +140,18 @@ class Converter:
 
     def _convert(self, reply: Reply) -> Delivery:
         slot, payload = reply.slot, reply.payload
-        region = payload if slot is None else self.ring.lease(slot)
+        region = payload if slot is None else self._ring.lease(slot)
+        assert region is not None  # a reply without a slot carries its batch
         reader = batch_reader(region, self.device.wrap)
         batch, copy = self.device.convert(reader.build(region))
         if copy is not None and slot is not None:
-            self.ring.track_copy(slot, functools.partial(self.device.wait, copy))
+            self._ring.track_copy(slot, functools.partial(self.device.wait, copy))
         in_slot = slot is not None and copy is None and reader.arrays > 0
         return Delivery(batch, copy, slot if in_slot else None,
-                        len(payload) if reply.overflowed else 0, reader.nbytes,
+                        len(region) if reply.overflowed else 0, reader.nbytes,
                         skipped=reply.skipped)
 
-    def hand_over(self, number: int, delivery: Delivery):
+    def hand_over(self, number: int, delivery: Delivery) -> object:
         """The batch as the consumer gets it; copied out when keeping it would starve the ring.
         The batch is named (``name``) only for a message."""
         if delivery.error is not None:
@@ -150,13 +162,13 @@ class Converter:
             self.stats.report_skipped(delivery.skipped, self.name(number))
         if delivery.payload_bytes:
             self._overflowed(self.name(number), delivery.payload_bytes)
-        if delivery.slot is not None and not self.ring.keep_in_place(delivery.slot):
+        if delivery.slot is not None and not self._ring.keep_in_place(delivery.slot):
             return self._copied_out(delivery.batch)
         return handed_over(self.device, self._device_skipped, delivery.batch, delivery.copy,
                            functools.partial(self.name, number), self.stats)
 
-    def _copied_out(self, batch):
-        n_slots = self.ring.spec.n_slots
+    def _copied_out(self, batch: object) -> object:
+        n_slots = self._ring.spec.n_slots
         self._warn_once("copy-out", (
             f"the consumer holds {n_slots - 1} earlier batches of a ring of {n_slots} "
             "slots, so handing over this one in place would leave the workers no free slot: "
@@ -179,7 +191,7 @@ class Converter:
             stats.suggested_slot_bytes = slot_bytes_for(payload_bytes)
         self._warn_once("overflow", (
             f"{batch} needed {payload_bytes:,} bytes but slot_bytes is "
-            f"{self.ring.spec.slot_bytes:,}: it came through the overflow path, with a copy, as "
+            f"{self._ring.spec.slot_bytes:,}: it came through the overflow path, with a copy, as "
             "will any batch larger than a slot (this warning is not repeated). Pass "
             f"slot_bytes={stats.suggested_slot_bytes} or more; the loader's "
             ".stats.suggested_slot_bytes follows the largest batch so far, and "
@@ -212,5 +224,5 @@ def _array_types() -> tuple[type, ...]:
     return (np.ndarray, torch.Tensor) if torch is not None else (np.ndarray,)
 
 
-def _copy_array(array):
+def _copy_array(array: ArrayOrTensor) -> ArrayOrTensor:
     return array.copy() if isinstance(array, np.ndarray) else array.clone()

@@ -17,13 +17,18 @@ Fakes of both, for tests without a GPU, are in ``shmseq.testing``.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
 from ..common.errors import ShmSeqError, warn_once
-from ..common.layout import iter_arrays, map_arrays
-from ..common.protocol import Fence
+from ..common.layout import Wrap, iter_arrays, map_arrays
+from ..common.protocol import Completion, Fence
+
+if TYPE_CHECKING:
+    import torch
+
+    from .ring import Ring
 
 OUT_TYPES = ("null", "cpu", "cuda")
 
@@ -36,21 +41,22 @@ class Device(Protocol):
     view; ``wrap`` itself None: numpy views throughout.
     """
 
-    wrap: Callable[[np.dtype], Callable | None] | None
+    wrap: Wrap | None
 
-    def attach(self, ring) -> Fence | None:
+    def attach(self, ring: Ring) -> Fence | None:
         """Once the ring exists: page-lock it if the device copies from it; the fence for the
         ring to take whenever a lease dies if the consumer's own copies from a slot may still
         read it after the batch's views died (a page-locked host's), else None."""
 
-    def convert(self, views) -> tuple[object, object]:
+    # A copy is the device's own (a CUDA event, say): Any, for the pipeline only hands it back.
+    def convert(self, views: object) -> tuple[object, Any]:
         """``(batch, copy)``: ``copy`` is None when the batch *is* the views (host output), else
         the device copy still reading the slot, which stays busy until ``wait(copy)``."""
 
-    def hand_over(self, batch, copy) -> object:
+    def hand_over(self, batch: object, copy: Any) -> object:
         """The batch as the consumer gets it, in its thread, just before it is yielded."""
 
-    def wait(self, copy) -> None:
+    def wait(self, copy: Any) -> None:
         """Block until ``copy`` no longer reads the slot (on the releaser's thread)."""
 
     def close(self) -> None:
@@ -96,7 +102,7 @@ def resolve_out_type(out_type: str) -> str:
     return out_type
 
 
-def torch_wrap(dtype: np.dtype):
+def torch_wrap(dtype: np.dtype) -> Callable[[np.ndarray], torch.Tensor] | None:
     """What makes a view of ``dtype`` a tensor sharing its memory; None where torch lacks the
     dtype (strings, structured): those stay numpy arrays. Torch holds native byte order only:
     other orders become a copy, in native order."""
@@ -114,7 +120,7 @@ def torch_wrap(dtype: np.dtype):
 class PageLock:
     """The ring registered with CUDA in place (never ``pin_memory()``, which copies)."""
 
-    def __init__(self, ring, device_index: int):
+    def __init__(self, ring: Ring, device_index: int) -> None:
         import torch
         self.torch = torch
         self.device_index = device_index
@@ -128,7 +134,7 @@ class PageLock:
                               f"with CUDA error {int(error)}: lower buffer or slot_bytes, or raise "
                               "the locked-memory limit (ulimit -l)")
 
-    def fence(self):
+    def fence(self) -> Completion:
         """An event after everything enqueued so far on the device's current stream."""
         event = self.torch.cuda.Event()
         event.record(self.torch.cuda.current_stream(self.device_index))
@@ -143,25 +149,25 @@ class PageLock:
 class HostDevice:
     """Batches as views of their slot: numpy arrays, or torch CPU tensors sharing the memory."""
 
-    def __init__(self, to_torch: bool, pin_device: int | None = None):
+    def __init__(self, to_torch: bool, pin_device: int | None = None) -> None:
         self.to_torch = to_torch
-        self.wrap = torch_wrap if to_torch else None  # views made tensors as they are read
+        self.wrap: Wrap | None = torch_wrap if to_torch else None  # views made tensors as they are read
         self.pin_device = pin_device
         self._lock: PageLock | None = None
 
-    def attach(self, ring) -> Fence | None:
+    def attach(self, ring: Ring) -> Fence | None:
         if self.pin_device is None:
             return None
         self._lock = PageLock(ring, self.pin_device)
         return self._lock.fence
 
-    def convert(self, views):
+    def convert(self, views: object) -> tuple[object, None]:
         return views, None  # already as delivered: read through ``wrap``
 
-    def hand_over(self, batch, copy):
+    def hand_over(self, batch: object, copy: None) -> object:
         return batch
 
-    def wait(self, copy) -> None:
+    def wait(self, copy: None) -> None:
         pass
 
     def close(self) -> None:
@@ -173,9 +179,9 @@ class HostDevice:
 class CudaDevice:
     """Copies each batch to the GPU on one of its own streams; an event marks the end."""
 
-    wrap = staticmethod(torch_wrap)  # read as tensors of the slot, then copied
+    wrap: Wrap | None = staticmethod(torch_wrap)  # read as tensors of the slot, then copied
 
-    def __init__(self, device: str, num_streams: int = 1):
+    def __init__(self, device: str, num_streams: int = 1) -> None:
         import torch
         self.torch = torch
         self.device = torch.device(device)
@@ -184,14 +190,14 @@ class CudaDevice:
         self._streams = itertools.cycle([torch.cuda.Stream(self.device) for _ in range(num_streams)])
         self._lock: PageLock | None = None
 
-    def attach(self, ring) -> None:
+    def attach(self, ring: Ring) -> None:
         self._lock = PageLock(ring, self.device.index)
 
-    def next_stream(self):
+    def next_stream(self) -> torch.cuda.Stream:
         """The next of the device's streams, in turn."""
         return next(self._streams)
 
-    def convert(self, views):
+    def convert(self, views: object) -> tuple[object, torch.cuda.Event]:
         torch = self.torch
         stream = self.next_stream()
         with torch.cuda.stream(stream):
@@ -200,19 +206,19 @@ class CudaDevice:
             event.record(stream)
         return batch, event
 
-    def _copy(self, array):
+    def _copy(self, array: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         if isinstance(array, np.ndarray):
             return array.copy()  # strings and the like stay on the host, off the slot
         return array.to(self.device, non_blocking=True)
 
-    def hand_over(self, batch, event):
+    def hand_over(self, batch: object, event: torch.cuda.Event) -> object:
         current = self.torch.cuda.current_stream(self.device)
         current.wait_event(event)
         for tensor in iter_arrays(batch, self.torch.Tensor):
             tensor.record_stream(current)  # the allocator must not reuse it under the consumer
         return batch
 
-    def wait(self, event) -> None:
+    def wait(self, event: torch.cuda.Event) -> None:
         event.synchronize()
 
     def close(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from ..common.errors import SkippedSamplesWarning, warn_user
 from .tuning import INPUT_BOUND, RING_MOSTLY_FULL
@@ -198,7 +198,7 @@ class LoaderStats:
                        self.remote_wait_s + self.shard_wait_s,
                        self._worker_s + self.workers * (now - self._worker_s_at))
 
-    def report_skipped(self, skipped: list[str], where: str) -> None:
+    def report_skipped(self, skipped: Sequence[str], where: str) -> None:
         """Count the samples a worker left out (``skipped``: why, one each), and warn."""
         if skipped:
             self.skipped_samples += len(skipped)
