@@ -27,6 +27,9 @@ import select
 import signal
 import threading
 import time
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from typing import Callable
 
 import numpy as np
 
@@ -48,7 +51,7 @@ from .worker_handle import (JOIN_SECONDS, WorkerHandle, consumer_ends, end_worke
 class Waker:
     """Cuts the consumer's wait short from any thread: a slot came free, ``finish()`` was called."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._reader, self._writer = os.pipe()
         os.set_blocking(self._reader, False)
         os.set_blocking(self._writer, False)
@@ -91,7 +94,7 @@ class _Events:
     """One epoll for the whole run: what to do when each descriptor is ready. (Not
     ``selectors``: its Python layer cost more, a batch, than everything else here.)"""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._epoll = select.epoll()
         self._handlers: dict[int, tuple] = {}
 
@@ -126,7 +129,7 @@ class Pace:
     found replies that left half the ring or more waiting for it, until it has to wait for a
     batch again. Its tasks are then packed on one worker (see ``WorkerPool._choose``)."""
 
-    def __init__(self, n_slots: int):
+    def __init__(self, n_slots: int) -> None:
         self.n_slots = n_slots
         self.consumer_is_slower = False
 
@@ -147,9 +150,10 @@ class WorkerPool:
     worker ``k % num_workers``, as torch's DataLoader deals them (a worker's random stream
     then meets the same batches as under torch's loader)."""
 
-    def __init__(self, worker, *, num_workers: int, n_slots: int, backend: str, context,
-                 stream: BatchStream, waker: Waker, stats: LoaderStats, base_seed: int = 0,
-                 worker_init_fn=None, restarts: int = 0, in_turn: bool = False):
+    def __init__(self, worker: object, *, num_workers: int, n_slots: int, backend: str,
+                 context: BaseContext, stream: BatchStream, waker: Waker, stats: LoaderStats,
+                 base_seed: int = 0, worker_init_fn: Callable[[int], object] | None = None,
+                 restarts: int = 0, in_turn: bool = False) -> None:
         self.stream = stream
         self.stats = stats
         self.ring: Ring | None = None
@@ -174,7 +178,9 @@ class WorkerPool:
             "or use start_method='fork' or thread_type='thread'")
         self._start_args = (None if self._pickled_worker else worker, backend, context,
                             worker_init_fn)
-        self._consumer = ProcessId.of(os.getpid())
+        consumer = ProcessId.of(os.getpid())
+        assert consumer is not None  # this process, alive
+        self._consumer = consumer
         self._processes = backend == "proc"
         self._board = Board(num_workers) if self._processes else None
         self._events = _Events()
@@ -220,10 +226,12 @@ class WorkerPool:
         """Give each batch a worker holds a free slot if it fits one, else none (it then comes
         back encoded: as an overflow, or as it came where the ring has fewer slots than
         workers). A dead worker's are not placed: its heir builds them again."""
+        ring = self.ring
+        assert ring is not None, "no ring to place the batches in"
         for handle, number, size in self._built:
             if not handle.accepting or handle not in self._workers:
                 continue
-            slot = self.ring.acquire_owed() if size <= self.ring.spec.slot_bytes else None
+            slot = ring.acquire_owed() if size <= ring.spec.slot_bytes else None
             if slot is not None:
                 handle.open[number] = (handle.open[number][0], slot)
             self._send(handle, framed(Place(number, slot)))
@@ -277,7 +285,7 @@ class WorkerPool:
                 handler[0](handler[1], received)
         return received
 
-    def _woken(self, _, received: list[Reply]) -> None:
+    def _woken(self, _: None, received: list[Reply]) -> None:
         self._waker.drain()
 
     def _dispatch(self, waiting: int) -> None:
@@ -294,6 +302,7 @@ class WorkerPool:
             if chosen is None:
                 self.ring.unsent(slots[at:])
                 return
+            assert task is not None  # the one chosen for
             self._send_task(chosen, task, slot)
             self.stream.advance()
 
@@ -367,11 +376,13 @@ class WorkerPool:
             return []
 
     def _handle(self, handle: WorkerHandle, message: FromWorker, received: list[Reply]) -> None:
+        ring = self.ring  # there before any batch is written (or overflows) into a slot
         match message:
             case Done(number, slot, _, busy):
                 handle.closed(number)
                 self.stats.worker_busy_s += busy
-                self.ring.written(slot)
+                assert ring is not None
+                ring.written(slot)
                 received.append(Reply(number, slot, skipped=self._skipped.pop(number, ())))
             case Overflow(number, slot, payload, busy):
                 handle.closed(number)
@@ -379,7 +390,8 @@ class WorkerPool:
                 self._give_back(slot)
                 # one without a slot was built before the ring and given none: larger than a
                 # slot (an overflow too), or none was free (a ring with fewer slots than workers)
-                overflowed = slot is not None or len(payload) > self.ring.spec.slot_bytes
+                assert ring is not None  # a batch without a slot overflows once it is given none
+                overflowed = slot is not None or len(payload) > ring.spec.slot_bytes
                 received.append(Reply(number, None, payload, overflowed=overflowed,
                                       skipped=self._skipped.pop(number, ())))
             case Failed(number, slot, error):
@@ -433,8 +445,10 @@ class WorkerPool:
         """A worker process ended unasked: replace it, or say how and on which batch."""
         while handle.replies.fd >= 0 and self._events.watching(handle.replies.fd):
             self._receive(handle, received)  # its last words (an init error) explain more
-        handle.runner.join(JOIN_SECONDS)  # its sentinel closed: the exit status follows at once
-        code = handle.runner.exitcode
+        runner = handle.runner
+        assert isinstance(runner, BaseProcess)  # a thread has no sentinel
+        runner.join(JOIN_SECONDS)  # its sentinel closed: the exit status follows at once
+        code = runner.exitcode
         out_of_memory = self._out_of_memory_kill(code)
         died = f"{handle.describe()} {describe_exit(code, out_of_memory)}"
         if not handle.ready and handle not in self._replacements:
@@ -546,6 +560,7 @@ class WorkerPool:
         self._unwatch(dead)
         dead.close_pipes()
         end_workers([dead])
+        assert self._board is not None  # processes only
         self._board.clear(dead.wid)
         handle = self._start(dead.info)
         self._replacements.discard(dead)
@@ -644,7 +659,7 @@ def oom_kills() -> int | None:
     return None
 
 
-def brief(indices) -> str:
+def brief(indices: object) -> str:
     """Sample indices as an error message shows them: a dozen at most."""
     if indices is None:
         return "unknown"

@@ -12,8 +12,6 @@ from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Callable, Iterable
 
-import numpy as np
-
 from ..common.board import BoardSpec
 from ..common.errors import warn_user
 from ..common.lifeline import ProcessId, start_process
@@ -91,7 +89,7 @@ class WorkerHandle:
         self._replies = replies
         self.replies = FrameReader(replies.fileno())
         self.runner = runner
-        self.open: dict[int, tuple[np.ndarray, int | None]] = {}  # number -> (indices, slot), as sent
+        self.open: dict[int, tuple[object, int | None]] = {}  # number -> (indices, slot), as sent
         self.ready = False        # its worker object is built
         self.attached = False     # it maps the ring
         self.accepting = True     # its task pipe is open
@@ -130,7 +128,7 @@ class WorkerHandle:
         except OSError:
             self.accepting = False  # it died: its sentinel (or last message) tells why
 
-    def closed(self, number: int) -> np.ndarray | None:
+    def closed(self, number: int) -> object:
         """The task ``number`` is done (or failed): its indices."""
         indices, _ = self.open.pop(number, (None, None))
         return indices
