@@ -21,7 +21,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, Iterable, Iterator, NoReturn, TypeVar
 
 from ..common.errors import BatchTimeout, PipelineClosed, ShmSeqError
 from ..common.layout import encode_batch, read_batch, slot_bytes_for
@@ -75,14 +75,14 @@ class Pipeline:
     """Workers, ring, route, and their closing."""
 
     def __init__(self, spec: PipelineSpec, plan: Plan, epoch: int = 0, position: int = 0,
-                 stats: LoaderStats | None = None):
+                 stats: LoaderStats | None = None) -> None:
         self._owner = os.getpid()  # a forked child inherits the pipeline, not its ownership
         self.plan = plan
         self.spec = spec
         self.stats = LoaderStats() if stats is None else stats
         self.ring: Ring | None = None
         self.pool: WorkerPool | None = None
-        self.device = None
+        self.device: Device | None = None
         self._turn = threading.RLock()  # held by the consumer while it takes a batch
         self._closed = False
         self._broken = False  # a failure was raised: workers get no time to finish politely
@@ -121,6 +121,7 @@ class Pipeline:
         first batch waits for neither, and a failure is raised at the next step."""
         deadline = None if timeout is None else time.monotonic() + timeout
         up_front = self.spec.slot_bytes is not None
+        assert self.pool is not None  # made before the workers are waited for
         while not self.pool.started(mapped=up_front) or (
                 self.ring is None and not self.output.waiting and self.stream.peek() is not None):
             remaining = _remaining(deadline)
@@ -129,6 +130,7 @@ class Pipeline:
                                   f"{self.pool.which_not_started(mapped=up_front)}")
             self._step(timeout=remaining)
         if up_front:
+            assert self.ring is not None  # made up front
             self.ring.wait_reserved()
 
     def _new_ring(self, slot_bytes: int, expected: int = 0) -> Ring:
@@ -137,6 +139,7 @@ class Pipeline:
 
     def _use_ring(self, ring: Ring) -> None:
         self.ring = ring
+        assert self.converter is not None and self.device is not None and self.pool is not None
         self.converter.use_ring(ring)
         ring.fence = self.device.attach(ring)
         self.pool.use_ring(ring)
@@ -156,6 +159,7 @@ class Pipeline:
         first within ``timeout`` s; None: until one comes), convert what arrived, and deliver
         what ``take()`` finds now (None: nothing yet), the pass counted as the consumer's wait.
         Without ``take``, the consumer asks for nothing: the workers are given work."""
+        assert self.pool is not None and self.converter is not None  # made with the pipeline
         try:
             if self.ring is not None:
                 self.ring.collect()  # slots freed, and copies failed, in other threads
@@ -204,11 +208,12 @@ class Pipeline:
             self.output.check()
             number = self.stream.open(epoch, position, batches)
             self.output.drop_below(number)
+            assert self.pool is not None  # made with the pipeline
             self.pool.begin_pass(number)
             self._step()  # the workers start on the epoch's first batches at once
             return number
 
-    def batches(self, epoch: int, position: int = 0):
+    def batches(self, epoch: int, position: int = 0) -> Iterator[object]:
         """The batches of ``epoch`` from ``position`` on, in order."""
         number = self.open(epoch, position)
         for position in itertools.count(position):
@@ -217,11 +222,11 @@ class Pipeline:
             yield self.take(number, epoch, position)
             number += 1
 
-    def take(self, number: int, epoch: int, position: int):
+    def take(self, number: int, epoch: int, position: int) -> object:
         """Batch ``number`` (``position`` of ``epoch``), as the consumer gets it."""
         return self.hand_over(number, self.receive(number, epoch, position))
 
-    def receive(self, number: int, epoch: int, position: int):
+    def receive(self, number: int, epoch: int, position: int) -> Delivery:
         """The delivery of batch ``number`` (``position`` of ``epoch``): from the output if it is
         there, else once the pool brings it. Raises what keeps it from coming (a timeout, a
         worker's death, the pipeline closed)."""
@@ -233,7 +238,7 @@ class Pipeline:
     def receive_any(self, first_number: int, epoch: int, position: int) -> tuple[int, object]:
         """The delivery of number ``first_number`` or after that arrived first, and its number (an
         epoch's batches in the order they are ready); ``position`` is ``first_number``'s."""
-        def take():
+        def take() -> tuple[int, Delivery] | None:
             if (found := self.output.pop_first(first_number)) is not None:
                 return found
             ended = self._past_the_end(epoch, position)
@@ -256,14 +261,15 @@ class Pipeline:
                     self._timed_out(epoch, position)
             return found
 
-    def hand_over(self, number: int, delivery):
+    def hand_over(self, number: int, delivery: Delivery) -> object:
         """The batch as the consumer gets it; raises the batch's error (its worker's exception)
         in its place."""
+        assert self.converter is not None  # made with the pipeline
         with self._failures_reported():
             return self.converter.hand_over(number, delivery)
 
     @contextlib.contextmanager
-    def _failures_reported(self):
+    def _failures_reported(self) -> Iterator[None]:
         """The consumer's turn; a failure raised in it leaves the workers no time to finish
         politely when the pipeline closes."""
         with self._consumers_turn():
@@ -279,8 +285,9 @@ class Pipeline:
         """The consumer has every batch of ``epoch`` before ``position`` (``receive_any``'s)."""
         self.plan.release(epoch, position)
 
-    def _timed_out(self, epoch: int, position: int):
+    def _timed_out(self, epoch: int, position: int) -> NoReturn:
         number = self.stream.number_of(epoch, position)
+        assert self.pool is not None  # made with the pipeline
         raise BatchTimeout(
             f"batch {position} of epoch {epoch} (sample indices "
             f"{brief(self.plan.batch(epoch, position))}) did not arrive within timeout="
@@ -328,26 +335,28 @@ class Inline:
     that types and layout match exactly), ``'cpu'`` as torch CPU tensors even where the
     output is CUDA, ``'numpy'`` the worker's output untouched."""
 
-    def __init__(self, spec: PipelineSpec, plan: Plan, test_mode: str = "default"):
+    def __init__(self, spec: PipelineSpec, plan: Plan, test_mode: str = "default") -> None:
         self.plan = plan
-        self.worker_obj = make_worker(spec.worker)
+        self.worker_obj: Hooks | None = make_worker(spec.worker)  # None once closed
         self.test_mode = test_mode
         cpu_instead = test_mode == "cpu" and spec.out_type.startswith("cuda")
         self.device = make_device("cpu", pin_memory=False) if cpu_instead else spec.make_device()
         self._device_skipped = Hooks(self.device).pop_skipped
         self.stats = LoaderStats()
 
-    def batches(self, epoch: int, position: int = 0):
+    def batches(self, epoch: int, position: int = 0) -> Iterator[object]:
         self.plan.open(epoch)
         first = position
         for position in itertools.count(first):
             indices = self.plan.batch(epoch, position)
             if indices is None:
                 return
-            batch, _ = build_batch(self.worker_obj, indices, None, position == first)
+            worker = self.worker_obj
+            assert worker is not None, "closed"
+            batch, _ = build_batch(worker, indices, None, position == first)
             name = f"batch {position} of epoch {epoch}"
-            self.stats.report_skipped(self.worker_obj.pop_skipped(), name)
-            self.stats.add_counts(self.worker_obj.pop_counts())
+            self.stats.report_skipped(worker.pop_skipped(), name)
+            self.stats.add_counts(worker.pop_counts())
             if self.test_mode != "numpy":
                 views = read_batch(encode_batch(batch), self.device.wrap)
                 batch = handed_over(self.device, self._device_skipped,
@@ -363,12 +372,12 @@ class Inline:
         self.device.close()
 
 
-def closing_finalizer(front_end, runtime) -> weakref.finalize:
+def closing_finalizer(front_end: object, runtime: Pipeline | Inline) -> weakref.finalize:
     """What closes ``runtime`` when ``front_end`` dies, or when called (``finish()``), in the
     process that made it only: a forked child that inherited the front end leaves it alone."""
     return weakref.finalize(front_end, _close_in_owner, runtime, os.getpid())
 
 
-def _close_in_owner(runtime, owner_pid: int) -> None:
+def _close_in_owner(runtime: Pipeline | Inline, owner_pid: int) -> None:
     if os.getpid() == owner_pid:
         runtime.close()
