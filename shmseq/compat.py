@@ -7,17 +7,22 @@ converter processes or threads (``num_converters`` is the number of CUDA copy st
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .sequence import ShmSequence
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
 
 class MSequence(ShmSequence):
     """MDNC's ``MSequence(worker, dset_size, num_workers, num_converters, batch_size, buffer,
     shuffle, thread_type, out_type, seed)``, running on shmseq's ring."""
 
-    def __init__(self, worker, dset_size, num_workers: int = 4, num_converters: int | None = None,
-                 batch_size: int = 32, buffer: int = 10, shuffle: bool = True,
-                 thread_type: str = "proc", out_type: str = "cuda", seed: int | None = None,
-                 **options):
+    def __init__(self, worker: object, dset_size: ArrayLike, num_workers: int = 4,
+                 num_converters: int | None = None, batch_size: int = 32, buffer: int = 10,
+                 shuffle: bool = True, thread_type: str = "proc", out_type: str = "cuda",
+                 seed: int | None = None, **options: Any) -> None:
         super().__init__(worker, dset_size, batch_size=batch_size, buffer=buffer,
                          num_workers=num_workers, num_converters=num_converters, shuffle=shuffle,
                          seed=seed, thread_type=thread_type, out_type=out_type, **options)
@@ -26,9 +31,10 @@ class MSequence(ShmSequence):
 class MPSequence(MSequence):
     """MDNC's ``MPSequence``: workers are processes."""
 
-    def __init__(self, worker, dset_size, num_workers: int = 4, num_converters: int | None = None,
-                 batch_size: int = 32, buffer: int = 10, shuffle: bool = True,
-                 out_type: str = "cuda", seed: int | None = None, **options):
+    def __init__(self, worker: object, dset_size: ArrayLike, num_workers: int = 4,
+                 num_converters: int | None = None, batch_size: int = 32, buffer: int = 10,
+                 shuffle: bool = True, out_type: str = "cuda", seed: int | None = None,
+                 **options: Any) -> None:
         super().__init__(worker, dset_size, num_workers, num_converters, batch_size, buffer,
                          shuffle, "proc", out_type, seed, **options)
 
@@ -36,8 +42,9 @@ class MPSequence(MSequence):
 class MTSequence(MSequence):
     """MDNC's ``MTSequence``: workers are threads."""
 
-    def __init__(self, worker, dset_size, num_workers: int = 4, num_converters: int | None = None,
-                 batch_size: int = 32, buffer: int = 10, shuffle: bool = True,
-                 out_type: str = "cuda", seed: int | None = None, **options):
+    def __init__(self, worker: object, dset_size: ArrayLike, num_workers: int = 4,
+                 num_converters: int | None = None, batch_size: int = 32, buffer: int = 10,
+                 shuffle: bool = True, out_type: str = "cuda", seed: int | None = None,
+                 **options: Any) -> None:
         super().__init__(worker, dset_size, num_workers, num_converters, batch_size, buffer,
                          shuffle, "thread", out_type, seed, **options)

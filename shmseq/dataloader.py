@@ -8,6 +8,7 @@ so there is no intermediate batch array and no pickling of the batch.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, cast
 
 import numpy as np
 
@@ -18,8 +19,13 @@ from .engine.trainer.plan import SamplerPlan
 from .samplers import BatchSampler, RandomSampler, SequentialSampler
 from .sequence import ShmSequence
 
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
 
-def default_batchify(samples: list, out: SlotAllocator | None = None):
+    from .engine.common.protocol import Plan
+
+
+def default_batchify(samples: list, out: SlotAllocator | None = None) -> object:
     """Stack samples into a batch, field by field, writing each field straight into ``out``.
 
     Arrays (and torch tensors) of one shape are stacked; numbers become a 1-D array;
@@ -38,13 +44,14 @@ def default_batchify(samples: list, out: SlotAllocator | None = None):
         arrays = [np.asarray(s) for s in samples]
     if arrays[0] is None:
         return list(samples)
-    return stack_into(arrays, out)
+    return stack_into(cast("list[np.ndarray]", arrays), out)  # as the first: else stacking fails
 
 
 class SampleWorker:
     """Runs in each worker: fetches the samples of a batch and batchifies them into the slot."""
 
-    def __init__(self, dataset, batchify_fn=None, collate_name: str = "batchify_fn"):
+    def __init__(self, dataset: Any, batchify_fn: Callable[[list], object] | None = None,
+                 collate_name: str = "batchify_fn") -> None:
         self.dataset = dataset
         self.batchify_fn = batchify_fn
         self.collate_name = collate_name
@@ -53,12 +60,12 @@ class SampleWorker:
         """What the user gave, by argument name: named when the worker cannot be pickled."""
         return {"dataset": self.dataset, self.collate_name: self.batchify_fn}
 
-    def fill_batch(self, indices, out: SlotAllocator):
+    def fill_batch(self, indices: np.ndarray | list[np.ndarray], out: SlotAllocator) -> object:
         if isinstance(indices, list):  # a multi-shard batch: one batch per shard
             return [self._batch(part, out) for part in indices]
         return self._batch(indices, out)
 
-    def _batch(self, indices: np.ndarray, out: SlotAllocator):
+    def _batch(self, indices: np.ndarray, out: SlotAllocator) -> object:
         samples = [self.dataset[int(index)] for index in indices]
         if self.batchify_fn is not None:
             return self.batchify_fn(samples)
@@ -70,19 +77,21 @@ class SampleLoader(ShmSequence):
     ``close()``; its batches come from a batch sampler when one is given
     (``self.batch_sampler``), else from shmseq's own seeded plan."""
 
-    batch_sampler = None
+    batch_sampler: Iterable | None = None
     _collate_name = "collate_fn"  # the argument naming the collate function
+    dataset: Any  # anything with __getitem__ and __len__
 
     @property
     def dset_size(self) -> int:
         return len(self.dataset)
 
-    def _make_plan(self, dset_size, batch_size, shuffle, last_batch, rank, world_size):
+    def _make_plan(self, dset_size: ArrayLike, batch_size: int, shuffle: bool, last_batch: str,
+                   rank: int | None, world_size: int | None) -> Plan:
         if self.batch_sampler is None:
             return super()._make_plan(dset_size, batch_size, shuffle, last_batch, rank, world_size)
         return SamplerPlan(self.batch_sampler)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         if self._runtime is None:
             self.start()
         return super().__iter__()
@@ -108,14 +117,18 @@ class DataLoader(SampleLoader):
 
     _collate_name = "batchify_fn"
 
-    def __init__(self, dataset, batch_size: int | None = None, shuffle: bool = False, sampler=None,
-                 last_batch: str | None = None, batch_sampler=None, batchify_fn=None,
+    def __init__(self, dataset: Any, batch_size: int | None = None, shuffle: bool = False,
+                 sampler: Iterable[int] | None = None, last_batch: str | None = None,
+                 batch_sampler: Iterable | None = None,
+                 batchify_fn: Callable[[list], object] | None = None,
                  num_workers: int = 0, pin_memory: bool = False, pin_device_id: int = 0,
                  prefetch: int | None = None, thread_pool: bool = False,
                  timeout: float | None = 120,
                  *, out_type: str = "null", seed: int | None = None, rank: int | None = None,
-                 world_size: int | None = None, worker_init_fn=None, slot_bytes: int | None = None,
-                 start_method: str | None = None, worker_restarts: int = 0):
+                 world_size: int | None = None,
+                 worker_init_fn: Callable[[int], object] | None = None,
+                 slot_bytes: int | None = None, start_method: str | None = None,
+                 worker_restarts: int = 0) -> None:
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise TypeError(f"dataset must have __getitem__ and __len__, got {type(dataset).__name__}")
         self._check(batch_size, shuffle, num_workers, prefetch, thread_pool)
@@ -137,7 +150,8 @@ class DataLoader(SampleLoader):
                          worker_init_fn=worker_init_fn, worker_restarts=worker_restarts)
 
     @staticmethod
-    def _check(batch_size, shuffle, num_workers, prefetch, thread_pool) -> None:
+    def _check(batch_size: object, shuffle: object, num_workers: object, prefetch: object,
+               thread_pool: object) -> None:
         """The arguments used here before ``ShmSequence`` checks the rest: a 0 or a string
         would otherwise turn into some other loader (``batch_size or 1``, ``2 * '2'``)."""
         check_int("batch_size", batch_size, 1, optional=True)
@@ -147,7 +161,8 @@ class DataLoader(SampleLoader):
         check_bool("thread_pool", thread_pool)
 
     @staticmethod
-    def _batch_sampler(batch_size, shuffle, sampler, last_batch, batch_sampler):
+    def _batch_sampler(batch_size: int | None, shuffle: bool, sampler: Iterable[int] | None,
+                       last_batch: str | None, batch_sampler: Iterable | None) -> Iterable | None:
         """Gluon's argument rules; None when the default, seeded plan does the job."""
         if batch_sampler is not None:
             if batch_size is not None or shuffle or sampler is not None or last_batch is not None:

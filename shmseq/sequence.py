@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
-from typing import Callable
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
@@ -20,6 +21,11 @@ from .engine.trainer.devices import Device, resolve_out_type
 from .engine.trainer.pipeline import Inline, Pipeline, PipelineSpec, closing_finalizer
 from .engine.trainer.plan import EpochPlan, as_index_array
 from .engine.trainer.stats import LoaderStats
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
+
+Runtime = Pipeline | Inline
 
 THREAD_TYPES = ("proc", "thread")
 TEST_MODES = ("default", "cpu", "numpy")
@@ -64,14 +70,16 @@ class ShmSequence:
     The full contract: docs/reference.md.
     """
 
-    def __init__(self, worker, dset_size, *, batch_size: int = 32, slot_bytes: int | None = None,
-                 buffer: int = 10, num_workers: int = 4, num_converters: int | None = None,
+    def __init__(self, worker: object, dset_size: ArrayLike, *, batch_size: int = 32,
+                 slot_bytes: int | None = None, buffer: int = 10, num_workers: int = 4,
+                 num_converters: int | None = None,
                  shuffle: bool = True, seed: int | None = None, thread_type: str = "proc",
                  out_type: str = "cuda", start_method: str | None = None,
                  timeout: float | None = 120.0,
                  last_batch: str = "keep", pin_memory: bool | None = None, pin_device_id: int = 0,
-                 rank: int | None = None, world_size: int | None = None, worker_init_fn=None,
-                 worker_restarts: int = 0, device: Callable[[], Device] | None = None):
+                 rank: int | None = None, world_size: int | None = None,
+                 worker_init_fn: Callable[[int], object] | None = None,
+                 worker_restarts: int = 0, device: Callable[[], Device] | None = None) -> None:
         check_worker(worker)
         check_int("batch_size", batch_size, 1)
         check_int("buffer", buffer, 1)
@@ -93,7 +101,7 @@ class ShmSequence:
         self.worker = worker
         self._seed_given = seed is not None
         self._seed = self._default_seed() if seed is None else int(seed)
-        self._plan = self._make_plan(dset_size, batch_size, shuffle, last_batch, rank, world_size)
+        self._plan: Plan = self._make_plan(dset_size, batch_size, shuffle, last_batch, rank, world_size)
         self.worker_init_fn = worker_init_fn
         self.slot_bytes = slot_bytes
         self.buffer = buffer
@@ -111,17 +119,20 @@ class ShmSequence:
         self._resume_at = 0               # ... at this batch (set by load_state_dict)
         self._last = (-1, 0)              # (epoch, batches delivered) of the last iteration
         self._open: tuple[int, int] | None = None  # (epoch, first position) being iterated
-        self._iterating = None            # (runtime, token) of the iteration in progress
+        self._iterating: tuple[Runtime, object] | None = None  # (runtime, token) of the iteration
         self._claim = threading.Lock()
-        self._runtime = None
-        self._closer = None
+        self._runtime: Runtime | None = None
+        self._closer: weakref.finalize | None = None
         self._stats = LoaderStats()
 
     def _default_seed(self) -> int:
         """The seed when none is given: fresh entropy, so that each run shuffles anew."""
-        return int(np.random.SeedSequence().entropy % 2**63)
+        entropy = np.random.SeedSequence().entropy
+        assert isinstance(entropy, int)  # drawn, not given
+        return int(entropy % 2**63)
 
-    def _make_plan(self, dset_size, batch_size, shuffle, last_batch, rank, world_size) -> Plan:
+    def _make_plan(self, dset_size: ArrayLike, batch_size: int, shuffle: bool, last_batch: str,
+                   rank: int | None, world_size: int | None) -> Plan:
         return EpochPlan(as_index_array(dset_size), batch_size, shuffle=bool(shuffle),
                          seed=self._seed, last_batch=last_batch, rank=rank, world_size=world_size,
                          seed_given=self._seed_given)
@@ -129,7 +140,9 @@ class ShmSequence:
     # -- the MDNC attributes --------------------------------------------------------------------
     @property
     def dset_size(self) -> int:
-        return len(self._plan.indices)
+        plan = self._plan
+        assert isinstance(plan, EpochPlan)  # a sampler's plan's loaders count their dataset
+        return len(plan.indices)
 
     @property
     def batch_size(self) -> int | None:
@@ -186,7 +199,7 @@ class ShmSequence:
         return self._plan
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self, compat=None) -> "ShmSequence":
+    def start(self, compat: object = None) -> "ShmSequence":
         """Start the workers; interrupts a running pipeline first.
 
         ``compat`` is accepted for MDNC compatibility and ignored (there are no converter
@@ -220,7 +233,7 @@ class ShmSequence:
             worker_init_fn=self.worker_init_fn, restarts=self.worker_restarts,
             device=self._device)
 
-    def _own(self, runtime) -> "ShmSequence":
+    def _own(self, runtime: Runtime) -> "ShmSequence":
         self._runtime = runtime
         self._stats = runtime.stats
         self._closer = closing_finalizer(self, runtime)
@@ -239,10 +252,10 @@ class ShmSequence:
             self.start()
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.finish()
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         """One epoch; the next iteration is the next epoch (``break`` leaves the rest).
 
         The epoch is taken at the first batch: a bare ``iter(seq)`` takes nothing."""
@@ -252,7 +265,7 @@ class ShmSequence:
                                "(or use it in a with-block) before iterating")
         return self._epoch(runtime)
 
-    def _epoch(self, runtime):
+    def _epoch(self, runtime: Runtime) -> Iterator[Any]:
         token = self._claim_iteration(runtime)
         epoch, position = self.epoch, self._resume_at
         self.epoch, self._resume_at = epoch + 1, 0
@@ -273,7 +286,7 @@ class ShmSequence:
         finally:
             self._release_iteration(token)
 
-    def _claim_iteration(self, runtime):
+    def _claim_iteration(self, runtime: Runtime) -> object:
         with self._claim:
             if self._iterating is not None and self._iterating[0] is runtime:
                 raise RuntimeError(
@@ -284,7 +297,7 @@ class ShmSequence:
             self._iterating = (runtime, token)
             return token
 
-    def _release_iteration(self, token) -> None:
+    def _release_iteration(self, token: object) -> None:
         with self._claim:
             if self._iterating is not None and self._iterating[1] is token:
                 self._iterating = self._open = None

@@ -249,11 +249,21 @@ class Plan(Protocol):
     and sets what a state or ``len()`` needs, between iterations or as one starts."""
 
     version: int             # changes whenever batches planned before may have changed
-    batch_size: int | None   # samples per batch; None: a user's sampler decides
-    seed: int | None         # the shuffle's seed; None: a user's sampler has its own
-    last_batch: str | None   # 'keep', 'discard' or 'rollover'; None: a user's sampler decides
     rank: int                # this process's share of every epoch, out of
     world_size: int
+
+    # Read only through a Plan (a plan of shmseq's own has them, a user's sampler has None):
+    @property
+    def batch_size(self) -> int | None:
+        """Samples per batch; None: a user's sampler decides."""
+
+    @property
+    def seed(self) -> int | None:
+        """The shuffle's seed; None: a user's sampler has its own."""
+
+    @property
+    def last_batch(self) -> str | None:
+        """'keep', 'discard' or 'rollover'; None: a user's sampler decides."""
 
     def batch(self, epoch: int, position: int) -> object | None:
         """Batch ``position`` of ``epoch`` (its sample indices); None past the epoch's last."""
