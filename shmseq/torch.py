@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Hashable
-from typing import TypeVar
+from multiprocessing.context import BaseContext
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Sequence, TypeVar, cast
 
 import numpy as np
 
@@ -34,7 +35,7 @@ except ModuleNotFoundError as missing:
         "shmseq.torch is torch's DataLoader on shmseq's ring, and needs torch: pip install torch "
         "(or your CUDA build of it). Without torch, shmseq.ShmSequence and shmseq.DataLoader "
         "deliver numpy arrays (out_type='null').", name="torch") from missing
-from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import DataLoader as TorchDataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map
 
@@ -47,8 +48,16 @@ from .engine.trainer.plan import SamplerPlan
 from .engine.trainer.stats import LoaderStats
 from .engine.worker.batch import StreamEnded
 
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+    from torch.utils.data._utils.fetch import _BaseDatasetFetcher
 
-def slot_collate(samples: list, out: SlotAllocator | None = None):
+    from .engine.common.protocol import Delivery
+
+R = TypeVar("R")
+
+
+def slot_collate(samples: list, out: SlotAllocator | None = None) -> Any:
     """``default_collate(samples)``, each stackable column written straight into ``out``:
     tensors and arrays are stacked, numbers become a 1-D column (ints int64, floats float64),
     strings stay lists; mappings, namedtuples and sequences are collated field by field."""
@@ -56,19 +65,19 @@ def slot_collate(samples: list, out: SlotAllocator | None = None):
 
 
 def _slot_collate_map(out: SlotAllocator) -> dict:
-    def tensors(batch, *, collate_fn_map):
+    def tensors(batch: Sequence[torch.Tensor], *, collate_fn_map: dict) -> object:
         arrays = [as_ndarray(tensor) for tensor in batch]
         if arrays[0] is None:  # bfloat16, sparse, nested: collated by torch (or refused alike)
             return default_collate_fn_map[torch.Tensor](batch, collate_fn_map=collate_fn_map)
-        return stack_into(arrays, out)
+        return stack_into(cast("list[np.ndarray]", arrays), out)  # as the first: else it fails
 
-    def arrays(batch, *, collate_fn_map):
+    def arrays(batch: list[np.ndarray], *, collate_fn_map: dict) -> object:
         if batch[0].dtype.kind in "SaUO":  # torch refuses these: say so as it does
             return default_collate_fn_map[np.ndarray](batch, collate_fn_map=collate_fn_map)
         return stack_into(batch, out)
 
-    def column(dtype=None):
-        def stack(batch, *, collate_fn_map):
+    def column(dtype: DTypeLike | None = None) -> Callable[..., object]:
+        def stack(batch: list, *, collate_fn_map: dict) -> object:
             values = np.asarray(batch, dtype)
             if values.dtype.kind == "O":
                 return torch.as_tensor(batch)  # raises as torch's collation does
@@ -85,14 +94,14 @@ def _slot_collate_map(out: SlotAllocator) -> dict:
 class _Index:
     """A sampler's item sent to a worker as it is (pickled): a key, a list for bulk loading."""
 
-    def __init__(self, value):
+    def __init__(self, value: object) -> None:
         self.value = value
 
     def __repr__(self) -> str:
         return repr(self.value)
 
 
-def _as_task(index):
+def _as_task(index: object) -> np.ndarray | _Index:
     """What a worker is sent for one item of the index sampler: a list of ints (what torch's
     samplers give) as int64 indices, the wire's fixed binary frame; anything else as is."""
     if type(index) is list and set(map(type, index)) == {int}:
@@ -109,18 +118,19 @@ class _Fetcher:
     For an ``IterableDataset`` a task is ``(pass, item)``: the worker iterates its copy of the
     dataset anew at each pass, as torch's workers do, and says when its stream has ended."""
 
-    def __init__(self, dataset, kind: int, auto_collation: bool, collate_fn, drop_last: bool):
+    def __init__(self, dataset: Dataset, kind: int, auto_collation: bool,
+                 collate_fn: Callable[[list], Any], drop_last: bool) -> None:
         self.dataset = dataset  # what get_worker_info().dataset is
         self.kind = kind
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
         self.drop_last = drop_last
-        self._fetcher = None
-        self._pass = None  # the pass the fetcher iterates (an IterableDataset's)
+        self._fetcher: _BaseDatasetFetcher | None = None
+        self._pass: object = None  # the pass the fetcher iterates (an IterableDataset's)
         self._slot: SlotAllocator | None = None  # where the batch in hand is collated
 
-    def fill_batch(self, task, out: SlotAllocator):
-        item = task.tolist() if isinstance(task, np.ndarray) else task.value
+    def fill_batch(self, task: np.ndarray | _Index, out: SlotAllocator) -> Any:
+        item: Any = task.tolist() if isinstance(task, np.ndarray) else task.value
         if self.kind == _DatasetKind.Iterable:
             this_pass, item = item
             if this_pass != self._pass:
@@ -139,7 +149,7 @@ class _Fetcher:
         finally:
             self._slot = None
 
-    def _into_slot(self, samples):
+    def _into_slot(self, samples: list) -> Any:
         return slot_collate(samples, self._slot)
 
     def __getstate__(self) -> dict:
@@ -150,7 +160,7 @@ class _Fetcher:
         return {"dataset": self.dataset, "collate_fn": self.collate_fn}
 
     @staticmethod
-    def unpicklable(what: str, value, exc: Exception, start_method: str) -> Exception:
+    def unpicklable(what: str, value: object, exc: Exception, start_method: str) -> Exception:
         """The error when ``value`` (the argument ``what``) cannot be pickled: of the pickling
         error's type, as torch's loader raises it, saying what this front end takes."""
         message = (f"{what} {value!r} cannot be pickled, which multiprocessing_context="
@@ -175,13 +185,17 @@ class DataLoader(TorchDataLoader[T_co]):
     persistent workers now, rather than when the loader is dropped).
     """
 
-    def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None,
-                 sampler=None, batch_sampler=None, num_workers: int = 0, collate_fn=None,
+    def __init__(self, dataset: Dataset[T_co], batch_size: int | None = 1,
+                 shuffle: bool | None = None, sampler: Sampler | Iterable | None = None,
+                 batch_sampler: Sampler[list] | Iterable[list] | None = None,
+                 num_workers: int = 0, collate_fn: Callable[[list], Any] | None = None,
                  pin_memory: bool = False, drop_last: bool = False, timeout: float = 0,
-                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
+                 worker_init_fn: Callable[[int], None] | None = None,
+                 multiprocessing_context: str | BaseContext | None = None,
+                 generator: torch.Generator | None = None, *,
                  prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True,
-                 slot_bytes: int | None = None, worker_restarts: int = 0):
+                 slot_bytes: int | None = None, worker_restarts: int = 0) -> None:
         super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
                          collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
                          multiprocessing_context, generator, prefetch_factor=prefetch_factor,
@@ -212,18 +226,23 @@ class DataLoader(TorchDataLoader[T_co]):
     def pipeline(self) -> Pipeline | None:
         """The persistent workers' pipeline, once an iterator started it (for inspection:
         ``shmseq.testing``); None without persistent workers."""
-        return None if self._iterator is None else self._iterator.pipeline
+        iterator = self._iterator
+        if iterator is None:
+            return None
+        assert isinstance(iterator, _RingIterator)  # kept (persistent) only with workers
+        return iterator.pipeline
 
     def close(self) -> None:
         """Stop the persistent workers now (dropping the loader does it too)."""
         iterator, self._iterator = self._iterator, None
         if iterator is not None:
+            assert isinstance(iterator, _RingIterator)  # kept (persistent) only with workers
             iterator._shutdown_workers()
 
     def __enter__(self) -> "DataLoader":
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
@@ -237,11 +256,12 @@ class _RingIterator(_BaseDataLoaderIter):
     sampler's iterator; each pass hands that iterator to the pipeline, which draws from it as
     the workers need batches (an endless sampler is fine)."""
 
-    def __init__(self, loader: DataLoader):
+    def __init__(self, loader: DataLoader) -> None:
         super().__init__(loader)
         self._in_order = loader.in_order
         self._plan = SamplerPlan(self._index_sampler, as_task=_as_task)
         context = loader.multiprocessing_context
+        assert loader.prefetch_factor is not None  # torch's default with workers: 2
         self._spec = PipelineSpec(
             _Fetcher(self._dataset, self._dataset_kind, self._auto_collation, self._collate_fn,
                      self._drop_last),
@@ -250,7 +270,7 @@ class _RingIterator(_BaseDataLoaderIter):
             start_method=None if context is None else context.get_start_method(),
             out_type="cpu", pin_memory=self._pin_memory,
             pin_device_id=torch.cuda.current_device() if self._pin_memory else 0,
-            timeout=self._timeout or None, base_seed=self._base_seed,
+            timeout=self._timeout or None, base_seed=int(self._base_seed),
             worker_init_fn=loader.worker_init_fn, restarts=loader.worker_restarts,
             in_turn=True, wait_for_workers=False)
         self._stats = loader.stats
@@ -260,7 +280,7 @@ class _RingIterator(_BaseDataLoaderIter):
         self._epoch = -1
         self._reset(loader, first_iter=True)
 
-    def _reset(self, loader, first_iter: bool = False) -> None:
+    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         """A new pass: torch's ``_reset`` makes the index sampler's iterator, the pipeline
         drops what is left of the pass before and gives the workers the first batches. The
         workers start here the first time, and again if an earlier failure stopped them."""
@@ -283,13 +303,14 @@ class _RingIterator(_BaseDataLoaderIter):
             items = ((epoch, item) for item in items)  # (not self: no cycle through the plan)
         self._first_number = self._pipeline.open(self._epoch, 0, items)
 
-    def _next_data(self):
+    def _next_data(self) -> Any:
         while True:
             number, delivery = self._next_delivery()
             if not delivery.ended:  # else a worker's stream had ended: nothing to hand over
+                assert self._pipeline is not None  # running: the delivery came
                 return self._pipeline.hand_over(number, delivery)
 
-    def _next_delivery(self):
+    def _next_delivery(self) -> tuple[int, Delivery]:
         if self._pipeline is None:
             raise StopIteration
         while self._position in self._handed:
@@ -309,7 +330,7 @@ class _RingIterator(_BaseDataLoaderIter):
             self._pipeline.release(self._epoch, self._position)
         return number, delivery
 
-    def _receive(self, receive, number: int):
+    def _receive(self, receive: Callable[[int, int, int], R], number: int) -> R:
         """``receive(number, epoch, position)``, with failures of the pipeline worded as torch's
         (a worker's own exception is not one: it comes with its batch, from ``hand_over``)."""
         try:
@@ -342,6 +363,7 @@ class _RingIterator(_BaseDataLoaderIter):
         ``exitcode``), also once the iterator has shut them down."""
         if self._pipeline is None:
             return self._stopped
+        assert self._pipeline.pool is not None  # made with the pipeline
         return [handle.runner for handle in self._pipeline.pool.handles]
 
     def _shutdown_workers(self) -> None:
@@ -357,7 +379,7 @@ _TORCH_ARGUMENTS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worke
                     "persistent_workers", "pin_memory_device", "in_order")
 
 
-def on_ring(loader, like: DataLoader | None = None):
+def on_ring(loader: TorchDataLoader, like: DataLoader | None = None) -> TorchDataLoader:
     """``loader`` reading through shmseq's ring again, after a framework rebuilt it as torch's.
 
     Accelerate's ``prepare()`` and ``skip_first_batches()`` build a torch ``DataLoader`` from
@@ -375,7 +397,7 @@ def on_ring(loader, like: DataLoader | None = None):
                         f"{type(loader).__name__}")
     batching = ({"batch_sampler": base.batch_sampler} if base.batch_sampler is not None else
                 {"batch_size": None, "sampler": base.sampler})
-    rebuilt = DataLoader(base.dataset, **batching,
+    rebuilt: DataLoader = DataLoader(base.dataset, **batching,
                          **{name: getattr(base, name) for name in _TORCH_ARGUMENTS},
                          slot_bytes=getattr(like, "slot_bytes", None),
                          worker_restarts=getattr(like, "worker_restarts", 0))
@@ -401,7 +423,7 @@ class RaggedCollate:
     ``shmseq.torch.DataLoader`` the jagged tensor is written into the slot once and delivered as
     views of it."""
 
-    def __init__(self, *fields: str | int):
+    def __init__(self, *fields: str | int) -> None:
         if not fields:
             raise ValueError("RaggedCollate needs the fields to keep ragged: keys of dict samples "
                              "(RaggedCollate('boxes')) or positions of tuple samples (RaggedCollate(1))")
@@ -412,7 +434,7 @@ class RaggedCollate:
                             "RaggedCollate(['boxes', 'jpg'])")
         self.fields = fields
 
-    def __call__(self, samples: list):
+    def __call__(self, samples: list) -> Any:
         first = samples[0]
         if isinstance(first, dict):
             self._check_fields(list(first), "keys")
@@ -425,13 +447,13 @@ class RaggedCollate:
         raise TypeError(f"RaggedCollate names fields of dict or tuple samples, got a "
                         f"{type(first).__name__}: return a dict or tuple from the dataset")
 
-    def _check_fields(self, known, kind: str) -> None:
+    def _check_fields(self, known: Collection[object], kind: str) -> None:
         missing = [field for field in self.fields if field not in known]
         if missing:
             raise ValueError(f"RaggedCollate{self.fields!r}: the samples have no field "
                              f"{missing[0]!r} (their {kind}: {list(known)}); name one of those")
 
-    def _column(self, field, items: list):
+    def _column(self, field: str | int, items: list) -> Any:
         if field not in self.fields:
             return default_collate(items)
         try:
@@ -441,7 +463,7 @@ class RaggedCollate:
         return _jagged(ragged)
 
 
-def _jagged(ragged: Ragged):
+def _jagged(ragged: Ragged) -> Ragged | torch.Tensor:
     """The items as a jagged tensor; a ``Ragged`` of numpy arrays where torch has no dtype for
     them (strings, records), as the ring delivers such a leaf."""
     values = ragged.values

@@ -235,7 +235,7 @@ class Pipeline:
         self.plan.release(epoch, position + 1)
         return delivery
 
-    def receive_any(self, first_number: int, epoch: int, position: int) -> tuple[int, object]:
+    def receive_any(self, first_number: int, epoch: int, position: int) -> tuple[int, Delivery]:
         """The delivery of number ``first_number`` or after that arrived first, and its number (an
         epoch's batches in the order they are ready); ``position`` is ``first_number``'s."""
         def take() -> tuple[int, Delivery] | None:
