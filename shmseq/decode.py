@@ -32,7 +32,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -41,6 +41,12 @@ from .engine.common.ragged import Ragged
 from .engine.trainer.devices import CudaDevice, cuda_available
 from .vision import (IMAGENET_MEAN, IMAGENET_STD, JPEG_EXTENSIONS, MAX_PIXELS, ImageDecodeError,
                      ImageFolder, _simplejpeg, center_crop, check_pixels, random_resized_crop)
+
+if TYPE_CHECKING:
+    import torch
+
+    from .engine.common.layout import Wrap
+    from .engine.trainer.ring import Ring
 
 DTYPES = ("float32", "float16", "bfloat16")
 ON_ERROR = ("raise", "skip")
@@ -54,7 +60,7 @@ class EncodedImageWorker:
     ``uint8`` leaf (each written once into the slot), ``int64`` labels and the sample ids, as
     a ``DecodeStage`` takes them. ``name_of(index)`` is the file, for the stage's messages."""
 
-    def __init__(self, root: str | os.PathLike | ImageFolder):
+    def __init__(self, root: str | os.PathLike | ImageFolder) -> None:
         self.folder = root if isinstance(root, ImageFolder) else ImageFolder.scan(root)
         others = [path for path in self.folder.files if not path.lower().endswith(JPEG_EXTENSIONS)]
         if others:
@@ -94,7 +100,7 @@ class encoded_sample:
 class _Draws:
     """A row of uniforms in [0, 1), handed out as ``random_resized_crop`` asks for them."""
 
-    def __init__(self, row: np.ndarray):
+    def __init__(self, row: np.ndarray) -> None:
         self._row = iter(row.tolist())
 
     def uniform(self, low: float, high: float) -> float:
@@ -137,7 +143,7 @@ class DecodeStage:
                  std: tuple[float, ...] = IMAGENET_STD, dtype: str = "float32",
                  channels_last: bool = False, on_error: str = "raise",
                  max_pixels: int = MAX_PIXELS, names: Callable[[int], str] | None = None,
-                 threads: int | None = None, streams: int = 1):
+                 threads: int | None = None, streams: int = 1) -> None:
         check_choice("dtype", dtype, DTYPES)
         check_choice("on_error", on_error, ON_ERROR)
         check_int("max_pixels", max_pixels, 1)
@@ -160,7 +166,7 @@ class DecodeStage:
         self.threads = threads or os.cpu_count() or 1
         self.streams = int(streams)
 
-    def __call__(self):
+    def __call__(self) -> CudaDecoder | HostDecoder:
         """A device for one run of a pipeline (``ShmSequence`` makes one at each start)."""
         return CudaDecoder(self) if self.device.startswith("cuda") else HostDecoder(self)
 
@@ -170,7 +176,7 @@ class DecodeStage:
             return f"sample {sample_id}"
         return f"{self.names(sample_id)} (sample {sample_id})"
 
-    def boxes(self, sizes: list[tuple[int, int] | None], ids: np.ndarray) -> np.ndarray:
+    def boxes(self, sizes: Sequence[tuple[int, int] | None], ids: np.ndarray) -> np.ndarray:
         """``(top, left, height, width, flip)`` per image of ``(height, width)`` (None: an image
         that did not decode, skipped without changing the others' draws)."""
         draws = np.random.default_rng([self.seed, *np.asarray(ids, np.int64).tolist()]).random(
@@ -192,21 +198,21 @@ class DecodeStage:
         flipped = self.augment and self.flip and draws.random() < 0.5
         return top, left, crop_h, crop_w, int(flipped)
 
-    def normalizer(self, torch_device) -> tuple:
+    def normalizer(self, torch_device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``(scale, shift)``: ``x * scale - shift`` is ``(x / 255 - mean) / std``."""
         import torch
         std = torch.tensor(self.std, dtype=torch.float32, device=torch_device).view(3, 1, 1)
         mean = torch.tensor(self.mean, dtype=torch.float32, device=torch_device).view(3, 1, 1)
         return 1 / (255 * std), mean / std
 
-    def empty_images(self, count: int, torch_device):
+    def empty_images(self, count: int, torch_device: str | torch.device) -> torch.Tensor:
         import torch
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
         return torch.empty((count, 3, self.size, self.size), dtype=getattr(torch, self.dtype),
                            device=torch_device, memory_format=memory_format)
 
 
-def source_batch(views) -> tuple[Ragged, np.ndarray, np.ndarray]:
+def source_batch(views: object) -> tuple[Ragged, np.ndarray, np.ndarray]:
     """A decode stage's input, checked: ``(encoded, labels, ids)``."""
     if not (isinstance(views, (tuple, list)) and len(views) == 3 and isinstance(views[0], Ragged)
             and views[0].values.dtype == np.uint8):
@@ -221,28 +227,29 @@ def source_batch(views) -> tuple[Ragged, np.ndarray, np.ndarray]:
 class Decoding:
     """A batch on its way: rows fill ``images`` as they decode; ``failed[i]`` says why row
     ``i`` could not be."""
-    images: object
-    labels: object
+    images: torch.Tensor
+    labels: torch.Tensor
     ids: np.ndarray
-    failed: list
+    failed: list[str | None]
 
 
 class _DecodingDevice:
     """What both decoders share: input views as numpy (``wrap``), the images' headers read
     first, and the end of a batch (a failed image raised or left out)."""
 
-    wrap = None  # the encoded bytes are read as numpy views of the slot
+    wrap: Wrap | None = None  # the encoded bytes are read as numpy views of the slot
 
-    def __init__(self, stage: DecodeStage):
+    def __init__(self, stage: DecodeStage) -> None:
         self.stage = stage
         self.simplejpeg = _simplejpeg()
         self._skipped: list[str] = []
 
-    def headers(self, encoded: Ragged) -> tuple[list, list]:
+    def headers(self, encoded: Ragged) -> tuple[list[tuple[int, int] | None], list[str | None]]:
         """``(height, width)`` of each image from its JPEG header, or None with the reason in
         the second list: a header that does not read, or claims more than ``max_pixels`` (then
         the image is never handed to a decoder, which would allocate what it claims)."""
-        sizes, failed = [], []
+        sizes: list[tuple[int, int] | None] = []
+        failed: list[str | None] = []
         for data in encoded:
             try:
                 height, width, _, _ = self.simplejpeg.decode_jpeg_header(data)
@@ -254,7 +261,7 @@ class _DecodingDevice:
                 failed.append(str(exc) or type(exc).__name__)
         return sizes, failed
 
-    def finished(self, batch: Decoding):
+    def finished(self, batch: Decoding) -> tuple[torch.Tensor, torch.Tensor]:
         """``(images, labels)``, or the first failure raised (``on_error='raise'``)."""
         failures = [(row, why) for row, why in enumerate(batch.failed) if why is not None]
         if not failures:
@@ -277,17 +284,17 @@ class _DecodingDevice:
 class HostDecoder(_DecodingDevice):
     """simplejpeg in a thread pool; the slot is read until every row of it is done."""
 
-    def __init__(self, stage: DecodeStage):
+    def __init__(self, stage: DecodeStage) -> None:
         super().__init__(stage)
         import torch
         self.torch = torch
         self.scale, self.shift = stage.normalizer("cpu")
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def attach(self, ring) -> None:
+    def attach(self, ring: Ring) -> None:
         """Nothing to page-lock: the slot is read in place by the pool."""
 
-    def convert(self, views):
+    def convert(self, views: object) -> tuple[Decoding, list[concurrent.futures.Future]]:
         encoded, labels, ids = source_batch(views)
         sizes, failed = self.headers(encoded)
         boxes = self.stage.boxes(sizes, ids)
@@ -304,23 +311,24 @@ class HostDecoder(_DecodingDevice):
             self._pool = concurrent.futures.ThreadPoolExecutor(self.stage.threads, "shmseq-decode")
         return self._pool
 
-    def _decode_rows(self, rows: list, images, failed: list) -> None:
+    def _decode_rows(self, rows: list, images: torch.Tensor, failed: list[str | None]) -> None:
         for data, box, row in rows:
             try:
                 self._decode_row(data, box, images[row])
             except ValueError as exc:
                 failed[row] = str(exc) or type(exc).__name__
 
-    def _decode_row(self, data: np.ndarray, box: np.ndarray, out) -> None:
+    def _decode_row(self, data: np.ndarray, box: np.ndarray, out: torch.Tensor) -> None:
         """Decoded, then resized as ``uint8`` (torch's fast CPU path), rounded, then normalized."""
         image = self.torch.from_numpy(self.simplejpeg.decode_jpeg(data, colorspace="RGB"))
         out.copy_(crop_resized(image.permute(2, 0, 1), box.tolist(), self.stage.size))
         out.mul_(self.scale).sub_(self.shift)
 
-    def wait(self, jobs) -> None:
+    def wait(self, jobs: list[concurrent.futures.Future]) -> None:
         concurrent.futures.wait(jobs)
 
-    def hand_over(self, batch: Decoding, jobs):
+    def hand_over(self, batch: Decoding,
+                  jobs: list[concurrent.futures.Future]) -> tuple[torch.Tensor, torch.Tensor]:
         for job in jobs:
             job.result()  # a failure other than a bad image (memory, a bug) is raised here
         return self.finished(batch)
@@ -335,7 +343,7 @@ class CudaDecoder(_DecodingDevice):
     """torchcodec's batched nvJPEG decode from the page-locked slot, then the crops, on one of
     the stage's streams; the slot is free once an event after the decode completes."""
 
-    def __init__(self, stage: DecodeStage):
+    def __init__(self, stage: DecodeStage) -> None:
         super().__init__(stage)
         self.decode_jpegs = nvjpeg_decoder()
         self.gpu = CudaDevice(stage.device, stage.streams)  # crops. streams, page lock, hand-over
@@ -343,10 +351,10 @@ class CudaDecoder(_DecodingDevice):
         self._decoding = self.torch.cuda.Stream(self.device)  # torchcodec's alone: owns its memory
         self.scale, self.shift = stage.normalizer(self.device)
 
-    def attach(self, ring) -> None:
+    def attach(self, ring: Ring) -> None:
         self.gpu.attach(ring)
 
-    def convert(self, views):
+    def convert(self, views: object) -> tuple[Decoding, tuple[torch.cuda.Event, torch.cuda.Event]]:
         """The decode runs on a stream that runs nothing but torchcodec's calls. torchcodec
         allocates its output on the current stream, and nvJPEG's hardware engine writes it
         without waiting for that stream's queued work, so torchcodec (0.17 on) first synchronizes
@@ -372,7 +380,7 @@ class CudaDecoder(_DecodingDevice):
             read.record(stream)
             decoded = [None if image is None else as_stored(image, exif_orientation(data))
                        for image, data in zip(decoded, encoded)]
-            sizes = [None if image is None else tuple(image.shape[1:]) for image in decoded]
+            sizes = [None if image is None else (image.shape[1], image.shape[2]) for image in decoded]
             images = self.stage.empty_images(len(decoded), self.device)
             transform(decoded, self.stage.boxes(sizes, ids), images, self.stage.size)
             images.mul_(self.scale).sub_(self.shift)
@@ -380,10 +388,11 @@ class CudaDecoder(_DecodingDevice):
             done.record(stream)
         return Decoding(images, labels, ids.copy(), failed), (read, done)
 
-    def wait(self, events) -> None:
+    def wait(self, events: tuple[torch.cuda.Event, torch.cuda.Event]) -> None:
         events[0].synchronize()
 
-    def hand_over(self, batch: Decoding, events):
+    def hand_over(self, batch: Decoding, events: tuple[torch.cuda.Event, torch.cuda.Event]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         self.gpu.hand_over((batch.images, batch.labels), events[1])
         return self.finished(batch)
 
@@ -409,7 +418,8 @@ def nvjpeg_decoder() -> JpegsDecode:
     return lambda encoded, device: decode_jpeg(encoded, mode="RGB", device=device)
 
 
-def decoded_rows(decode: JpegsDecode, encoded: Ragged, failed: list, device) -> list:
+def decoded_rows(decode: JpegsDecode, encoded: Ragged, failed: list[str | None],
+                 device: torch.device) -> list[torch.Tensor | None]:
     """Each image whose header passed (``failed`` None), all in one ``decode`` call; when that
     fails, one by one, to name the ones that fail (in ``failed``). None for every other row."""
     import torch
@@ -419,13 +429,14 @@ def decoded_rows(decode: JpegsDecode, encoded: Ragged, failed: list, device) -> 
         images = decode(items, device) if items else []
     except RuntimeError:
         images = [_decoded_alone(decode, item, row, failed, device) for row, item in zip(rows, items)]
-    decoded = [None] * len(failed)
+    decoded: list[torch.Tensor | None] = [None] * len(failed)
     for row, image in zip(rows, images):
         decoded[row] = image
     return decoded
 
 
-def _decoded_alone(decode: JpegsDecode, item, row: int, failed: list, device):
+def _decoded_alone(decode: JpegsDecode, item: torch.Tensor, row: int, failed: list[str | None],
+                   device: torch.device) -> torch.Tensor | None:
     try:
         return decode([item], device)[0]
     except RuntimeError as exc:
@@ -450,7 +461,7 @@ _ORIENTATION_TAG = 0x0112
 def exif_orientation(data: np.ndarray) -> int:
     """The EXIF orientation (1 to 8) of a JPEG's first Exif segment before its scan, read as
     torchcodec's CUDA decoder reads it (DecodeJpegCuda.cpp); 1 where there is none."""
-    view = memoryview(data)
+    view = memoryview(data)  # type: ignore[arg-type]  # numpy declares the buffer protocol from 3.12
     if view[:2] != b"\xff\xd8":
         return 1
     place = 2
@@ -481,7 +492,7 @@ def _tiff_orientation(tiff: memoryview) -> int:
     return 1
 
 
-def as_stored(image, orientation: int):
+def as_stored(image: torch.Tensor, orientation: int) -> torch.Tensor:
     """``image`` as its JPEG stores it: torchcodec turns every image by its EXIF orientation
     (Exif.h, ``exif_orientation_transform``: a transpose for 5 to 8, then flips), which simplejpeg,
     so the CPU path, and every decoder of ``shmseq.vision`` ignore; undone here, so that both
@@ -492,7 +503,8 @@ def as_stored(image, orientation: int):
     return image.transpose(-1, -2) if orientation >= 5 else image
 
 
-def transform(decoded: list, boxes: np.ndarray, images, size: int) -> None:
+def transform(decoded: list[torch.Tensor | None], boxes: np.ndarray, images: torch.Tensor,
+              size: int) -> None:
     """Each decoded ``(3, H, W)`` ``uint8`` image cropped to its box, resized bilinearly (with
     antialiasing) to ``size``, maybe flipped, into its row of ``images`` (any device); rows
     of images that did not decode (None) are left as they are."""
@@ -501,7 +513,8 @@ def transform(decoded: list, boxes: np.ndarray, images, size: int) -> None:
             row.copy_(crop_resized(image, box, size, float_crop=True))
 
 
-def crop_resized(image, box: list, size: int, float_crop: bool = False):
+def crop_resized(image: torch.Tensor, box: list, size: int,
+                 float_crop: bool = False) -> torch.Tensor:
     """``image`` (3, H, W) cropped to ``box`` (``top, left, height, width, flip``), resized
     bilinearly with antialiasing to ``size`` x ``size``, maybe flipped; in the image's dtype,
     or (``float_crop``: only the crop converted) in float32."""

@@ -45,12 +45,17 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from .checks import check_int
 from .engine.common.errors import warn_user
 from .engine.common.layout import SlotAllocator
+
+if TYPE_CHECKING:
+    import torch
 
 JPEG_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif")
 IMAGE_EXTENSIONS = JPEG_EXTENSIONS + (".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".avif",
@@ -81,7 +86,7 @@ def check_pixels(width: int, height: int, max_pixels: int) -> None:
             "pass a larger max_pixels to read it")
 
 
-def _simplejpeg():
+def _simplejpeg() -> ModuleType:
     try:
         import simplejpeg
     except ImportError as exc:
@@ -90,7 +95,7 @@ def _simplejpeg():
     return simplejpeg
 
 
-def _jpeg_decoder():
+def _jpeg_decoder() -> ModuleType | None:
     """simplejpeg, or None where it is not installed (Pillow then decodes JPEGs too)."""
     try:
         return _simplejpeg()
@@ -98,7 +103,7 @@ def _jpeg_decoder():
         return None
 
 
-def _pillow(why: str = "images other than JPEG"):
+def _pillow(why: str = "images other than JPEG") -> ModuleType:
     try:
         from PIL import Image
     except ImportError as exc:
@@ -171,7 +176,14 @@ class ImageFolder:
         return {name: label for label, name in enumerate(self.classes)}
 
 
-def random_resized_crop(rng: np.random.Generator, width: int, height: int,
+class Uniforms(Protocol):
+    """What draws a crop: ``uniform(low, high)``, as a numpy ``Generator`` has it."""
+
+    def uniform(self, low: float, high: float) -> float:
+        """A number drawn uniformly from [low, high)."""
+
+
+def random_resized_crop(rng: Uniforms, width: int, height: int,
                         scale: tuple[float, float], ratio: tuple[float, float]
                         ) -> tuple[float, float, float, float]:
     """A crop ``(left, top, width, height)`` of a random share of the area and aspect ratio.
@@ -226,8 +238,9 @@ def _resize_into(image: np.ndarray, box: tuple[float, float, float, float],
     np.take(image.reshape(-1, 3), ys[:, None] * width + xs, axis=0, out=row, mode="clip")
 
 
-def normalize(images, mean: tuple[float, ...] = IMAGENET_MEAN,
-              std: tuple[float, ...] = IMAGENET_STD, *, device=None, dtype=None):
+def normalize(images: np.ndarray | torch.Tensor, mean: tuple[float, ...] = IMAGENET_MEAN,
+              std: tuple[float, ...] = IMAGENET_STD, *, device: str | torch.device | None = None,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
     """A batch of ``uint8`` (N, H, W, C) images, as the image workers deliver it, as the float
     (N, C, H, W) input a CNN takes: ``(images / 255 - mean) / std``, channel by channel.
 
@@ -265,7 +278,11 @@ class _RowWorker:
 
     size: int
     seed: int
-    labels: np.ndarray
+
+    @property
+    def labels(self) -> np.ndarray:
+        """Each sample's label."""
+        raise NotImplementedError
 
     def rng_for(self, indices: np.ndarray) -> np.random.Generator:
         """The batch's generator: a function of the seed and the batch's indices only."""
@@ -317,7 +334,7 @@ class ImageFolderWorker(_RowWorker):
                  scale: tuple[float, float] = (0.08, 1.0),
                  ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = True,
                  augment: bool = True, crop_fraction: float = 0.875,
-                 max_pixels: int = MAX_PIXELS):
+                 max_pixels: int = MAX_PIXELS) -> None:
         if size < 1:
             raise ValueError(f"size must be a positive number of pixels, got {size!r}")
         if not 0 < crop_fraction <= 1:
@@ -374,7 +391,7 @@ class ImageFolderWorker(_RowWorker):
             return random_resized_crop(rng, width, height, self.scale, self.ratio)
         return center_crop(width, height, self.crop_fraction)
 
-    def _decode_jpeg(self, simplejpeg, data: bytes, rng: np.random.Generator
+    def _decode_jpeg(self, simplejpeg: ModuleType, data: bytes, rng: np.random.Generator
                      ) -> tuple[np.ndarray, tuple[float, float, float, float]]:
         """The image at reduced scale, in the scratch buffer, and the crop in its coordinates."""
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
@@ -398,8 +415,9 @@ class ImageFolderWorker(_RowWorker):
             raise ImageDecodeError(f"Pillow refused it: {exc} (its limit is twice "
                                    "PIL.Image.MAX_IMAGE_PIXELS: raise that to read it)") from exc
         with opened:
-            check_pixels(*opened.size, self.max_pixels)
-            box = self._crop(rng, *opened.size)
+            width, height = opened.size
+            check_pixels(width, height, self.max_pixels)
+            box = self._crop(rng, width, height)
             image = np.asarray(opened.convert("RGB"))
         return image, box
 
@@ -416,7 +434,7 @@ class ImageArrayWorker(_RowWorker):
     """
 
     def __init__(self, root: str | os.PathLike, size: int = 224, *, seed: int = 0,
-                 flip: bool = True, augment: bool = True):
+                 flip: bool = True, augment: bool = True) -> None:
         self.root = Path(root)
         self.size = int(size)
         self.seed = int(seed)
