@@ -61,9 +61,12 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 from .checks import check_int, check_timeout
+
+if TYPE_CHECKING:
+    from aiohttp import ClientResponseError
 
 FETCH_CHUNK_BYTES = 32 << 20  # one request of a whole-object fetch: memory held, and a retry's loss
 STOP_POLL_S = 0.05  # how often a request that can be stopped looks at its stop event
@@ -89,11 +92,11 @@ class RemotePolicy:
     backoff: float = 0.5
     max_backoff: float = 10.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_int("attempts", self.attempts, 1)
         object.__setattr__(self, "timeout", check_timeout(self.timeout))
         for name in ("backoff", "max_backoff"):
-            value = getattr(self, name)
+            value: float = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"{name} must be a number of seconds >= 0, got {value!r} "
                                 f"({type(value).__name__})")
@@ -120,14 +123,14 @@ class Counters:
 
     FIELDS = ("requests", "bytes", "retries", "wait_s")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts = dict.fromkeys(self.FIELDS, 0)
+        self._counts: dict[str, float] = dict.fromkeys(self.FIELDS, 0)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return Counters, ()
 
-    def add(self, **counts) -> None:
+    def add(self, **counts: float) -> None:
         with self._lock:
             for name, value in counts.items():
                 self._counts[name] += value
@@ -206,7 +209,8 @@ def fetch(url: str, path: str | os.PathLike, *, storage_options: dict | None = N
     return size
 
 
-def _fetch_ranges(url: str, out, storage_options, counters, policy, stop) -> int:
+def _fetch_ranges(url: str, out: IO[bytes], storage_options: dict | None, counters: Counters | None,
+                  policy: RemotePolicy | None, stop: threading.Event | None) -> int:
     """Chunk after chunk until one comes short: no request for the size first."""
     start = 0
     while True:
@@ -233,7 +237,7 @@ def size(url: str, *, storage_options: dict | None = None, counters: Counters | 
 
 
 def open_file(url: str, storage_options: dict | None = None, *,
-              policy: RemotePolicy | None = None):
+              policy: RemotePolicy | None = None) -> IO[bytes]:
     """A binary file object for a local path or any fsspec URL (its opening retried)."""
     if not is_remote(url):
         return open(_local_path(url), "rb")
@@ -241,7 +245,7 @@ def open_file(url: str, storage_options: dict | None = None, *,
     return _with_retries(url, lambda: fs.open(path, "rb"), policy or DEFAULT_POLICY, Counters())
 
 
-def _filesystem(url: str, storage_options: dict | None):
+def _filesystem(url: str, storage_options: dict | None) -> tuple[Any, str]:
     """fsspec's file system for ``url`` and the path in it; for S3, one attempt per call."""
     try:
         import fsspec
@@ -259,8 +263,8 @@ def _filesystem(url: str, storage_options: dict | None):
     return fs, path
 
 
-def _call(fs, method: str, path: str, policy: RemotePolicy, stop: threading.Event | None = None,
-          **kwargs):
+def _call(fs: Any, method: str, path: str, policy: RemotePolicy,
+          stop: threading.Event | None = None, **kwargs: object) -> Any:
     """One request: on an asynchronous file system, run on fsspec's event loop and cancelled
     after ``policy.timeout`` or once ``stop`` is set."""
     if not getattr(fs, "async_impl", False):
@@ -295,6 +299,7 @@ def _with_retries(url: str, request: Callable[[], T], policy: RemotePolicy,
                 time.sleep(policy.delay(attempt))
             else:
                 stop.wait(policy.delay(attempt))  # cut short by a stop, raised at the loop's top
+        raise AssertionError("unreachable: the attempts are counted without end")
     finally:
         counters.add(wait_s=time.perf_counter() - began)
 
@@ -342,7 +347,7 @@ def _judge(exc: BaseException) -> tuple[str, str]:
     return "failed", cause
 
 
-def _chain(exc: BaseException):
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -388,7 +393,7 @@ def _is_timeout(exc: BaseException) -> bool:
 
 
 @functools.cache
-def _http_errors() -> tuple[type, ...]:
+def _http_errors() -> tuple[type[ClientResponseError], ...]:
     """An HTTP answer that is an error, as aiohttp raises it (fsspec's HTTP file system)."""
     try:
         from aiohttp import ClientResponseError

@@ -21,21 +21,31 @@ import queue
 import random
 import threading
 import time
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from .decode import Decoding, HostDecoder, source_batch
+from .decode import DecodeStage, HostDecoder, source_batch
 from .engine.common.errors import ShmSeqError
-from .engine.common.layout import map_arrays
-from .engine.common.protocol import Fence
+from .engine.common.layout import Wrap, map_arrays
+from .engine.common.protocol import Completion, Fence
 from .engine.common.ragged import Ragged
 from .engine.trainer.devices import HostDevice
+from .engine.trainer.plan import EpochPlan
+
+if TYPE_CHECKING:
+    import torch
+
+    from .engine.common.segments import RingSpec
+    from .engine.trainer.pipeline import Pipeline
+    from .engine.trainer.ring import Ring
+    from .sequence import ShmSequence
 
 
 class FakeEvent:
     """Completion of fake copies; carries the error that ``wait`` raises, if any."""
 
-    def __init__(self, error: BaseException | None = None):
+    def __init__(self, error: BaseException | None = None) -> None:
         self.done = threading.Event()
         self.error = error
         self.copy_failed = False
@@ -53,7 +63,7 @@ class FakeStream:
     As with CUDA, only a copy from page-locked memory (``register``) is asynchronous; one
     from pageable memory is done before ``copy`` returns."""
 
-    def __init__(self, max_delay: float = 0.01, seed: int = 0):
+    def __init__(self, max_delay: float = 0.01, seed: int = 0) -> None:
         self.max_delay = max_delay
         self._random = random.Random(seed)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -63,7 +73,7 @@ class FakeStream:
     def register(self, address: int, nbytes: int) -> None:
         self._locked.append((address, address + nbytes))
 
-    def _put(self, job) -> None:
+    def _put(self, job: FakeEvent | tuple[np.ndarray, int, int]) -> None:
         if self._thread is None:  # started at first use: after the workers were forked
             self._thread = threading.Thread(target=self._run, name="shmseq-fake-stream",
                                             daemon=True)
@@ -111,19 +121,21 @@ class FakeDevice:
     ``fail_on(views)``: that batch's copy fails (raised at hand-over); ``fail_wait_on(views)``:
     waiting for that copy fails (a sticky error, seen by the releaser)."""
 
-    wrap = None
+    wrap: Wrap | None = None
 
-    def __init__(self, max_delay: float = 0.01, seed: int = 0, fail_on=None, fail_wait_on=None):
+    def __init__(self, max_delay: float = 0.01, seed: int = 0,
+                 fail_on: Callable[[object], bool] | None = None,
+                 fail_wait_on: Callable[[object], bool] | None = None) -> None:
         self.stream = FakeStream(max_delay, seed)
         self.fail_on = fail_on
         self.fail_wait_on = fail_wait_on
-        self.attached_ring = None
+        self.attached_ring: RingSpec | None = None
 
-    def attach(self, ring) -> None:
+    def attach(self, ring: Ring) -> None:
         self.attached_ring = ring.spec
         self.stream.register(ring.address, ring.spec.total_bytes)
 
-    def convert(self, views):
+    def convert(self, views: object) -> tuple[object, FakeEvent]:
         failed = self.fail_on is not None and self.fail_on(views)
         targets = map_arrays(views, np.empty_like if failed else self.stream.copy)
         stuck = self.fail_wait_on is not None and self.fail_wait_on(views)
@@ -131,13 +143,13 @@ class FakeDevice:
         event.copy_failed = failed
         return targets, event
 
-    def hand_over(self, batch, event):
+    def hand_over(self, batch: object, event: FakeEvent) -> object:
         event.done.wait()  # the consumer's stream waits on the copy's event
         if event.copy_failed:
             raise ShmSeqError("copying a batch to the device failed: fake copy failed")
         return batch
 
-    def wait(self, event) -> None:
+    def wait(self, event: FakeEvent) -> None:
         event.wait()
 
     def close(self) -> None:
@@ -148,15 +160,15 @@ class FakePinnedDevice(HostDevice):
     """Host views of page-locked slots, with the consumer's copies on a fake current stream:
     ``stream.copy(view)`` is the user's ``view.cuda(non_blocking=True)``."""
 
-    def __init__(self, stream: FakeStream):
+    def __init__(self, stream: FakeStream) -> None:
         super().__init__(to_torch=False)
         self.stream = stream
 
-    def attach(self, ring) -> Fence:
+    def attach(self, ring: Ring) -> Fence:
         self.stream.register(ring.address, ring.spec.total_bytes)
         return self.fence
 
-    def fence(self):
+    def fence(self) -> Completion:
         return self.stream.record().wait
 
 
@@ -166,23 +178,27 @@ class FakeGpuDecoder(HostDecoder):
     event after those reads keeps the slot from being rewritten; the copies are then decoded by
     the CPU decoder. Give ``ShmSequence(..., device=lambda: FakeGpuDecoder(stage))``."""
 
-    def __init__(self, stage, max_delay: float = 0.01, seed: int = 0):
+    def __init__(self, stage: DecodeStage, max_delay: float = 0.01, seed: int = 0) -> None:
         super().__init__(stage)
         self.stream = FakeStream(max_delay, seed)
 
-    def attach(self, ring) -> None:
+    def attach(self, ring: Ring) -> None:
         self.stream.register(ring.address, ring.spec.total_bytes)
 
-    def convert(self, views):
+    # The types ignored below: a device of its own, which borrows the CPU decoder's decoding;
+    # what it hands over from ``convert`` is copies and a fake stream's event.
+    def convert(self, views: object  # type: ignore[override]
+                ) -> tuple[tuple[Ragged, np.ndarray, np.ndarray], FakeEvent]:
         encoded, labels, ids = source_batch(views)
         copied = (Ragged(self.stream.copy(encoded.values), encoded.offsets.copy()),
                   self.stream.copy(labels), ids.copy())
         return copied, self.stream.record()
 
-    def wait(self, event) -> None:
+    def wait(self, event: FakeEvent) -> None:  # type: ignore[override]
         event.wait()
 
-    def hand_over(self, copied, event) -> Decoding:
+    def hand_over(self, copied: tuple[Ragged, np.ndarray, np.ndarray],  # type: ignore[override]
+                  event: FakeEvent) -> tuple[torch.Tensor, torch.Tensor]:
         event.done.wait()
         return super().hand_over(*super().convert(copied))
 
@@ -192,7 +208,7 @@ class FakeGpuDecoder(HostDecoder):
 
 
 # -- looking inside a running sequence or loader ---------------------------------------------------
-def _pipeline_of(loader):
+def _pipeline_of(loader: object) -> Pipeline:
     """The running pipeline of a ``ShmSequence`` (any front end built on it), or of a
     ``shmseq.torch.DataLoader``'s iterator (or the loader's persistent one)."""
     pipeline = getattr(loader, "pipeline", None)
@@ -203,18 +219,23 @@ def _pipeline_of(loader):
     return pipeline
 
 
-def ring_of(loader):
+def ring_of(loader: object) -> Ring | None:
     """The slot ring a running sequence or loader delivers from (``ring.contains(array)`` says
     whether a batch is a view of it); None while it is not sized yet (no batch came back)."""
     return _pipeline_of(loader).ring
 
 
-def worker_pids(loader) -> list[int]:
-    """The process ids of a running sequence's or loader's workers, by worker id."""
-    return [handle.pid for handle in _pipeline_of(loader).pool.handles]
+def worker_pids(loader: object) -> list[int | None]:
+    """The process ids of a running sequence's or loader's workers, by worker id (None: a
+    thread)."""
+    pool = _pipeline_of(loader).pool
+    assert pool is not None  # made with the pipeline
+    return [handle.pid for handle in pool.handles]
 
 
-def planned_batches(sequence, epoch: int) -> list[np.ndarray]:
+def planned_batches(sequence: ShmSequence, epoch: int) -> list[np.ndarray]:
     """The sample indices of every batch of ``epoch``, in order, as a ``ShmSequence`` (with its
     own seeded plan) delivers them."""
-    return sequence.plan.batches(epoch)
+    plan = sequence.plan
+    assert isinstance(plan, EpochPlan), "a sequence with a plan of its own"
+    return plan.batches(epoch)
