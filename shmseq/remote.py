@@ -121,7 +121,7 @@ class Counters:
     received, ``retries``, ``wait_s`` (seconds spent in the calls). A copy sent to another
     process starts at zero: each process counts its own."""
 
-    FIELDS = ("requests", "bytes", "retries", "wait_s")
+    FIELDS: tuple[str, ...] = ("requests", "bytes", "retries", "wait_s")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -24,6 +24,7 @@ from .engine.trainer.stats import LoaderStats
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
+    from typing_extensions import Self
 
 Runtime = Pipeline | Inline
 
@@ -199,7 +200,7 @@ class ShmSequence:
         return self._plan
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def start(self, compat: object = None) -> "ShmSequence":
+    def start(self, compat: object = None) -> Self:
         """Start the workers; interrupts a running pipeline first.
 
         ``compat`` is accepted for MDNC compatibility and ignored (there are no converter
@@ -210,7 +211,7 @@ class ShmSequence:
             return self._own(Inline(self._spec(), self._plan))
         return self._own(Pipeline(self._spec(), self._plan, self.epoch, self._resume_at))
 
-    def start_test(self, test_mode: str = "default") -> "ShmSequence":
+    def start_test(self, test_mode: str = "default") -> Self:
         """Run everything in the calling thread, with the same batches as ``start()``.
 
         ``'default'``: delivered as ``start()`` would; ``'cpu'``: torch CPU tensors even if
@@ -233,7 +234,7 @@ class ShmSequence:
             worker_init_fn=self.worker_init_fn, restarts=self.worker_restarts,
             device=self._device)
 
-    def _own(self, runtime: Runtime) -> "ShmSequence":
+    def _own(self, runtime: Runtime) -> Self:
         self._runtime = runtime
         self._stats = runtime.stats
         self._closer = closing_finalizer(self, runtime)
@@ -247,7 +248,7 @@ class ShmSequence:
         if closer is not None:
             closer()
 
-    def __enter__(self) -> "ShmSequence":
+    def __enter__(self) -> Self:
         if self._runtime is None:
             self.start()
         return self

@@ -64,12 +64,15 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import BinaryIO, Callable
+from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator
 
 import numpy as np
 
 from . import remote
 from .remote import RemotePolicy
+
+if TYPE_CHECKING:
+    from .shards import ShardIndex, ShardPlan
 
 FETCH_THREADS = 4           # concurrent whole-shard fetches of one rank's prefetcher
 TAR_TAIL = 11 * 1024        # what a tar writer adds after the last member: 2 zero blocks, padding
@@ -190,7 +193,8 @@ def default_cache_dir() -> str:
     return os.path.join(os.environ.get("TMPDIR") or "/var/tmp", f"shmseq-cache-{os.getuid()}")
 
 
-def cache_folder(index, cache_dir: str | os.PathLike | None = None, job: str | None = None) -> str:
+def cache_folder(index: ShardIndex, cache_dir: str | os.PathLike | None = None,
+                 job: str | None = None) -> str:
     """The folder of ``index``'s cache for ``job``: one per job and per data set."""
     digest = hashlib.sha1("\n".join(f"{shard.url} {shard.end}" for shard in index.shards)
                           .encode()).hexdigest()[:16]
@@ -210,7 +214,7 @@ class CacheCounters(remote.Counters):
     FIELDS = ("shard_fetches", "shard_fetch_bytes", "shard_fetch_requests", "shard_refetches",
               "shard_read_bytes", "shard_wait_s", "cache_peak_bytes")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return CacheCounters, ()
 
     def peak(self, cache_bytes: int) -> None:
@@ -231,7 +235,7 @@ class Ledger:
         self.path = path
         self.count = count
         self._table: np.ndarray | None = None
-        self._pid = None
+        self._pid: int | None = None
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_table": None, "_pid": None}
@@ -256,15 +260,16 @@ class Ledger:
         return self.count * LEDGER_RECORD.itemsize
 
     @contextlib.contextmanager
-    def changing(self):
+    def changing(self) -> Iterator[np.ndarray]:
         """The records, to change: under the ledger's flock (held briefly, never while fetching)."""
         table = self.table()
         with self._locked():
             yield table
 
     @contextlib.contextmanager
-    def _locked(self):
+    def _locked(self) -> Iterator[None]:
         fd = _lock(self.path + ".lock")
+        assert fd is not None  # waited for
         try:
             yield
         finally:
@@ -382,9 +387,9 @@ class ShardCache:
     shard (fetched first by the caller if it is not cached), ``prefetch`` one (the prefetcher's
     way: it never waits), ``claim`` cached ones for a later epoch. Sent to every worker."""
 
-    def __init__(self, index, folder: str, budget: int | None = None, *,
+    def __init__(self, index: ShardIndex, folder: str, budget: int | None = None, *,
                  storage_options: dict | None = None, policy: RemotePolicy | None = None,
-                 timeout: float | None = None):
+                 timeout: float | None = None) -> None:
         self.index = index
         self.folder = folder
         self.budget = budget
@@ -401,7 +406,7 @@ class ShardCache:
         name = os.path.basename(self.index.shards[number].url.rstrip("/")) or "shard"
         return os.path.join(self.folder, "shards", f"{number:06d}-{name}")
 
-    def _lock_path(self, number: int) -> str:
+    def _lock_path(self, number: int | np.integer) -> str:
         return os.path.join(self.folder, "locks", f"{number:06d}")
 
     # -- start: the folder, what a run before left, the budget ----------------------------------
@@ -514,6 +519,7 @@ class ShardCache:
             time.sleep(WAIT_POLL_S * 5)
 
     def _no_room(self, number: int) -> str:
+        assert self.timeout is not None and self.budget is not None  # waited for: prepared
         table = self.ledger.table()
         cached = table["state"] == CACHED
         kept = collections.Counter(table["tag"][cached].tolist())
@@ -574,6 +580,7 @@ class ShardCache:
         finds none is marked waiting. ``epoch`` None (a reader's: it does not know the epoch of
         its batch): the latest epoch any rank's batches in flight may reach."""
         size = int(self.estimates[number])
+        assert self.budget is not None  # settled by prepare()
         with self.ledger.changing() as table:
             live = self.board.live()
             need = size
@@ -650,7 +657,7 @@ class ShardUses:
     """For a rank's epoch, the first and last batch position that reads each shard (a shard
     not read: first past the end, last -1), from the plan; the last two epochs asked are kept."""
 
-    def __init__(self, plan, index):
+    def __init__(self, plan: ShardPlan, index: ShardIndex) -> None:
         self.plan = plan
         self.index = index
         self._known: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
@@ -716,12 +723,13 @@ class ShardUses:
         return int(held_bytes[at]), int(np.cumsum(count)[at])
 
 
-def estimated_bytes(index) -> np.ndarray:
+def estimated_bytes(index: ShardIndex) -> np.ndarray:
     """The most each shard of ``index`` takes in a cache: its samples and a tar writer's tail."""
     return np.array([shard.end + TAR_TAIL for shard in index.shards], np.int64)
 
 
-def room_needed(index, plan, epoch: int, position: int, depth: int) -> tuple[int, int, int]:
+def room_needed(index: ShardIndex, plan: ShardPlan, epoch: int, position: int,
+                depth: int) -> tuple[int, int, int]:
     """(need, held, shards): the bytes a cache of ``index``'s shards needs from ``position`` of
     ``epoch`` through the next epoch with ``depth`` batches in flight: the ``shards`` (``held``
     bytes) that ``depth`` batches in a row read at most, and one more being fetched; or the
@@ -731,9 +739,11 @@ def room_needed(index, plan, epoch: int, position: int, depth: int) -> tuple[int
     return min(held + int(sizes.max()), int(sizes.sum())), held, shards
 
 
-def check_room(cache: ShardCache, plan, epoch: int, position: int, depth: int, arguments: str) -> None:
+def check_room(cache: ShardCache, plan: ShardPlan, epoch: int, position: int, depth: int,
+               arguments: str) -> None:
     """Refuse a budget that cannot hold what ``depth`` batches in a row read, plus one shard
     being fetched: the ranks would wait for room forever."""
+    assert cache.budget is not None  # settled by prepare()
     need, held, shards = room_needed(cache.index, plan, epoch, position, depth)
     if cache.budget < need:
         given = "" if cache.budget_given else " (the default: half the free space there)"
@@ -759,8 +769,8 @@ class Prefetcher:
     ``depth``: how many batches past the consumer's may be in flight (built by the workers);
     ``counters``: where its fetches' remote requests are counted."""
 
-    def __init__(self, cache: ShardCache, plan, epoch: int, position: int, depth: int,
-                 counters: remote.Counters):
+    def __init__(self, cache: ShardCache, plan: ShardPlan, epoch: int, position: int, depth: int,
+                 counters: remote.Counters) -> None:
         self.cache = cache
         self.counters = counters
         self.uses = ShardUses(plan, cache.index)
@@ -829,6 +839,7 @@ class Prefetcher:
         shards, epochs = self.uses.upcoming(epoch, position)
         state, tags = self.cache.snapshot()
         cached = state[shards] == CACHED
+        stop: int | np.integer
         stop, waiting = len(shards), False
         fetching = {number for number, _ in self._fetching}
         for at in np.flatnonzero(~cached):
@@ -843,6 +854,7 @@ class Prefetcher:
                 waiting = True
                 continue
             if started is not BUSY and started is not FULL:
+                assert callable(started)  # a fetch, not one of the two words
                 self._fetching[key] = self._pool.submit(started)
                 self._fetching[key].add_done_callback(self._fetch_ended)
                 fetching.add(number)

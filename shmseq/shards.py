@@ -45,7 +45,7 @@ import tarfile
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
 
 import numpy as np
 
@@ -53,9 +53,16 @@ from . import remote
 from .checks import check_bool, check_int
 from .engine.common.ragged import Ragged
 from .engine.trainer.plan import EpochPlan
+from .engine.trainer.stats import LoaderStats
 from .remote import RemotePolicy, is_remote
 from .sequence import ShmSequence
 from .shard_cache import Prefetcher, ShardCache, cache_folder, check_room
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike
+    from typing_extensions import Self
+
+    from .engine.common.layout import SlotAllocator
 
 INDEX_VERSION = 1
 _BLOCK = 512
@@ -76,7 +83,7 @@ def _key_and_field(name: str) -> tuple[str, str]:
     return posixpath.join(folder, stem) if folder else stem, field if dot else ""
 
 
-def open_url(url: str, storage_options: dict | None = None):
+def open_url(url: str, storage_options: dict | None = None) -> IO[bytes]:
     """A binary file object for a local path or any fsspec URL (see ``shmseq.remote``)."""
     return remote.open_file(url, storage_options)
 
@@ -205,6 +212,7 @@ def write_shards(samples: Iterable[dict], pattern: str, *, samples_per_shard: in
                 if isinstance(samples, collections.abc.Sequence) else 1)
     with _progress(progress, _length(samples), "samples") as bar:
         if parallel > 1:
+            assert isinstance(samples, collections.abc.Sequence)  # parallel: a sequence
             shards = _write_in_processes(samples, pattern, samples_per_shard, parallel, bar)
         else:
             shards = _write_in_turn(samples, pattern, samples_per_shard, bar)
@@ -213,7 +221,7 @@ def write_shards(samples: Iterable[dict], pattern: str, *, samples_per_shard: in
     return written
 
 
-def _length(samples) -> int | None:
+def _length(samples: object) -> int | None:
     return len(samples) if isinstance(samples, collections.abc.Sized) else None
 
 
@@ -225,8 +233,9 @@ def _parallel(processes: int | None, count: int, samples_per_shard: int) -> int:
 
 
 def _write_in_turn(samples: Iterable[dict], pattern: str, samples_per_shard: int,
-                   bar) -> list[Shard]:
-    shards, batch = [], []
+                   bar: _Bar) -> list[Shard]:
+    shards: list[Shard] = []
+    batch: list[dict] = []
     for sample in samples:
         batch.append(sample)
         if len(batch) == samples_per_shard:
@@ -255,7 +264,7 @@ def _write_shard_number(number: int, pattern: str, samples_per_shard: int) -> Sh
 
 
 def _write_in_processes(samples: collections.abc.Sequence, pattern: str, samples_per_shard: int,
-                        processes: int, bar) -> list[Shard]:
+                        processes: int, bar: _Bar) -> list[Shard]:
     """Each shard written by one of ``processes`` processes, which were given the sequence
     once (not with every shard)."""
     count = max(-(-len(samples) // samples_per_shard), 1)
@@ -268,13 +277,20 @@ def _write_in_processes(samples: collections.abc.Sequence, pattern: str, samples
         return [future.result() for future in futures]
 
 
+class _Bar(Protocol):
+    """A progress bar, as tqdm's: ``update(count)`` more done."""
+
+    def update(self, count: int, /) -> object:
+        """``count`` more done."""
+
+
 class _NoBar:
     def update(self, count: int) -> None:
         pass
 
 
 @contextlib.contextmanager
-def _progress(wanted: bool | None, total: int | None, unit: str):
+def _progress(wanted: bool | None, total: int | None, unit: str) -> Iterator[_Bar]:
     """A tqdm bar on stderr (``wanted`` None: where stderr is a terminal and tqdm is there)."""
     if wanted is None:
         wanted = sys.stderr.isatty() and importlib.util.find_spec("tqdm") is not None
@@ -314,7 +330,7 @@ class image_folder_samples(collections.abc.Sequence):
     ``cls``, in the folder's order. A sequence: ``write_shards`` reads its files in as many
     processes as it writes shards with."""
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike) -> None:
         from .vision import ImageFolder
         folder = ImageFolder.scan(root)
         self.files, self.labels = list(folder.files), [int(label) for label in folder.labels]
@@ -322,7 +338,8 @@ class image_folder_samples(collections.abc.Sequence):
     def __len__(self) -> int:
         return len(self.files)
 
-    def __getitem__(self, number: int) -> dict:
+    # the type ignored: read by index only, not sliced (write_shards takes any sequence)
+    def __getitem__(self, number: int) -> dict:  # type: ignore[override]
         path = self.files[number]
         with open(path, "rb") as file:
             data = file.read()
@@ -379,15 +396,16 @@ def _parse_with_tarfile(data: memoryview, url: str, at: int) -> dict:
         with tarfile.open(fileobj=io.BytesIO(bytes(data)), mode="r:") as tar:
             for member in tar:
                 if member.isfile():
-                    _add_member(sample, member.name, tar.extractfile(member).read(), url,
-                                at + member.offset)
+                    file = tar.extractfile(member)
+                    assert file is not None  # a regular file's
+                    _add_member(sample, member.name, file.read(), url, at + member.offset)
     except tarfile.TarError as exc:
         raise ShardError(f"shard {url}: the sample at byte {at} is not valid tar ({exc}): the "
                          "shard is corrupt, or its index is stale") from exc
     return sample
 
 
-def _add_member(sample: dict, name: str, data, url: str, at: int) -> None:
+def _add_member(sample: dict, name: str, data: bytes | memoryview, url: str, at: int) -> None:
     key, field = _key_and_field(name)
     if sample.setdefault("__key__", key) != key:
         raise ShardError(f"shard {url}: member {name} at byte {at} belongs to sample {key}, not "
@@ -407,7 +425,7 @@ class ShardReader:
     OPEN_FILES = 8
 
     def __init__(self, index: ShardIndex, storage_options: dict | None = None, *,
-                 policy: RemotePolicy | None = None, cache: ShardCache | None = None):
+                 policy: RemotePolicy | None = None, cache: ShardCache | None = None) -> None:
         if policy is not None and not isinstance(policy, RemotePolicy):
             raise TypeError(f"remote must be a shmseq.remote.RemotePolicy or None, got {policy!r}")
         self.index = index
@@ -416,7 +434,7 @@ class ShardReader:
         self.cache = cache
         self.counters = remote.Counters()
         self._local = threading.local()
-        self._every_thread: list[collections.OrderedDict] = []
+        self._every_thread: list[collections.OrderedDict[int, IO[bytes]]] = []
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_local": None, "_every_thread": []}
@@ -424,7 +442,7 @@ class ShardReader:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _local=threading.local())
 
-    def _file(self, number: int):
+    def _file(self, number: int) -> IO[bytes]:
         files = getattr(self._local, "files", None)
         if files is None:
             files = self._local.files = collections.OrderedDict()
@@ -493,8 +511,8 @@ class ShardReader:
     def _remote_read(self, number: int, begin: int, end: int) -> bytes:
         """One range request; a shorter answer means the object ends first: its size is asked."""
         url = self.index.shards[number].url
-        options = {"storage_options": self.storage_options, "counters": self.counters,
-                   "policy": self.policy}
+        options: dict[str, Any] = {"storage_options": self.storage_options,
+                                   "counters": self.counters, "policy": self.policy}
         data = remote.read_range(url, begin, end, **options)
         if len(data) < end - begin:
             raise self._past_the_end(number, begin, end, remote.size(url, **options))
@@ -519,7 +537,7 @@ class ShardReader:
         self._local = threading.local()
 
     @staticmethod
-    def _close_files(files: collections.OrderedDict) -> None:
+    def _close_files(files: dict[int, IO[bytes]]) -> None:
         while files:
             files.popitem()[1].close()
 
@@ -527,7 +545,7 @@ class ShardReader:
 def _runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, list[int]]]:
     """Sorted (shard, ordinal) pairs as runs of consecutive ordinals within one shard."""
     run: list[int] = []
-    shard = None
+    shard = -1  # the run's, once it has a first pair
     for number, ordinal in pairs:
         if run and (number != shard or ordinal != run[-1] + 1):
             yield shard, run
@@ -570,7 +588,7 @@ class ShardWorker:
 
     def __init__(self, shards: ShardIndex, decode: Callable[[dict], object], *,
                  on_error: str = "raise", storage_options: dict | None = None,
-                 remote: RemotePolicy | None = None, cache: ShardCache | None = None):
+                 remote: RemotePolicy | None = None, cache: ShardCache | None = None) -> None:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {', '.join(map(repr, ON_ERROR))}, "
                              f"got {on_error!r}")
@@ -582,14 +600,14 @@ class ShardWorker:
     def __len__(self) -> int:
         return len(self.reader.index)
 
-    def __getitem__(self, ids: np.ndarray):
+    def __getitem__(self, ids: np.ndarray) -> object:
         return self._batch(ids, np.empty)
 
-    def fill_batch(self, ids: np.ndarray, out) -> object:
+    def fill_batch(self, ids: np.ndarray, out: SlotAllocator) -> object:
         """The batch stacked straight into the slot (``out``: its ``SlotAllocator``)."""
         return self._batch(ids, out.empty)
 
-    def _batch(self, ids: np.ndarray, empty: Callable):
+    def _batch(self, ids: np.ndarray, empty: Callable) -> object:
         ids = np.asarray(ids, np.int64)
         if self.on_error == "raise":
             return stack([self._decoded(sample) for sample in self.reader.read(ids)], empty)
@@ -617,7 +635,7 @@ class ShardWorker:
                     self._skipped.append(str(exc))
             return samples
 
-    def _decoded(self, sample: dict):
+    def _decoded(self, sample: dict) -> object:
         try:
             return self.decode(sample)
         except Exception as exc:  # noqa: BLE001 - named with its shard and offset
@@ -657,7 +675,7 @@ class ShardPlan(EpochPlan):
     prefetcher follows it)."""
 
     def __init__(self, index: ShardIndex, batch_size: int, *, shuffle_window: int = 1000,
-                 shuffle_shards: int | None = None, **options):
+                 shuffle_shards: int | None = None, **options: Any) -> None:
         super().__init__(np.arange(len(index), dtype=np.int64), batch_size, **options)
         self.shard_index = index
         self.shuffle_window = shuffle_window
@@ -725,7 +743,8 @@ class ShardPlan(EpochPlan):
         return np.concatenate([rounds[:, self.rank].reshape(-1), tail[self.rank]])
 
 
-def as_shard_index(shards, storage_options: dict | None = None) -> ShardIndex:
+def as_shard_index(shards: ShardIndex | str | os.PathLike | Iterable[str | os.PathLike],
+                   storage_options: dict | None = None) -> ShardIndex:
     """A ``ShardIndex``; an index file's path or URL (``.json``); or shard URLs, scanned."""
     if isinstance(shards, ShardIndex):
         return shards
@@ -777,12 +796,16 @@ class ShardSequence(ShmSequence):
             multiple of the world size, otherwise it is padded with its first samples.
     """
 
-    def __init__(self, shards, decode: Callable[[dict], object], *,
+    worker: ShardWorker
+    _plan: ShardPlan
+
+    def __init__(self, shards: ShardIndex | str | os.PathLike | Iterable[str | os.PathLike],
+                 decode: Callable[[dict], object], *,
                  shuffle_window: int | None = None, shuffle_shards: int | None = None,
                  cache: bool | None = None, cache_dir: str | os.PathLike | None = None,
                  cache_bytes: int | None = None, job: str | None = None, on_error: str = "raise",
                  storage_options: dict | None = None, remote: RemotePolicy | None = None,
-                 **options):
+                 **options: Any) -> None:
         check_int("shuffle_window", shuffle_window, 1, optional=True)
         check_int("shuffle_shards", shuffle_shards, 1, optional=True)
         check_bool("cache", cache, optional=True)
@@ -809,19 +832,20 @@ class ShardSequence(ShmSequence):
                                 storage_options=storage_options, policy=remote) if cache else None
         worker = ShardWorker(index, decode, on_error=on_error, storage_options=storage_options,
                              remote=remote, cache=self.cache)
-        self._prefetcher = None
+        self._prefetcher: weakref.finalize | None = None
         super().__init__(worker, len(index), **options)
         if self.cache is not None:
             self.cache.timeout = self.timeout
 
-    def _make_plan(self, dset_size, batch_size, shuffle, last_batch, rank, world_size):
+    def _make_plan(self, dset_size: ArrayLike, batch_size: int, shuffle: bool, last_batch: str,
+                   rank: int | None, world_size: int | None) -> ShardPlan:
         return ShardPlan(self.worker.reader.index, batch_size,
                          shuffle_window=self.shuffle_window or SHUFFLE_WINDOW,
                          shuffle_shards=self.shuffle_shards, shuffle=bool(shuffle), seed=self._seed,
                          last_batch=last_batch, rank=rank, world_size=world_size,
                          seed_given=self._seed_given)
 
-    def start(self, compat=None) -> "ShardSequence":
+    def start(self, compat: object = None) -> Self:
         """As ``ShmSequence.start``; with the cache, its room is checked first (a budget too
         small for what the batches in flight read is refused here), and this rank's prefetcher
         starts with the workers."""
@@ -840,7 +864,7 @@ class ShardSequence(ShmSequence):
         prefetcher.start()
         return self
 
-    def start_test(self, test_mode: str = "default") -> "ShardSequence":
+    def start_test(self, test_mode: str = "default") -> Self:
         if self.cache is not None:
             self._prepare_cache()
         return super().start_test(test_mode)
@@ -848,6 +872,7 @@ class ShardSequence(ShmSequence):
     def _prepare_cache(self) -> int:
         """The cache's folder and budget, its room checked; how many batches may be in flight."""
         self.finish()
+        assert self.cache is not None  # read through the cache
         self.cache.prepare()
         self._plan.refresh()
         depth = batches_in_flight(self.buffer, self.num_workers)
@@ -859,7 +884,7 @@ class ShardSequence(ShmSequence):
         return depth
 
     @property
-    def stats(self):
+    def stats(self) -> LoaderStats:
         """``ShmSequence``'s, with the shard cache's counts (``shard_fetches``, ...)."""
         stats = super().stats
         if self.cache is not None:
