@@ -231,7 +231,7 @@ class Ledger:
     freely (a look that may be stale, checked again under the lock); changed only in
     ``changing()``, under the file's flock."""
 
-    def __init__(self, path: str, count: int):
+    def __init__(self, path: str, count: int) -> None:
         self.path = path
         self.count = count
         self._table: np.ndarray | None = None
@@ -287,7 +287,7 @@ class RankBoard:
     rank; a rank holds its file's flock while it runs, so a file nobody holds is a finished or
     dead rank's and counts for nothing."""
 
-    def __init__(self, folder: str, count: int):
+    def __init__(self, folder: str, count: int) -> None:
         self.folder = folder
         self.count = count
 
@@ -343,7 +343,7 @@ class RankProgress:
     epoch, so that a reader who catches it half-written sees more kept, never less; and, on the
     consumer's thread before the batches it covers are dispatched, the epoch they may reach."""
 
-    def __init__(self, fd: int, count: int):
+    def __init__(self, fd: int, count: int) -> None:
         self.fd = fd
         self.count = count
         self._published: tuple | None = None

@@ -108,7 +108,7 @@ class ShardIndex:
     """The shards of a dataset and their samples' offsets; a sample's global id counts the
     samples of the shards before its own."""
 
-    def __init__(self, shards: Iterable[Shard]):
+    def __init__(self, shards: Iterable[Shard]) -> None:
         self.shards = tuple(shards)
         counts = [len(shard) for shard in self.shards]
         self.starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)

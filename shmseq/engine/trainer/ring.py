@@ -68,7 +68,7 @@ _COPIED, _FAILED = "copied", "failed"
 class Ring:
     """The state of every slot of the consumer's ring; its memory is ``segment``'s."""
 
-    def __init__(self, segment: RingSegment, *, wake: Callable[[], None]):
+    def __init__(self, segment: RingSegment, *, wake: Callable[[], None]) -> None:
         self.segment = segment
         self.spec: RingSpec = segment.spec
         self._states = [FREE] * self.spec.n_slots
@@ -306,7 +306,7 @@ class Ring:
 class Releaser:
     """Waits, on a thread of its own, for the copies still reading slots, then frees them."""
 
-    def __init__(self, events: queue.SimpleQueue, wake: Callable[[], None]):
+    def __init__(self, events: queue.SimpleQueue, wake: Callable[[], None]) -> None:
         self._events = events
         self._wake = wake
         self._held: queue.SimpleQueue = queue.SimpleQueue()
