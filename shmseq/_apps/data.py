@@ -6,35 +6,36 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 
-def _disc(dy, dx):
+def _disc(dy: np.ndarray, dx: np.ndarray) -> np.ndarray:
     return dy * dy + dx * dx < 1.0
 
 
-def _square(dy, dx):
+def _square(dy: np.ndarray, dx: np.ndarray) -> np.ndarray:
     return np.maximum(abs(dy), abs(dx)) < 0.8
 
 
-def _triangle(dy, dx):
+def _triangle(dy: np.ndarray, dx: np.ndarray) -> np.ndarray:
     return (dy > -1.0) & (dy < 0.8) & (abs(dx) < (dy + 1.0) * 0.55)
 
 
-def _ring(dy, dx):
+def _ring(dy: np.ndarray, dx: np.ndarray) -> np.ndarray:
     d2 = dy * dy + dx * dx
     return (d2 > 0.35) & (d2 < 1.0)
 
 
-def _cross(dy, dx):
+def _cross(dy: np.ndarray, dx: np.ndarray) -> np.ndarray:
     return ((abs(dy) < 0.25) & (abs(dx) < 1.0)) | ((abs(dx) < 0.25) & (abs(dy) < 1.0))
 
 
 SHAPES = (_disc, _square, _triangle, _ring, _cross)
 
 
-def made_once(root: Path, write) -> Path:
+def made_once(root: Path, write: Callable[[Path], object]) -> Path:
     """``root`` if it exists, else ``write`` it into a scratch folder and rename that."""
     if root.is_dir():
         return root

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator, NoReturn
 
 try:
     import torch
@@ -27,7 +28,7 @@ from ..vision import ImageArrayWorker, ImageFolderWorker
 from . import __doc__ as ABOUT
 from . import report, sweep
 from .data import make_array_store, make_jpeg_folder
-from .loaders import LOADERS, shmseq_loader
+from .loaders import LOADERS, Worker, shmseq_loader
 from .training import Epoch, Trainer, train
 
 FULL = {"images": 2000, "side": 256, "crop": 224, "batch_size": 64, "steps_ms": "50,20,10,5,2,1",
@@ -79,7 +80,8 @@ def cache_dir() -> Path:
     return Path(home) / "shmseq" / "demo"
 
 
-def dataset(args, workdir: Path):
+def dataset(args: argparse.Namespace,
+            workdir: Path) -> tuple[ImageArrayWorker | ImageFolderWorker, Path]:
     """The in-place worker over the synthetic dataset under ``workdir``, and the dataset's
     folder (made unless an earlier run made it there)."""
     if args.format == "store":
@@ -105,9 +107,9 @@ def human(size: int) -> str:
 
 
 @contextlib.contextmanager
-def terminated_as_exit():
+def terminated_as_exit() -> Iterator[None]:
     """SIGTERM (a ``timeout``, a job scheduler) unwinds like Ctrl-C: loaders stop, data goes."""
-    def stop(signum, frame):
+    def stop(signum: int, frame: object) -> NoReturn:
         raise SystemExit(128 + signum)
     previous = signal.signal(signal.SIGTERM, stop)
     try:
@@ -116,7 +118,7 @@ def terminated_as_exit():
         signal.signal(signal.SIGTERM, previous)
 
 
-def training_run(worker, args, device: torch.device) -> list[Epoch]:
+def training_run(worker: Worker, args: argparse.Namespace, device: torch.device) -> list[Epoch]:
     print(f"training a small CNN on shmseq batches ({len(worker)} images, {CLASSES} classes, "
           f"{args.epochs} epoch{'s' * (args.epochs != 1)}):", flush=True)
 
@@ -129,7 +131,8 @@ def training_run(worker, args, device: torch.device) -> list[Epoch]:
                      Trainer(CLASSES, device, args.seed), say)
 
 
-def sweep_run(worker, args, device: torch.device) -> list[sweep.Measurement]:
+def sweep_run(worker: Worker, args: argparse.Namespace,
+              device: torch.device) -> list[sweep.Measurement]:
     loaders = {name: functools.partial(open_loader, worker, args.batch_size, args.workers,
                                        args.seed, device)
                for name, open_loader in LOADERS.items()}
@@ -173,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         print(load.warning(busy))
 
 
-def run(args, workdir: Path, at_start: load.Snapshot) -> tuple[Path, list[str], list[str]]:
+def run(args: argparse.Namespace, workdir: Path,
+        at_start: load.Snapshot) -> tuple[Path, list[str], list[str]]:
     """Make or find the dataset, train, sweep, report: the dataset's folder, the files written
     and why the machine was busy, if it was."""
     worker, root = dataset(args, workdir)

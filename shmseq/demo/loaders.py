@@ -14,24 +14,26 @@ random crop and flip from the array store, or a JPEG decode), with as many worke
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Generator, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from .. import ShmSequence, SlotAllocator
+from ..vision import ImageArrayWorker, ImageFolderWorker
 
 Loader = Callable[..., ContextManager[Iterator[tuple]]]
+Worker = ImageArrayWorker | ImageFolderWorker  # the in-place worker every loader draws from
 
 
-def endless(loader) -> Iterator:
+def endless(loader: Iterable) -> Generator[Any, None, None]:
     """Epoch after epoch, for as long as the caller takes batches."""
     while True:
         yield from loader
 
 
 @contextlib.contextmanager
-def shmseq_loader(worker, batch_size: int, workers: int, seed: int,
+def shmseq_loader(worker: Worker, batch_size: int, workers: int, seed: int,
                   device: torch.device) -> Iterator[Iterator[tuple]]:
     seq = ShmSequence(worker, len(worker), batch_size=batch_size, num_workers=workers, seed=seed,
                       out_type="cuda" if device.type == "cuda" else "cpu")
@@ -45,14 +47,14 @@ class SampleDataset(torch.utils.data.Dataset):
     Each DataLoader worker process draws from its own generator, seeded by the worker's
     seed and the DataLoader worker id."""
 
-    def __init__(self, worker):
+    def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.rng: np.random.Generator | None = None
 
     def __len__(self) -> int:
         return len(self.worker)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         if self.rng is None:
             info = torch.utils.data.get_worker_info()
             self.rng = np.random.default_rng([self.worker.seed, info.id if info else 0])
@@ -65,19 +67,20 @@ class BatchDataset(torch.utils.data.Dataset):
     """The worker's whole batch in one ``__getitem__``, into fresh arrays (DataLoader's
     batch-level use, ``batch_size=None``)."""
 
-    def __init__(self, worker):
+    def __init__(self, worker: Worker) -> None:
         self.worker = worker
 
     def __len__(self) -> int:
         return len(self.worker)
 
-    def __getitem__(self, indices: list[int]):
+    def __getitem__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         images, labels = self.worker.fill_batch(np.asarray(indices, np.int64), SlotAllocator(None))
         return torch.from_numpy(images), torch.from_numpy(labels)
 
 
 @contextlib.contextmanager
-def _dataloader(dataset, workers: int, device: torch.device, **options) -> Iterator[Iterator]:
+def _dataloader(dataset: torch.utils.data.Dataset, workers: int, device: torch.device,
+                **options: Any) -> Iterator[Iterator]:
     loader = torch.utils.data.DataLoader(dataset, num_workers=workers,
                                          persistent_workers=workers > 0,
                                          pin_memory=device.type == "cuda", **options)
@@ -89,13 +92,13 @@ def _dataloader(dataset, workers: int, device: torch.device, **options) -> Itera
         del loader, batches  # the last references: its persistent workers exit now
 
 
-def torch_samples(worker, batch_size: int, workers: int, seed: int,
+def torch_samples(worker: Worker, batch_size: int, workers: int, seed: int,
                   device: torch.device) -> ContextManager[Iterator[tuple]]:
     return _dataloader(SampleDataset(worker), workers, device, batch_size=batch_size,
                        shuffle=True, generator=torch.Generator().manual_seed(seed))
 
 
-def torch_batches(worker, batch_size: int, workers: int, seed: int,
+def torch_batches(worker: Worker, batch_size: int, workers: int, seed: int,
                   device: torch.device) -> ContextManager[Iterator[tuple]]:
     sampler = torch.utils.data.BatchSampler(
         torch.utils.data.RandomSampler(range(len(worker)),

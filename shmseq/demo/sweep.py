@@ -21,7 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 WARMUP_BATCHES = 3
 MIN_BATCHES = 10
@@ -50,7 +50,7 @@ class Summary:
     runs: int = 1  # the repeats summarised: a spread needs two or more
 
 
-def accelerator_step(batch, seconds: float) -> None:
+def accelerator_step(batch: object, seconds: float) -> None:
     """A training step on the simulated accelerator (see the module's docstring)."""
     time.sleep(seconds)
 
@@ -76,7 +76,7 @@ def measure(name: str, open_loader: Callable, step_ms: float, seconds: float,
     return Measurement(name, step_ms, repeat, images / wall, 1 - busy / wall, cpu / count * 1e6)
 
 
-def run(loaders: dict[str, Callable], steps_ms: Iterable[float], repeats: int, seconds: float,
+def run(loaders: Mapping[str, Callable], steps_ms: Iterable[float], repeats: int, seconds: float,
         progress: Callable[[Measurement], None]) -> list[Measurement]:
     """Every loader at every step time, ``repeats`` times, the loaders' order rotating."""
     names = list(loaders)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -53,8 +53,8 @@ class Trainer:
         return loss.item() * len(labels), int((logits.argmax(1) == labels).sum())
 
 
-def train(batches, steps_per_epoch: int, epochs: int, trainer: Trainer,
-          report: Callable[[Epoch], None]) -> list[Epoch]:
+def train(batches: Iterator[tuple[torch.Tensor, torch.Tensor]], steps_per_epoch: int, epochs: int,
+          trainer: Trainer, report: Callable[[Epoch], None]) -> list[Epoch]:
     """``epochs`` epochs of ``steps_per_epoch`` batches from ``batches``; one report each."""
     found = []
     for number in range(1, epochs + 1):
