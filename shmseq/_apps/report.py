@@ -29,7 +29,7 @@ def machine() -> dict:
     kib = int(_read("/proc/meminfo", "MemTotal").split()[0])
     try:
         import torch
-        torch_version = torch.__version__
+        torch_version: str = torch.__version__
     except ImportError:
         torch_version = "not installed"
     return {"nproc": len(os.sched_getaffinity(0)),

@@ -51,7 +51,7 @@ import tempfile
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Callable, Collection, Mapping, NoReturn
 
 from shmseq._apps import load
 from shmseq._apps.report import machine
@@ -72,7 +72,7 @@ FULL = {"repeats": 3, "seconds": 2.0, "warmup_seconds": 0.3}
 QUICK = {"repeats": 1, "seconds": 0.5, "warmup_seconds": 0.1}
 
 
-def _names(known: list[str]):
+def _names(known: list[str]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         names = [name.strip() for name in text.split(",") if name.strip()]
         unknown = [name for name in names if name not in known]
@@ -232,7 +232,7 @@ def _imports_torchcodec() -> bool:
     return True
 
 
-def _without_torch(names: list[str], torch_systems) -> list[str]:
+def _without_torch(names: list[str], torch_systems: Collection[str]) -> list[str]:
     """The systems that run without torch, saying which were left out."""
     skipped = [name for name in names if name in torch_systems]
     if skipped:
@@ -256,7 +256,7 @@ def _machine_load(at_start: load.Snapshot, at_end: load.Snapshot) -> tuple[list[
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    settings = dict(QUICK if args.quick else FULL)
+    settings: dict[str, Any] = dict(QUICK if args.quick else FULL)
     settings.update({k: v for k, v in (("repeats", args.repeats), ("seconds", args.seconds))
                      if v is not None})
     if args.streaming:
@@ -298,7 +298,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _stop_on_sigterm(signum, frame):
+def _stop_on_sigterm(signum: int, frame: object) -> NoReturn:
     raise SystemExit(128 + signum)  # unwinds like Ctrl-C: loaders stop, the shards go
 
 

@@ -29,7 +29,8 @@ _DONE = struct.Struct("<qq")  # slot, batch number
 _SLOT = struct.Struct("<q")
 
 
-def _views(memory: mmap.mmap, workload: Workload, slot: int, stride: int):
+def _views(memory: mmap.mmap, workload: Workload, slot: int,
+           stride: int) -> tuple[np.ndarray, np.ndarray]:
     """The slot's images and labels, at fixed offsets: fresh views, as a consumer needs."""
     images = np.ndarray((workload.batch_size, *workload.image_shape), np.uint8, memory,
                         slot * stride)
@@ -68,7 +69,8 @@ def bare_ring(workload: Workload, slots: int, workers: int, start_method: str) -
                                      max_messages=slots, max_message_size=_DONE.size)
               for side in ("free", "done")]
     free, done = queues
-    processes = [multiprocessing.get_context(start_method).Process(
+    # the type ignored: the stubs give BaseContext no Process, which every start method's has
+    processes = [multiprocessing.get_context(start_method).Process(  # type: ignore[attr-defined]
         target=_worker, args=(workload, wid, workers, memory, stride, free.name, done.name),
         daemon=True) for wid in range(workers)]
     for process in processes:
@@ -90,7 +92,8 @@ def bare_ring(workload: Workload, slots: int, workers: int, start_method: str) -
             pass  # the consumer's last batch still views it
 
 
-def _batches(workload: Workload, memory: mmap.mmap, stride: int, free, done) -> Iterator[tuple]:
+def _batches(workload: Workload, memory: mmap.mmap, stride: int, free: posix_ipc.MessageQueue,
+             done: posix_ipc.MessageQueue) -> Iterator[tuple]:
     to_torch = None
     if torch_available():
         import torch

@@ -19,22 +19,25 @@ from __future__ import annotations
 
 import multiprocessing
 import time
-from typing import Callable
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier
+from typing import Any, Callable
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .systems import JOIN_SECONDS, NUM_WORKERS, START_METHOD, stop_processes
 from .workloads import Workload, fill, image_pool, one_operator_thread
 
 
-def _faulted(shape, dtype) -> np.ndarray:
+def _faulted(shape: int | tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
     array = np.empty(shape, dtype)
     array.fill(1)  # touch every page now
     return array
 
 
 def _build(workload: Workload, wid: int, processes: int, seconds: float, warmup_seconds: float,
-           barrier, rates) -> None:
+           barrier: Barrier, rates: Queue) -> None:
     one_operator_thread()
     pool = image_pool(workload.side)
     images = _faulted((workload.batch_size, *workload.image_shape), np.uint8)
@@ -52,7 +55,7 @@ def _build(workload: Workload, wid: int, processes: int, seconds: float, warmup_
     rates.put(timed / elapsed)
 
 
-def build_rate(workload, processes: int, seconds: float, warmup_seconds: float = 0.0, *,
+def build_rate(workload: Workload, processes: int, seconds: float, warmup_seconds: float = 0.0, *,
                build: Callable = _build, slack: float = JOIN_SECONDS) -> float:
     """Batches per second that ``processes`` processes build together with ``build`` (by
     default the transport matrix's: each into one buffer); ``slack``: seconds to wait for them
@@ -72,7 +75,8 @@ def build_rate(workload, processes: int, seconds: float, warmup_seconds: float =
         rates.join_thread()
 
 
-def limit_rate(workload, seconds: float, warmup_seconds: float = 0.0, **how) -> float:
+def limit_rate(workload: Workload, seconds: float, warmup_seconds: float = 0.0,
+               **how: Any) -> float:
     """Batches per second: the faster of one process and ``NUM_WORKERS`` building them
     (``how``: ``build_rate``'s ``build`` and ``slack``)."""
     return max(build_rate(workload, processes, seconds, warmup_seconds, **how)

@@ -77,7 +77,7 @@ class PeakPss:
     milliseconds a process: keep it out of windows whose rates are measured, and away from a
     loader that sizes its pool by the CPU it finds free.)"""
 
-    def __init__(self, every: float | None = SAMPLE_SECONDS):
+    def __init__(self, every: float | None = SAMPLE_SECONDS) -> None:
         self.peak = 0
         self.every = every
         self._stop = threading.Event()
@@ -96,7 +96,7 @@ class PeakPss:
             self._thread.start()
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()

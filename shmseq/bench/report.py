@@ -79,10 +79,11 @@ def summarize(runs: list[Run], workloads: Mapping = WORKLOADS) -> list[Cell]:
     cells = []
     for (workload, system), group in groups.items():
         rates = [r.batches_per_second for r in group]
+        rate = statistics.median(rates)  # every run has one
         gigabytes = workloads[workload].batch_bytes / 1e9
         peaks = [r.peak_pss_bytes for r in group if r.peak_pss_bytes is not None]
-        cells.append(Cell(workload, system, _median(rates) * gigabytes,
-                          (min(rates) * gigabytes, max(rates) * gigabytes), _median(rates),
+        cells.append(Cell(workload, system, rate * gigabytes,
+                          (min(rates) * gigabytes, max(rates) * gigabytes), rate,
                           _median([r.cpu_us_per_batch for r in group]),
                           _median([r.first_batch_seconds for r in group]), None,
                           _early_of_steady(group), len(group), _median(peaks),
@@ -177,15 +178,18 @@ def highlights(cells: list[Cell]) -> list[str]:
         if not mine:
             continue
         best = max(mine, key=lambda c: c.gb_per_s)
+        assert best.cpu_us_per_batch is not None  # a loader's (only the limit has none)
         line = f"{workload}: {best.system} {best.gb_per_s:.2f} GB/s"
         if torch:
             rival = max(torch, key=lambda c: c.gb_per_s)
+            assert rival.cpu_us_per_batch is not None
             line += (f", {best.gb_per_s / rival.gb_per_s:.1f}x PyTorch DataLoader's best "
                      f"({rival.system}, {rival.gb_per_s:.2f} GB/s), with "
                      f"{rival.cpu_us_per_batch / best.cpu_us_per_batch:.1f}x less consumer CPU "
                      f"a batch ({best.cpu_us_per_batch:.0f} against {rival.cpu_us_per_batch:.0f} µs)")
         bare = [c for c in cells if c.workload == workload and c.system == "bare-ring"]
         if bare:
+            assert bare[0].cpu_us_per_batch is not None
             line += (f"; {best.gb_per_s / bare[0].gb_per_s:.2f}x the bare ring's GB/s with "
                      f"{best.cpu_us_per_batch / bare[0].cpu_us_per_batch:.1f}x its consumer CPU")
         if best.of_limit is not None:
@@ -200,6 +204,7 @@ def _drop_in(cells: list[Cell], workload: str) -> list[str]:
     if DROP_IN not in get or ITS_ORIGINAL not in get:
         return []
     ours, theirs = get[DROP_IN], get[ITS_ORIGINAL]
+    assert ours.cpu_us_per_batch is not None and theirs.cpu_us_per_batch is not None  # loaders'
     images = WORKLOADS[workload].batch_size
     return [f"{workload}: {DROP_IN} {ours.batches_per_s * images:,.0f} images/s "
             f"({ours.gb_per_s:.2f} GB/s), {ours.gb_per_s / theirs.gb_per_s:.2f}x torch's "
@@ -274,7 +279,7 @@ def write_chart(path: Path, cells: list[Cell]) -> bool:
         if (workload, LIMIT) in get:
             axes.hlines(get[workload, LIMIT].gb_per_s, w - 0.45, w + 0.45, colors="black",
                         linestyles="dashed", label=label)
-            label = None
+            label = ""  # in the legend once
     axes.set_xticks(range(len(workloads)), workloads)
     axes.set_yscale("log")
     axes.set_ylabel("GB/s delivered (log scale)")

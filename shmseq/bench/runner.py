@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 from .limit import limit_rate
 from .memory import SAMPLE_SECONDS, PeakPss
@@ -49,7 +49,7 @@ class Window:
         return {}
 
 
-def _consume(batches, check: Callable[[int, object], None], k: int, minimum: int,
+def _consume(batches: Iterator, check: Callable[[int, object], None], k: int, minimum: int,
              seconds: float, whole: int = 1) -> int:
     """Take and check batches ``k``, ``k + 1``, ... for at least ``minimum`` batches and
     ``seconds``, up to a multiple of ``whole``; the next ``k``."""
@@ -70,10 +70,10 @@ def measure(name: str, workload: Workload, repeat: int, seconds: float,
     if name == LIMIT:
         return Run(name, workload.name, repeat, limit_rate(workload, seconds, warmup_seconds))
     if name in UNORDERED:
-        def check(k: int, batch) -> None:
+        def check(k: int, batch: Any) -> None:
             check_any_batch(workload, batch)
     else:
-        def check(k: int, batch) -> None:
+        def check(k: int, batch: Any) -> None:
             check_batch(workload, k, batch)
     return timed_run(name, workload.name, repeat, lambda: SYSTEMS[name](workload), check,
                      seconds, warmup_seconds)
@@ -112,14 +112,14 @@ def timed_run(name: str, workload: str, repeat: int, system: Callable[[], Contex
                memory.peak, **observed)
 
 
-def _everywhere(name: str, workload) -> bool:
+def _everywhere(name: str, workload: object) -> bool:
     return True
 
 
 def run_matrix(systems: list[str], workloads: list, *, repeats: int, seconds: float,
                warmup_seconds: float, log: Callable[[str], None],
                measure: Callable[..., Run] = measure,
-               runs_on: Callable[[str, object], bool] = _everywhere) -> list[Run]:
+               runs_on: Callable[[str, Any], bool] = _everywhere) -> list[Run]:
     """Every system on every workload it ``runs_on``, ``repeats`` times, round-robin
     (``measure(name, workload, repeat, seconds, warmup_seconds)`` times one)."""
     runs = []

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -71,7 +72,7 @@ def photo(rng: np.random.Generator, bank: np.ndarray, label: int, height: int,
     return np.clip(image, 0, 255).astype(np.uint8)
 
 
-def jpeg_samples(images: int, seed: int = 0):
+def jpeg_samples(images: int, seed: int = 0) -> Iterator[dict]:
     """``write_shards`` samples: ``jpg`` (a photo-like JPEG) and ``cls`` (the sample's id)."""
     simplejpeg = _simplejpeg()
     rng = np.random.default_rng(seed)
@@ -83,7 +84,7 @@ def jpeg_samples(images: int, seed: int = 0):
         yield {"__key__": f"{number:08d}", "jpg": data, "cls": number}
 
 
-def raw_samples(images: int, side: int, seed: int = 0):
+def raw_samples(images: int, side: int, seed: int = 0) -> Iterator[dict]:
     """``write_shards`` samples: ``rgb`` (``side`` x ``side`` x 3 uint8 bytes, marked with the
     sample's id in its first and last bytes) and ``cls`` (the id)."""
     rng = np.random.default_rng(seed)
@@ -139,7 +140,7 @@ class JpegCrop:
     _decode_jpeg = ImageFolderWorker._decode_jpeg
 
     def __init__(self, size: int = 224, seed: int = 0, scale: tuple[float, float] = (0.08, 1.0),
-                 ratio: tuple[float, float] = (3 / 4, 4 / 3)):
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> None:
         self.size, self.seed, self.scale, self.ratio = int(size), int(seed), scale, ratio
         self.augment = self.flip = True
         self.max_pixels = MAX_PIXELS  # the image worker's limit, which its JPEG path checks
@@ -148,7 +149,8 @@ class JpegCrop:
     def __call__(self, sample: dict) -> tuple[np.ndarray, int]:
         label = int(sample["cls"])
         rng = np.random.default_rng([self.seed, label])
-        image, box = self._decode_jpeg(_simplejpeg(), sample["jpg"], rng)
+        # the type ignored: the image worker's method, borrowed; this has what it reads
+        image, box = self._decode_jpeg(_simplejpeg(), sample["jpg"], rng)  # type: ignore[misc]
         row = np.empty((self.size, self.size, 3), np.uint8)
         _resize_into(image, box, row, rng.random() < 0.5)
         return row, label
@@ -158,14 +160,14 @@ class RawImage:
     """``decode`` for the uint8 shards: the ``rgb`` bytes as a ``side`` x ``side`` x 3 array (a
     view, no copy: the worker's stacking is the one copy), and the label."""
 
-    def __init__(self, side: int = 224):
+    def __init__(self, side: int = 224) -> None:
         self.shape = (int(side), int(side), 3)
 
     def __call__(self, sample: dict) -> tuple[np.ndarray, int]:
         return np.frombuffer(sample["rgb"], np.uint8).reshape(self.shape), int(sample["cls"])
 
 
-def decoder(kind: str, side: int = 224, seed: int = 0):
+def decoder(kind: str, side: int = 224, seed: int = 0) -> JpegCrop | RawImage:
     return JpegCrop(side, seed) if kind == "jpeg" else RawImage(side)
 
 

@@ -14,7 +14,8 @@ import itertools
 import multiprocessing
 import warnings
 from contextlib import contextmanager
-from typing import Callable, ContextManager, Iterator
+from multiprocessing.queues import Queue
+from typing import Any, Callable, ContextManager, Final, Iterator
 
 import numpy as np
 
@@ -34,7 +35,7 @@ NUM_WORKERS = 2
 IN_FLIGHT = 10             # shmseq's ring slots, DataLoader's prefetch, the queue's open tasks
                            # (``--buffer`` sets it: every system reads it when it starts)
 SLOT_SLACK = 64 * 1024     # room for a slot's header and alignment
-START_METHOD = "fork"
+START_METHOD: Final = "fork"
 JOIN_SECONDS = 5.0
 
 Batches = Iterator[tuple]
@@ -84,7 +85,7 @@ def _shmseq_dataloader(workload: Workload) -> ContextManager[Batches]:
 
 
 @contextmanager
-def _running(loader) -> Iterator[Batches]:
+def _running(loader: ShmDataLoader) -> Iterator[Batches]:
     try:
         yield _epochs(loader)
     finally:
@@ -95,7 +96,7 @@ def _running(loader) -> Iterator[Batches]:
 class _Endless:
     """Sample indices 0, 1, ... wrapping at the epoch: the loader never meets an epoch end."""
 
-    def __init__(self, workload: Workload):
+    def __init__(self, workload: Workload) -> None:
         self.size = workload.epoch_samples
 
     def __iter__(self) -> Iterator[int]:
@@ -107,7 +108,7 @@ class _Samples:
     """Map-style, one sample per index: a view of its pool row (augmented, for a workload that
     augments), and its label."""
 
-    def __init__(self, workload: Workload):
+    def __init__(self, workload: Workload) -> None:
         self.pool = image_pool(workload.side)
         self.size = workload.epoch_samples
         self.augment = workload.augment
@@ -123,7 +124,7 @@ class _Samples:
 class _Batches:
     """Map-style, a whole batch per list of indices, built as the other systems build it."""
 
-    def __init__(self, workload: Workload):
+    def __init__(self, workload: Workload) -> None:
         self.worker = ReturningWorker(workload)
 
     def __getitem__(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -131,21 +132,24 @@ class _Batches:
 
 
 @contextmanager
-def _dataloader(dataset, strategy: str, loader_class=None, **kwargs) -> Iterator[Batches]:
+def _dataloader(dataset: _Samples | _Batches, strategy: str,
+                loader_class: type[DataLoader] | None = None, **kwargs: Any) -> Iterator[Batches]:
     """Persistent workers; ``strategy`` is how torch shares a batch's tensors with the consumer
     (``loader_class``: torch's DataLoader unless given)."""
     previous = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy(strategy)
-    try:
+    try:  # the type ignored: any map-style object loads, where torch's stubs ask a Dataset
         loader = (loader_class or DataLoader)(
-            dataset, num_workers=NUM_WORKERS, persistent_workers=True,
+            dataset, num_workers=NUM_WORKERS, persistent_workers=True,  # type: ignore[arg-type]
             prefetch_factor=IN_FLIGHT // NUM_WORKERS, multiprocessing_context=START_METHOD,
             **kwargs)
         batches = iter(loader)
         try:
             yield batches
         finally:
-            batches._shutdown_workers()  # what its __del__ does; DataLoader has no public close
+            # what its __del__ does; DataLoader has no public close (the type ignored: a method of
+            # the iterators with workers, as these are, not of every iterator torch's stubs know)
+            batches._shutdown_workers()  # type: ignore[attr-defined]
     finally:
         torch.multiprocessing.set_sharing_strategy(previous)
 
@@ -170,7 +174,7 @@ def torch_batches(workload: Workload, strategy: str = "file_descriptor") -> Cont
 
 
 # -- a pickling queue, in the manner of MDNC -----------------------------------------------------
-def _queue_worker(workload: Workload, tasks, results) -> None:
+def _queue_worker(workload: Workload, tasks: Queue, results: Queue) -> None:
     one_operator_thread()
     worker = ReturningWorker(workload)
     results.cancel_join_thread()  # at shutdown, exit without waiting for the consumer to drain
@@ -179,7 +183,7 @@ def _queue_worker(workload: Workload, tasks, results) -> None:
         results.put((seq, worker[indices]))
 
 
-def _in_order(workload: Workload, tasks, results) -> Batches:
+def _in_order(workload: Workload, tasks: Queue, results: Queue) -> Batches:
     """Keep ``IN_FLIGHT`` tasks open and hand batches over in order, as MDNC's sequences do."""
     for seq in range(IN_FLIGHT):
         tasks.put((seq, workload.indices(seq)))
@@ -223,7 +227,7 @@ def stop_processes(processes: list) -> None:
 
 # -- serial ------------------------------------------------------------------------------------
 @contextmanager
-def serial(workload: Workload, worker=None) -> Iterator[Batches]:
+def serial(workload: Workload, worker: Any = None) -> Iterator[Batches]:
     """Everything in the consumer's thread: no transport, and no overlap either (``worker``:
     what builds each batch, ``worker[indices]``; by default the pool's copy into fresh arrays)."""
     worker = worker or ReturningWorker(workload)

@@ -15,8 +15,12 @@ import mmap
 import os
 import signal
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from shmseq.engine.common.layout import SlotAllocator
 
 
 POOL_ROWS = 512          # samples held in memory per image size (77 MB at 224x224)
@@ -153,7 +157,7 @@ class ReturningWorker(_PoolWorker):
 class InPlaceWorker(_PoolWorker):
     """A worker that builds its batch inside the slot: its single write is the only one."""
 
-    def fill_batch(self, indices: np.ndarray, out) -> tuple[np.ndarray, np.ndarray]:
+    def fill_batch(self, indices: np.ndarray, out: SlotAllocator) -> tuple[np.ndarray, np.ndarray]:
         images = out.empty(self.shape, np.uint8)
         labels = out.empty(len(indices), np.int64)
         fill(self.pool, indices, images, labels, self.augment)
@@ -165,25 +169,25 @@ class DyingWorker(InPlaceWorker):
     builds: one worker at a time, never twice on the same batch (for ``worker_restarts``).
     The count lives in memory shared by every worker forked from the consumer."""
 
-    def __init__(self, workload: Workload, die_every: int = 200):
+    def __init__(self, workload: Workload, die_every: int = 200) -> None:
         super().__init__(workload)
         self.die_every = die_every
         self.built = np.frombuffer(mmap.mmap(-1, 8), np.int64)  # anonymous and shared
 
-    def fill_batch(self, indices: np.ndarray, out) -> tuple[np.ndarray, np.ndarray]:
+    def fill_batch(self, indices: np.ndarray, out: SlotAllocator) -> tuple[np.ndarray, np.ndarray]:
         self.built[0] += 1
         if self.built[0] % self.die_every == 0:
             os.kill(os.getpid(), signal.SIGKILL)
         return super().fill_batch(indices, out)
 
 
-def check_any_batch(workload: Workload, batch) -> None:
+def check_any_batch(workload: Workload, batch: Sequence) -> None:
     """``check_batch`` for a loader that keeps no order: which batch it is, its labels say."""
     first = int(np.asarray(batch[1])[0])
     check_batch(workload, first // workload.batch_size, batch)
 
 
-def check_batch(workload: Workload, k: int, batch) -> None:
+def check_batch(workload: Workload, k: int, batch: Iterable) -> None:
     """Raise ``BatchMismatch`` unless ``batch`` is the ``k``-th of the stream, untorn.
 
     Reads the labels and two bytes per image: cheap next to any transport.
