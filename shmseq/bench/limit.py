@@ -55,7 +55,7 @@ def _build(workload: Workload, wid: int, processes: int, seconds: float, warmup_
     rates.put(timed / elapsed)
 
 
-def build_rate(workload: Workload, processes: int, seconds: float, warmup_seconds: float = 0.0, *,
+def build_rate(workload: object, processes: int, seconds: float, warmup_seconds: float = 0.0, *,
                build: Callable = _build, slack: float = JOIN_SECONDS) -> float:
     """Batches per second that ``processes`` processes build together with ``build`` (by
     default the transport matrix's: each into one buffer); ``slack``: seconds to wait for them
@@ -75,7 +75,7 @@ def build_rate(workload: Workload, processes: int, seconds: float, warmup_second
         rates.join_thread()
 
 
-def limit_rate(workload: Workload, seconds: float, warmup_seconds: float = 0.0,
+def limit_rate(workload: object, seconds: float, warmup_seconds: float = 0.0,
                **how: Any) -> float:
     """Batches per second: the faster of one process and ``NUM_WORKERS`` building them
     (``how``: ``build_rate``'s ``build`` and ``slack``)."""

@@ -35,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, ContextManager, Iterator
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator
 
 import numpy as np
 
@@ -46,9 +46,14 @@ from shmseq.shards import SHUFFLE_SHARDS, ShardIndex, batches_in_flight
 from . import memory, systems
 from .report import Cell
 from .runner import Run, Window, timed_run
-from .streaming import (Expected, Prepared, ShardWorkload, _less_or_more, _ratio, checker,
-                        cpu_out, images_per_s, paired, ratios, shard_sequence, started,
+from .streaming import (Expected, Prepared, ShardWorkload, _less_or_more, _present, _ratio,
+                        checker, cpu_out, images_per_s, paired, ratios, shard_sequence, started,
                         torch_shards)
+
+if TYPE_CHECKING:
+    from shmseq.shards import ShardSequence
+
+    from .servers import ServerProcess
 
 BACKENDS = ("http", "s3")
 LOCAL = "local"
@@ -133,7 +138,7 @@ class Endpoint:
     """A backend's server, and the URL of each workload's index on it."""
 
     backend: str
-    server: object  # servers.ServerProcess
+    server: ServerProcess
     urls: dict[str, str]
 
     @property
@@ -159,6 +164,7 @@ def serving(root: Path, folders: dict[str, Path], backends: list[str], delay_ms:
             endpoints = {}
             for backend in backends:
                 server = stack.enter_context(ServerProcess(backend, root, **shaping))
+                assert server.process.pid is not None  # started
                 stack.enter_context(memory.apart(server.process.pid))
                 began = time.perf_counter()
                 endpoints[backend] = Endpoint(backend, server, {
@@ -173,7 +179,7 @@ def serving(root: Path, folders: dict[str, Path], backends: list[str], delay_ms:
             stop_fsspec_io(asyn)
 
 
-def _index_url(server, backend: str, root: Path, folder: Path, name: str) -> str:
+def _index_url(server: ServerProcess, backend: str, root: Path, folder: Path, name: str) -> str:
     if backend == "http":
         return f"{server.url}/{folder.relative_to(root).as_posix()}/shards.json"
     return f"{server.upload(folder, name)}/shards.json"
@@ -184,11 +190,11 @@ class Observed(Window):
     """A run's window as its server saw it (cleared as it begins): requests per sample and bytes
     sent over the bytes of the samples delivered; and the peak of the run's shard cache."""
 
-    def __init__(self, prepared: Prepared, endpoint: Endpoint | None):
+    def __init__(self, prepared: Prepared, endpoint: Endpoint | None) -> None:
         self.endpoint = endpoint
         self.expected = Expected(prepared.workload, prepared.index)
         self.sizes = sample_bytes(prepared.index)
-        self.seq = None  # the run's ShardSequence, where it has a cache
+        self.seq: ShardSequence | None = None  # the run's, where it has a cache
         self.first = 0
 
     def begin(self, k: int) -> None:
@@ -206,6 +212,7 @@ class Observed(Window):
 
     def traffic(self, ids: np.ndarray) -> dict:
         """What the server did since the window began, for the samples ``ids`` delivered."""
+        assert self.endpoint is not None  # a run over a server
         requests, sent = self.endpoint.server.counts()
         return {"requests_per_sample": requests / len(ids),
                 "read_amplification": sent / int(self.sizes[ids].sum())}
@@ -269,7 +276,8 @@ def torch_source(prepared: Prepared, endpoint: Endpoint | None, cache_bytes: int
     return torch_shards(replace(prepared, index=index), storage_options=options)
 
 
-SOURCES = {"shmseq": shmseq_source, "torch": torch_source}
+Source = Callable[[Prepared, Endpoint | None, int, Observed], ContextManager[Iterator]]
+SOURCES: dict[str, Source] = {"shmseq": shmseq_source, "torch": torch_source}
 
 
 def measurer(prepared: dict[str, Prepared], endpoints: dict[str, Endpoint],
@@ -284,6 +292,7 @@ def measurer(prepared: dict[str, Prepared], endpoints: dict[str, Endpoint],
         loader, source = name.split("-", 1)
         endpoint = endpoints.get(source)
         if loader == CEILING:
+            assert endpoint is not None  # a server's
             return ceiling(ready, endpoint, repeat)
         observed = Observed(ready, endpoint)
         whole = observed.expected.length if loader == "shmseq" else systems.NUM_WORKERS
@@ -341,11 +350,11 @@ class Report:
     columns = COLUMNS
 
     def __init__(self, backends: list[str], delay_ms: float, bandwidth_mb_s: float | None,
-                 budgets: dict[str, Budget], workloads: dict[str, ShardWorkload]):
+                 budgets: dict[str, Budget], workloads: dict[str, ShardWorkload]) -> None:
         self.backends, self.delay_ms, self.bandwidth_mb_s = backends, delay_ms, bandwidth_mb_s
         self.budgets, self.workloads = budgets, workloads
 
-    def notes(self, cells: list[Cell]) -> list[str]:
+    def notes(self, cells: list[Cell]) -> list[str | None]:
         """The servers, the budgets, and a warning where a cache held more than its budget."""
         cap = ("no bandwidth cap" if self.bandwidth_mb_s is None
                else f"at most {self.bandwidth_mb_s:g} MB/s over all its connections")
@@ -416,8 +425,8 @@ class Report:
 def served_of_ceiling(runs: list[Run], workload: str, backend: str) -> list[float]:
     """Repeat by repeat, the bytes a second the server sent shmseq over those it sent its
     ceiling (each run's images/s times its read amplification)."""
-    return [mine.batches_per_second * mine.read_amplification
-            / (top.batches_per_second * top.read_amplification)
+    return [mine.batches_per_second * _present(mine.read_amplification)
+            / (top.batches_per_second * _present(top.read_amplification))
             for mine, top in paired(runs, workload, system("shmseq", backend),
                                     system(CEILING, backend))]
 

@@ -35,11 +35,19 @@ import threading
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
+from io import BufferedIOBase
+from multiprocessing.connection import Connection
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from werkzeug.exceptions import HTTPException, NotFound
 from werkzeug.security import safe_join
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 from werkzeug.utils import send_file
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
+    from typing_extensions import Self
 
 # a fault: an HTTP status, with the code and message S3 answers it with; or "reset"
 FAULTS = {"500": ("InternalError", "We encountered an internal error. Please try again."),
@@ -63,7 +71,8 @@ class ShapedServer:
     ``delay`` seconds before each answer, at most ``bandwidth`` bytes/s over all answers (None:
     no cap), each request logged in ``log``."""
 
-    def __init__(self, app, *, delay: float = 0.0, bandwidth: float | None = None):
+    def __init__(self, app: WSGIApplication, *, delay: float = 0.0,
+                 bandwidth: float | None = None) -> None:
         if delay < 0 or (bandwidth is not None and bandwidth <= 0):
             raise ValueError(f"delay must be >= 0 and bandwidth > 0 bytes/s or None, got "
                              f"delay={delay!r}, bandwidth={bandwidth!r}")
@@ -129,10 +138,10 @@ class ShapedServer:
         self._server.shutdown()
         self._thread.join(10)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -140,12 +149,13 @@ class FileServer(ShapedServer):
     """The files under ``directory`` over HTTP, ``Range: bytes=a-b`` answered with 206 (416 past
     the end), HEAD with the size."""
 
-    def __init__(self, directory: str | os.PathLike, **shaping):
+    def __init__(self, directory: str | os.PathLike, **shaping: Any) -> None:
         self.directory = os.fspath(directory)
         super().__init__(self._app, **shaping)
 
-    def _app(self, environ, start_response):
+    def _app(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         path = safe_join(self.directory, environ["PATH_INFO"].lstrip("/"))
+        response: WSGIApplication
         try:
             if path is None or not os.path.isfile(path):
                 raise NotFound()
@@ -162,7 +172,7 @@ class S3Server(ShapedServer):
 
     REGION = "us-east-1"
 
-    def __init__(self, **shaping):
+    def __init__(self, **shaping: Any) -> None:
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
         super().__init__(DomainDispatcherApplication(create_backend_app), **shaping)
 
@@ -173,11 +183,13 @@ class S3Server(ShapedServer):
                 "client_kwargs": {"endpoint_url": self.url, "region_name": self.REGION}}
 
     def fault_body(self, status: str) -> tuple[str, bytes]:
-        code, message = FAULTS[status]
+        fault = FAULTS[status]
+        assert fault is not None  # a status's, not a reset's
+        code, message = fault
         return "application/xml", (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}'
                                    f"</Code><Message>{message}</Message></Error>").encode()
 
-    def upload(self, folder: str | os.PathLike, bucket: str) -> str:
+    def upload(self, folder: str | os.PathLike[str], bucket: str) -> str:
         """Every file under ``folder`` into a new ``bucket``, at its path relative to the folder;
         the bucket's URL (``s3://bucket``). The uploads are not left in the log."""
         import boto3
@@ -211,7 +223,8 @@ class ServerProcess:
 
     KINDS = ("http", "s3")
 
-    def __init__(self, kind: str, directory: str | os.PathLike | None = None, **shaping):
+    def __init__(self, kind: str, directory: str | os.PathLike | None = None,
+                 **shaping: Any) -> None:
         if kind not in self.KINDS:
             raise ValueError(f"kind must be one of {', '.join(map(repr, self.KINDS))}, got {kind!r}")
         context = multiprocessing.get_context("fork")
@@ -226,13 +239,13 @@ class ServerProcess:
             self.process.join()
             raise
 
-    def _answer(self):
+    def _answer(self) -> Any:
         ok, value = self._pipe.recv()
         if not ok:
             raise value
         return value
 
-    def _call(self, name: str, *args):
+    def _call(self, name: str, *args: object) -> Any:
         self._pipe.send((name, args))
         return self._answer()
 
@@ -254,22 +267,29 @@ class ServerProcess:
         self.process.join()
         self._pipe.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
-_COMMANDS = {"upload": lambda server, folder, bucket: server.upload(folder, bucket),
-             "clear_log": lambda server: server.clear_log(),
-             "counts": lambda server: (server.requests, server.bytes_sent)}
+_COMMANDS: dict[str, Callable[..., object]] = {
+    "upload": lambda server, folder, bucket: server.upload(folder, bucket),
+    "clear_log": lambda server: server.clear_log(),
+    "counts": lambda server: (server.requests, server.bytes_sent)}
 
 
-def _serve(pipe, kind: str, directory, shaping: dict) -> None:
+def _serve(pipe: Connection, kind: str, directory: str | os.PathLike | None,
+           shaping: dict) -> None:
     """A ``ServerProcess``'s process: starts the server, answers each message until "stop"."""
     try:
-        server = FileServer(directory, **shaping) if kind == "http" else S3Server(**shaping)
+        server: ShapedServer
+        if kind == "http":
+            assert directory is not None, "an HTTP server serves a folder"
+            server = FileServer(directory, **shaping)
+        else:
+            server = S3Server(**shaping)
     except Exception as exc:  # noqa: BLE001 - raised again in the parent
         pipe.send((False, exc))
         return
@@ -286,7 +306,7 @@ def _serve(pipe, kind: str, directory, shaping: dict) -> None:
     pipe.send((True, None))
 
 
-def stop_fsspec_io(asyn) -> None:
+def stop_fsspec_io(asyn: ModuleType) -> None:
     """Stop fsspec's event loop thread (``fsspecIO``, a daemon thread it starts for its HTTP and
     S3 clients and never stops; it has no public call for this): close the clients on it, forget
     the file systems made with it, stop it and its executor's threads, and let fsspec start a
@@ -319,11 +339,11 @@ class _Server(ThreadedWSGIServer):
     daemon_threads = False
     block_on_close = True
 
-    def __init__(self, app, shaped: ShapedServer):
+    def __init__(self, app: WSGIApplication, shaped: ShapedServer) -> None:
         self.shaped = shaped
         super().__init__("127.0.0.1", 0, app, handler=_Handler)
 
-    def log(self, type: str, message: str, *args) -> None:
+    def log(self, type: str, message: str, *args: object) -> None:
         if type == "error":
             super().log(type, message, *args)
 
@@ -335,11 +355,12 @@ class _Handler(WSGIRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self.wfile = _Paced(self.wfile, self.server.shaped)
+        # the type ignored: werkzeug only writes to it, flushes and closes it
+        self.wfile = self.paced = _Paced(self.wfile, self.server.shaped)  # type: ignore[assignment]
 
     def run_wsgi(self) -> None:
         shaped = self.server.shaped
-        self.wfile.request = request = shaped.begin(self.command, self.path,
+        self.paced.request = request = shaped.begin(self.command, self.path,
                                                     self.headers.get("Range"))
         if shaped.stopping.wait(shaped.delay):
             self.close_connection = True
@@ -369,23 +390,23 @@ class _Handler(WSGIRequestHandler):
         self.close_connection = True
 
     def end_headers(self) -> None:
-        self.wfile.counting = False
+        self.paced.counting = False
         super().end_headers()
-        self.wfile.counting = True
+        self.paced.counting = True
 
-    def log_request(self, *args) -> None:
+    def log_request(self, *args: object) -> None:
         pass
 
 
 class _Paced:
     """A request handler's socket writer: writes paced to the server's cap, the body counted."""
 
-    def __init__(self, raw, shaped: ShapedServer):
+    def __init__(self, raw: BufferedIOBase, shaped: ShapedServer) -> None:
         self.raw, self.shaped = raw, shaped
         self.request: Request | None = None
         self.counting = False
 
-    def write(self, data) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         view = memoryview(data)
         for begin in range(0, len(view), PACE_BYTES):
             piece = view[begin:begin + PACE_BYTES]

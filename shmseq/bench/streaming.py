@@ -35,7 +35,9 @@ import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Callable, ContextManager, Iterator
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 import numpy as np
 
@@ -51,6 +53,9 @@ from .report import Cell, _fmt, drift_note, machine_line, of_limit, summarize, t
 from .runner import LIMIT, Run, timed_run
 from .shard_data import largest_sample
 from .workloads import BatchMismatch, ImageBatches, _head, _tail
+
+if TYPE_CHECKING:
+    from .remote_streaming import Report
 
 SEED = 0
 SHMSEQ, TORCH = "shmseq-shards", "torch-shards"
@@ -114,7 +119,7 @@ class Prepared:
 class EpochBatches:
     """torch's sampler: the plan's batches (int64 id arrays), epoch 0, 1, ... without end."""
 
-    def __init__(self, plan: ShardPlan):
+    def __init__(self, plan: ShardPlan) -> None:
         self.plan = plan
 
     def __iter__(self) -> Iterator[np.ndarray]:
@@ -122,8 +127,9 @@ class EpochBatches:
             yield from self.plan.batches(epoch)
 
 
-def shard_sequence(shards, workload: ShardWorkload, decode: Callable[[dict], object],
-                   batch_bytes: int | None = None, **options) -> ShardSequence:
+def shard_sequence(shards: ShardIndex | str, workload: ShardWorkload,
+                   decode: Callable[[dict], object], batch_bytes: int | None = None,
+                   **options: Any) -> ShardSequence:
     """``ShardSequence`` over ``shards`` (an index, or its URL) with the plan's arguments,
     slots sized to ``batch_bytes`` up front where batches vary in size (so that none takes the
     overflow path), else (None) by the first batches."""
@@ -169,7 +175,7 @@ def shmseq_decode_stage(prepared: Prepared) -> ContextManager[Iterator]:
                                   out_type=STAGE_DEVICE, device=decode_stage(workload.side)))
 
 
-def torch_shards(prepared: Prepared, **options) -> ContextManager[Iterator]:
+def torch_shards(prepared: Prepared, **options: Any) -> ContextManager[Iterator]:
     """torch's ``DataLoader`` over a ``ShardWorker``: one ``worker[ids]`` per batch
     (``options``: the worker's, ``storage_options`` say)."""
     return systems._dataloader(ShardWorker(prepared.index, prepared.decode, **options),
@@ -193,7 +199,7 @@ def runs_on(name: str, workload: ShardWorkload) -> bool:
 
 # -- the limit: the workers' own work, no transport --------------------------------------------
 def _build(prepared: Prepared, wid: int, processes: int, seconds: float, warmup_seconds: float,
-           barrier, rates) -> None:
+           barrier: Barrier, rates: Queue) -> None:
     worker = ShardWorker(prepared.index, prepared.decode)
     expected = Expected(prepared.workload, prepared.index)
     built, start = 0, time.perf_counter()
@@ -217,10 +223,11 @@ def limit_rate(prepared: Prepared, seconds: float, warmup_seconds: float = 0.0) 
 class Expected:
     """The ``k``-th batch's ids in the endless stream of the plan's epochs."""
 
-    def __init__(self, workload: ShardWorkload, index: ShardIndex):
+    def __init__(self, workload: ShardWorkload, index: ShardIndex) -> None:
         self.plan = workload.plan(index)
         self.length = self.plan.length(0)
-        self._epoch, self._batches = -1, []
+        self._epoch = -1
+        self._batches: list[np.ndarray] = []
 
     def __call__(self, k: int) -> np.ndarray:
         epoch, position = divmod(k, self.length)
@@ -245,7 +252,7 @@ def checker(prepared: Prepared, system: str = SHMSEQ) -> Callable[[int, object],
     expected = Expected(workload, prepared.index)
     shape = (workload.batch_size, *workload.image_shape)
 
-    def check(k: int, batch) -> None:
+    def check(k: int, batch: Any) -> None:
         images, labels = (np.asarray(part) for part in batch)
         ids = expected(k)
         if images.shape != shape or images.dtype != np.uint8:
@@ -271,7 +278,7 @@ def stage_checker(prepared: Prepared) -> Callable[[int, object], None]:
     expected = Expected(workload, prepared.index)
     shape = (workload.batch_size, 3, workload.side, workload.side)
 
-    def check(k: int, batch) -> None:
+    def check(k: int, batch: Any) -> None:
         images, labels = batch
         means = images.mean(dim=(1, 2, 3)).cpu().numpy()
         if tuple(images.shape) != shape or not images.is_floating_point():
@@ -401,6 +408,7 @@ def _remote_cell(cell: Cell, name: str, spec: str, unit: float) -> str:
 def _pss(cell: Cell) -> str:
     if cell.pss_bytes is None:
         return "—"
+    assert cell.pss_spread is not None  # with the median
     low, high = cell.pss_spread
     return with_spread(cell.pss_bytes / 1e6, (low / 1e6, high / 1e6), ",.0f", cell.runs)
 
@@ -421,12 +429,20 @@ def ratios(runs: list[Run], workload: str, ours: str = SHMSEQ,
     if not pairs:
         return None
     found = {"rate": [mine.batches_per_second / other.batches_per_second for mine, other in pairs],
-             "cpu": [other.cpu_us_per_batch / mine.cpu_us_per_batch for mine, other in pairs],
-             "first": [mine.first_batch_seconds / other.first_batch_seconds
+             "cpu": [_present(other.cpu_us_per_batch) / _present(mine.cpu_us_per_batch)
+                     for mine, other in pairs],
+             "first": [_present(mine.first_batch_seconds) / _present(other.first_batch_seconds)
                        for mine, other in pairs]}
     if all(mine.peak_pss_bytes and other.peak_pss_bytes for mine, other in pairs):
-        found["pss"] = [mine.peak_pss_bytes / other.peak_pss_bytes for mine, other in pairs]
+        found["pss"] = [_present(mine.peak_pss_bytes) / _present(other.peak_pss_bytes)
+                        for mine, other in pairs]
     return found
+
+
+def _present(figure: float | None) -> float:
+    """A figure the runs compared have: a loader's (the limit has none), a remote run's."""
+    assert figure is not None, "a figure the run has not"
+    return figure
 
 
 def _ratio(values: list[float]) -> str:
@@ -456,7 +472,8 @@ def _workers_line(runs: list[Run], get: dict[str, Cell], workload: ShardWorkload
             f"first batch in {_ratio(found['first'])} torch's time ({ours.first_batch_s:.3f} "
             f"against {theirs.first_batch_s:.3f} s)"
             + (f", {_ratio(found['pss'])} its process tree's PSS "
-               f"({ours.pss_bytes / 1e6:,.0f} against {theirs.pss_bytes / 1e6:,.0f} MB)"
+               f"({_present(ours.pss_bytes) / 1e6:,.0f} against "
+               f"{_present(theirs.pss_bytes) / 1e6:,.0f} MB)"
                if "pss" in found else "")
             + "; ratios taken repeat by repeat, median (min-max)"
             + "".join(f"; {c.system} at {c.of_limit:.2f}x the limit" for c in (ours, theirs)
@@ -498,7 +515,7 @@ def highlights(runs: list[Run], cells: list[Cell], workloads: dict[str, ShardWor
 
 def markdown(runs: list[Run], workloads: dict[str, ShardWorkload], info: dict, settings: dict,
              data: list[str], load: list[str], command: str, warning: str | None = None,
-             remote=None) -> str:
+             remote: Report | None = None) -> str:
     """The table with its machine and load (a ``warning`` if it was busy), the data, the
     columns, what it shows, the command; ``remote`` (``remote_streaming.Report``) adds the
     remote mode's notes, columns and lines."""

@@ -132,7 +132,7 @@ class _Batches:
 
 
 @contextmanager
-def _dataloader(dataset: _Samples | _Batches, strategy: str,
+def _dataloader(dataset: object, strategy: str,
                 loader_class: type[DataLoader] | None = None, **kwargs: Any) -> Iterator[Batches]:
     """Persistent workers; ``strategy`` is how torch shares a batch's tensors with the consumer
     (``loader_class``: torch's DataLoader unless given)."""
