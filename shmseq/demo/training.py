@@ -34,7 +34,7 @@ def small_cnn(classes: int) -> nn.Module:
 class Trainer:
     """One optimiser step per batch; the same initial weights for a given seed."""
 
-    def __init__(self, classes: int, device: torch.device, seed: int):
+    def __init__(self, classes: int, device: torch.device, seed: int) -> None:
         torch.manual_seed(seed)
         self.device = device
         self.model = small_cnn(classes).to(device)
