@@ -169,7 +169,8 @@ class WorkerTuner:
     """
 
     def __init__(self, budget: Budget, start_workers: int,
-                 clock: Callable[[], float] = time.monotonic, worker_bytes: int | None = None):
+                 clock: Callable[[], float] = time.monotonic,
+                 worker_bytes: int | None = None) -> None:
         self.budget = budget
         self.worker_bytes = worker_bytes  # an estimate of one worker's memory, when known
         self.clock = clock
