@@ -31,7 +31,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Final, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Final, Iterator, Literal
 
 import numpy as np
 
@@ -45,7 +45,11 @@ from .report import Cell, _fmt, machine_line, summarize, timing
 from .runner import Run, timed_run
 from .shard_data import JpegCrop, jpeg_samples
 from .streaming import _ratio, cpu_out, paired, started
-from .workloads import InPlaceWorker, Workload, check_batch
+from .workloads import Allocator, InPlaceWorker, Workload, check_batch
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from numpy.typing import DTypeLike
 
 AUTO: Final = "auto"
 WORKER_SWEEP = (1, 2, 4, 6, 8, 12, 16)   # the latency-bound sweep
@@ -202,7 +206,7 @@ class FreshArrays:
     """``fill_batch``'s ``out`` outside a loader: fresh arrays, as a dataset returns them."""
 
     @staticmethod
-    def empty(shape, dtype) -> np.ndarray:
+    def empty(shape: int | tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
         return np.empty(shape, dtype)
 
 
@@ -212,13 +216,13 @@ class CostlyWorker(InPlaceWorker):
     ``check_batch`` still tells a torn or misordered batch). ``worker[indices]`` builds it into
     fresh arrays, for the trainer's own thread (``num_workers=0``)."""
 
-    def __init__(self, workload: TunedWorkload):
+    def __init__(self, workload: TunedWorkload) -> None:
         super().__init__(workload)
         self.costs = workload
         self.decode = JpegCrop(workload.side) if workload.jpeg else None
         self.jpegs = jpeg_pool() if workload.jpeg else ()
 
-    def fill_batch(self, indices: np.ndarray, out) -> tuple[np.ndarray, np.ndarray]:
+    def fill_batch(self, indices: np.ndarray, out: Allocator) -> tuple[np.ndarray, np.ndarray]:
         images, labels = super().fill_batch(indices, out)
         if self.costs.latency_s:
             time.sleep(self.costs.latency_s)
@@ -248,7 +252,7 @@ class Trace:
     start (made as its loader is); its most and last worker counts, and its ring's slots. The
     count is the setting's, or auto's own (``seq.stats.workers``)."""
 
-    def __init__(self, setting: Setting):
+    def __init__(self, setting: Setting) -> None:
         self.fixed = setting.workers if isinstance(setting.workers, int) else None
         self.points: list[tuple[float, int | None, float]] = []
         self.most = self.final = self.fixed
@@ -296,7 +300,7 @@ def ring_slots(seq: ShmSequence) -> int | None:
 def trainer(workload: TunedWorkload, trace: Trace) -> Callable[[int, object], None]:
     """The consumer: checks each batch as every bench mode does, traces it, and takes the
     workload's step (a sleep: the thread waits, as on an accelerator, without CPU)."""
-    def step(k: int, batch: object) -> None:
+    def step(k: int, batch: Any) -> None:
         check_batch(workload, k, batch)
         trace.batch()
         if workload.step_s:
@@ -619,7 +623,7 @@ def write_chart(path: Path, runs: list[Run], matrix: Matrix) -> bool:
     return True
 
 
-def _draw(axes, runs: list[Run], best: Cell | None, workload: TunedWorkload,
+def _draw(axes: Axes, runs: list[Run], best: Cell | None, workload: TunedWorkload,
           settle_s: float) -> None:
     """One workload's panel: each repeat's rate (left axis) and workers (right axis)."""
     counts = axes.twinx()

@@ -15,12 +15,12 @@ import mmap
 import os
 import signal
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from shmseq.engine.common.layout import SlotAllocator
+    from numpy.typing import DTypeLike
 
 
 POOL_ROWS = 512          # samples held in memory per image size (77 MB at 224x224)
@@ -154,10 +154,17 @@ class ReturningWorker(_PoolWorker):
         return images, labels
 
 
+class Allocator(Protocol):
+    """Where an in-place worker makes its arrays: a slot's ``SlotAllocator``, or fresh ones."""
+
+    def empty(self, shape: int | tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
+        """An array of ``shape`` and ``dtype``, not initialised."""
+
+
 class InPlaceWorker(_PoolWorker):
     """A worker that builds its batch inside the slot: its single write is the only one."""
 
-    def fill_batch(self, indices: np.ndarray, out: SlotAllocator) -> tuple[np.ndarray, np.ndarray]:
+    def fill_batch(self, indices: np.ndarray, out: Allocator) -> tuple[np.ndarray, np.ndarray]:
         images = out.empty(self.shape, np.uint8)
         labels = out.empty(len(indices), np.int64)
         fill(self.pool, indices, images, labels, self.augment)
@@ -174,7 +181,7 @@ class DyingWorker(InPlaceWorker):
         self.die_every = die_every
         self.built = np.frombuffer(mmap.mmap(-1, 8), np.int64)  # anonymous and shared
 
-    def fill_batch(self, indices: np.ndarray, out: SlotAllocator) -> tuple[np.ndarray, np.ndarray]:
+    def fill_batch(self, indices: np.ndarray, out: Allocator) -> tuple[np.ndarray, np.ndarray]:
         self.built[0] += 1
         if self.built[0] % self.die_every == 0:
             os.kill(os.getpid(), signal.SIGKILL)
