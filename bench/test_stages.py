@@ -107,8 +107,8 @@ def test_message_encode_decode(benchmark, kind):
         message = benchmark(lambda: wire.decode(wire.build_frame(7, 3, indices)[4:]))
         assert message.number == 7 and message.indices.tolist() == indices.tolist()
     else:
-        assert benchmark(lambda: wire.decode(wire.done_frame(7, 3, 4096, 0.25)[4:])) == (
-            7, 3, 4096, 0.25)
+        message = benchmark(lambda: wire.decode(wire.done_frame(7, 3, 4096, 0.25, 0.125, 0.0)[4:]))
+        assert message == (7, 3, 4096, 0.25, 0.125, 0.0)
 
 
 def _echo(connection) -> None:

@@ -65,3 +65,38 @@ def check_worker(worker: object) -> None:
     if not (hasattr(worker, "__getitem__") or hasattr(worker, "fill_batch")):
         raise TypeError(f"worker must be a class or an object with __getitem__(indices) "
                         f"(or fill_batch(indices, out)), got {worker!r}")
+
+
+def check_num_workers(num_workers: object, minimum: int = 0) -> None:
+    """An integer of workers, or ``'auto'`` (tuned as the loader runs)."""
+    if num_workers == "auto" and isinstance(num_workers, str):
+        return
+    wanted = (f"num_workers must be an integer >= {minimum}, or 'auto' to have the loader "
+              "choose and adjust it as it runs")
+    if not isinstance(num_workers, numbers.Integral) or isinstance(num_workers, bool):
+        raise TypeError(f"{wanted}, got {_given(num_workers)}")
+    if num_workers < minimum:
+        raise ValueError(f"{wanted}, got {num_workers!r}")
+
+
+def check_auto_bounds(num_workers: object, max_workers: object, cpu_budget: object,
+                      memory_budget: object, buffer: object) -> None:
+    """``max_workers`` and ``cpu_budget`` bound ``num_workers='auto'``; ``memory_budget`` a
+    ring whose slots shmseq counts (no ``buffer`` given)."""
+    check_int("max_workers", max_workers, 1, optional=True)
+    check_int("memory_budget", memory_budget, 1, optional=True)
+    if cpu_budget is not None and (isinstance(cpu_budget, bool)
+                                   or not isinstance(cpu_budget, numbers.Real)):
+        raise TypeError(f"cpu_budget must be a number of cores > 0 or None, got "
+                        f"{_given(cpu_budget)}")
+    if cpu_budget is not None and not float(cpu_budget) > 0:
+        raise ValueError(f"cpu_budget must be a number of cores > 0 or None, got {cpu_budget!r}")
+    if num_workers != "auto":
+        for name, value in (("max_workers", max_workers), ("cpu_budget", cpu_budget)):
+            if value is not None:
+                raise ValueError(f"{name}={value!r} bounds num_workers='auto', but "
+                                 f"num_workers={num_workers!r} was given: pass "
+                                 f"num_workers='auto', or leave {name} out")
+    if memory_budget is not None and buffer is not None:
+        raise ValueError(f"memory_budget={memory_budget!r} bounds a ring whose slots shmseq "
+                         f"counts, but buffer={buffer!r} fixes them: leave one of them out")

@@ -8,14 +8,15 @@ so there is no intermediate batch array and no pickling of the batch.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, cast
 
 import numpy as np
 
-from .checks import check_bool, check_int
+from .checks import check_bool, check_int, check_num_workers
 from .engine.common.layout import SlotAllocator, as_ndarray, stack_into
 from .engine.common.ragged import is_tensor
 from .engine.trainer.plan import SamplerPlan
+from .engine.trainer.tuning import default_max_workers
 from .samplers import BatchSampler, RandomSampler, SequentialSampler
 from .sequence import ShmSequence
 
@@ -112,7 +113,10 @@ class DataLoader(SampleLoader):
     that yields lists of index lists gives lists of batches, one per shard (GluonNLP's
     ``ShardedDataLoader``). Beyond Gluon: ``seed``, ``rank``/``world_size`` (distributed
     sharding of the default samplers), ``state_dict()``, ``set_epoch()``, ``worker_init_fn``,
-    ``worker_restarts``.
+    ``worker_restarts``; ``num_workers='auto'`` with ``max_workers``, ``cpu_budget`` and
+    ``memory_budget`` (``ShmSequence``'s). Without ``prefetch``, the ring's slots are counted
+    from the batch size, the workers and the batches the consumer holds (``ShmSequence``'s
+    ``buffer=None``); with it, the ring has ``max(prefetch, workers) + 2`` slots.
     """
 
     _collate_name = "batchify_fn"
@@ -121,14 +125,16 @@ class DataLoader(SampleLoader):
                  sampler: Iterable[int] | None = None, last_batch: str | None = None,
                  batch_sampler: Iterable | None = None,
                  batchify_fn: Callable[[list], object] | None = None,
-                 num_workers: int = 0, pin_memory: bool = False, pin_device_id: int = 0,
+                 num_workers: int | Literal["auto"] = 0, pin_memory: bool = False,
+                 pin_device_id: int = 0,
                  prefetch: int | None = None, thread_pool: bool = False,
                  timeout: float | None = 120,
                  *, out_type: str = "null", seed: int | None = None, rank: int | None = None,
                  world_size: int | None = None,
                  worker_init_fn: Callable[[int], object] | None = None,
                  slot_bytes: int | None = None, start_method: str | None = None,
-                 worker_restarts: int = 0) -> None:
+                 worker_restarts: int = 0, max_workers: int | None = None,
+                 cpu_budget: float | None = None, memory_budget: int | None = None) -> None:
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise TypeError(f"dataset must have __getitem__ and __len__, got {type(dataset).__name__}")
         self._check(batch_size, shuffle, num_workers, prefetch, thread_pool)
@@ -138,11 +144,13 @@ class DataLoader(SampleLoader):
         if self.batch_sampler is not None and (rank is not None or world_size is not None):
             raise ValueError("rank and world_size shard the default samplers: with your own sampler "
                              "or batch_sampler, deal the indices to the ranks in it")
-        prefetch = 2 * num_workers if prefetch is None else prefetch
+        most = num_workers if num_workers != "auto" else max_workers or default_max_workers()
         super().__init__(SampleWorker(dataset, batchify_fn, self._collate_name), len(dataset),
                          batch_size=batch_size or 1,  # None: the batch_sampler's batches
                          slot_bytes=slot_bytes,
-                         buffer=max(prefetch, num_workers, 1) + 2, num_workers=num_workers,
+                         buffer=None if prefetch is None else max(prefetch, most, 1) + 2,
+                         num_workers=num_workers, max_workers=max_workers,
+                         cpu_budget=cpu_budget, memory_budget=memory_budget,
                          shuffle=shuffle, seed=seed, last_batch=last_batch or "keep",
                          thread_type="thread" if thread_pool else "proc", out_type=out_type,
                          start_method=start_method, timeout=timeout, pin_memory=pin_memory,
@@ -156,7 +164,7 @@ class DataLoader(SampleLoader):
         would otherwise turn into some other loader (``batch_size or 1``, ``2 * '2'``)."""
         check_int("batch_size", batch_size, 1, optional=True)
         check_bool("shuffle", shuffle)
-        check_int("num_workers", num_workers, 0)
+        check_num_workers(num_workers)
         check_int("prefetch", prefetch, 0, optional=True)
         check_bool("thread_pool", thread_pool)
 

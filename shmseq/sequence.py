@@ -11,16 +11,18 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, cast
 
 import numpy as np
 
-from .checks import check_bool, check_choice, check_int, check_out_type, check_timeout, check_worker
+from .checks import (check_auto_bounds, check_bool, check_choice, check_int, check_num_workers,
+                     check_out_type, check_timeout, check_worker)
 from .engine.common.protocol import Plan
 from .engine.trainer.devices import Device, resolve_out_type
 from .engine.trainer.pipeline import Inline, Pipeline, PipelineSpec, closing_finalizer
 from .engine.trainer.plan import EpochPlan, as_index_array
 from .engine.trainer.stats import LoaderStats
+from .engine.trainer.tuning import START_WORKERS, default_max_workers
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
@@ -44,8 +46,19 @@ class ShmSequence:
         dset_size: the number of samples, or a 1-D array of the sample indices to draw from.
         batch_size: samples per batch.
         slot_bytes: bytes of one slot; None: sized by the first batches (a quarter more).
-        buffer: slots in the ring: how many batches may be built ahead of the consumer.
-        num_workers: worker processes (or threads); 0 builds batches in the calling thread.
+        buffer: slots in the ring: how many batches may be built ahead of the consumer. None:
+            counted from the slot size, the workers and how many batches the consumer holds
+            at once (a slot per worker, one per batch held, one ready; more for small
+            batches, up to 64 MiB), within ``memory_budget``.
+        num_workers: worker processes (or threads); 0 builds batches in the calling thread;
+            ``'auto'``: as many as keep the consumer fed, adjusted as it runs (more while it
+            waits for batches and CPU is free, fewer while the ring stays full), never more
+            than ``max_workers``. The batches and their order do not depend on it.
+        max_workers: the most workers ``'auto'`` runs; None: 16, or the usable cores if more.
+            A worker's ``get_worker_info().num_workers`` is this bound.
+        cpu_budget: cores ``'auto'``'s workers and the consumer may use together; None: the
+            cores this process may run on.
+        memory_budget: bytes the ring may take when shmseq counts its slots (no ``buffer``).
         num_converters: CUDA streams batches are copied on (MDNC's name); None: MDNC's default.
         shuffle, seed: a new order each epoch, a function of ``seed`` and the epoch.
         thread_type: ``'proc'`` (processes) or ``'thread'``.
@@ -72,7 +85,8 @@ class ShmSequence:
     """
 
     def __init__(self, worker: object, dset_size: ArrayLike, *, batch_size: int = 32,
-                 slot_bytes: int | None = None, buffer: int = 10, num_workers: int = 4,
+                 slot_bytes: int | None = None, buffer: int | None = None,
+                 num_workers: int | Literal["auto"] = 4,
                  num_converters: int | None = None,
                  shuffle: bool = True, seed: int | None = None, thread_type: str = "proc",
                  out_type: str = "cuda", start_method: str | None = None,
@@ -80,11 +94,14 @@ class ShmSequence:
                  last_batch: str = "keep", pin_memory: bool | None = None, pin_device_id: int = 0,
                  rank: int | None = None, world_size: int | None = None,
                  worker_init_fn: Callable[[int], object] | None = None,
-                 worker_restarts: int = 0, device: Callable[[], Device] | None = None) -> None:
+                 worker_restarts: int = 0, device: Callable[[], Device] | None = None,
+                 max_workers: int | None = None, cpu_budget: float | None = None,
+                 memory_budget: int | None = None) -> None:
         check_worker(worker)
         check_int("batch_size", batch_size, 1)
-        check_int("buffer", buffer, 1)
-        check_int("num_workers", num_workers, 0)
+        check_int("buffer", buffer, 1, optional=True)
+        check_num_workers(num_workers)
+        check_auto_bounds(num_workers, max_workers, cpu_budget, memory_budget, buffer)
         check_int("num_converters", num_converters, 1, optional=True)
         check_int("slot_bytes", slot_bytes, 1, optional=True)
         check_int("seed", seed, 0, optional=True)
@@ -107,6 +124,9 @@ class ShmSequence:
         self.slot_bytes = slot_bytes
         self.buffer = buffer
         self.num_workers = num_workers
+        self.max_workers = None if num_workers != "auto" else max_workers or default_max_workers()
+        self.cpu_budget = cpu_budget
+        self.memory_budget = memory_budget
         self.thread_type = thread_type
         self.start_method = start_method
         self.out_type = resolve_out_type(out_type)
@@ -115,7 +135,8 @@ class ShmSequence:
         self.worker_restarts = worker_restarts
         self._device = device
         # MDNC's default: for CUDA output, the number of streams batches are copied on.
-        self.num_converters = num_converters or max(num_workers // 4, min(num_workers, 4), 1)
+        most = cast(int, num_workers) if self.max_workers is None else self.max_workers
+        self.num_converters = num_converters or max(most // 4, min(most, 4), 1)
         self.epoch = 0                   # the epoch the next iteration starts
         self._resume_at = 0               # ... at this batch (set by load_state_dict)
         self._last = (-1, 0)              # (epoch, batches delivered) of the last iteration
@@ -226,13 +247,16 @@ class ShmSequence:
         seed and the epoch it starts at: a pipeline started again later draws fresh streams,
         the same ones for the same seed and epoch."""
         base = np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0]
+        first_workers = (cast(int, self.num_workers) if self.max_workers is None
+                         else min(START_WORKERS, self.max_workers))
         return PipelineSpec(
-            self.worker, self.num_workers, self.buffer, slot_bytes=self.slot_bytes,
+            self.worker, first_workers, self.buffer, slot_bytes=self.slot_bytes,
             thread_type=self.thread_type, start_method=self.start_method,
             out_type=self.out_type, pin_memory=self.pin_memory, pin_device_id=self.pin_device_id,
             num_converters=self.num_converters, timeout=self._timeout, base_seed=int(base >> 1),
             worker_init_fn=self.worker_init_fn, restarts=self.worker_restarts,
-            device=self._device)
+            device=self._device, max_workers=self.max_workers, cpu_budget=self.cpu_budget,
+            memory_budget=self.memory_budget)
 
     def _own(self, runtime: Runtime) -> Self:
         self._runtime = runtime

@@ -22,7 +22,8 @@ from __future__ import annotations
 import signal
 from collections.abc import Hashable
 from multiprocessing.context import BaseContext
-from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Sequence, TypeVar, cast
+from typing import (TYPE_CHECKING, Any, Callable, Collection, Iterable, Literal, Sequence, TypeVar,
+                    cast)
 
 import numpy as np
 
@@ -35,17 +36,18 @@ except ModuleNotFoundError as missing:
         "shmseq.torch is torch's DataLoader on shmseq's ring, and needs torch: pip install torch "
         "(or your CUDA build of it). Without torch, shmseq.ShmSequence and shmseq.DataLoader "
         "deliver numpy arrays (out_type='null').", name="torch") from missing
-from torch.utils.data import DataLoader as TorchDataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader as TorchDataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map
 
-from .checks import check_int
+from .checks import check_auto_bounds, check_int
 from .engine.common.errors import BatchTimeout, PipelineClosed, ShmSeqError, WorkerDied
 from .engine.common.layout import SlotAllocator, as_ndarray, stack_into
 from .engine.common.ragged import Ragged, make_leaf
 from .engine.trainer.pipeline import Pipeline, PipelineSpec, closing_finalizer
 from .engine.trainer.plan import SamplerPlan
 from .engine.trainer.stats import LoaderStats
+from .engine.trainer.tuning import START_WORKERS, default_max_workers
 from .engine.worker.batch import StreamEnded
 
 if TYPE_CHECKING:
@@ -181,6 +183,12 @@ class DataLoader(TorchDataLoader[T_co]):
 
     Beyond torch's arguments, keyword-only: ``slot_bytes`` (the ring's slot size; by default,
     sized from the first batches) and ``worker_restarts`` (how many dead workers to replace).
+    Beyond torch's values: ``num_workers='auto'`` (map-style datasets), the worker count
+    tuned as the loader runs, bounded by the keyword-only ``max_workers``, ``cpu_budget`` and
+    ``memory_budget`` (``shmseq.ShmSequence``'s); torch sees it start at ``num_workers=2`` (its
+    attribute), each worker's ``get_worker_info().num_workers`` is ``max_workers``, and
+    without ``prefetch_factor`` the ring's slots are counted by shmseq (with it, the ring has
+    ``prefetch_factor * max_workers + 2``).
     Beyond its attributes: ``stats`` (what went through the ring) and ``close()`` (stop
     persistent workers now, rather than when the loader is dropped).
     """
@@ -188,15 +196,25 @@ class DataLoader(TorchDataLoader[T_co]):
     def __init__(self, dataset: Dataset[T_co], batch_size: int | None = 1,
                  shuffle: bool | None = None, sampler: Sampler | Iterable | None = None,
                  batch_sampler: Sampler[list] | Iterable[list] | None = None,
-                 num_workers: int = 0, collate_fn: Callable[[list], Any] | None = None,
+                 num_workers: int | Literal["auto"] = 0,
+                 collate_fn: Callable[[list], Any] | None = None,
                  pin_memory: bool = False, drop_last: bool = False, timeout: float = 0,
                  worker_init_fn: Callable[[int], None] | None = None,
                  multiprocessing_context: str | BaseContext | None = None,
                  generator: torch.Generator | None = None, *,
                  prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True,
-                 slot_bytes: int | None = None, worker_restarts: int = 0) -> None:
-        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers,
+                 slot_bytes: int | None = None, worker_restarts: int = 0,
+                 max_workers: int | None = None, cpu_budget: float | None = None,
+                 memory_budget: int | None = None) -> None:
+        self.max_workers = self._auto_workers(dataset, num_workers, max_workers, cpu_budget,
+                                              memory_budget, prefetch_factor)
+        self.cpu_budget, self.memory_budget = cpu_budget, memory_budget
+        self._ring_slots = None if self.max_workers is None or prefetch_factor is None else (
+            prefetch_factor * self.max_workers + 2)
+        workers = (cast(int, num_workers) if self.max_workers is None  # torch checks it
+                   else min(START_WORKERS, self.max_workers))  # torch sees an integer
+        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, workers,
                          collate_fn, pin_memory, drop_last, timeout, worker_init_fn,
                          multiprocessing_context, generator, prefetch_factor=prefetch_factor,
                          persistent_workers=persistent_workers,
@@ -206,6 +224,31 @@ class DataLoader(TorchDataLoader[T_co]):
         self.slot_bytes = slot_bytes
         self.worker_restarts = worker_restarts
         self._stats = LoaderStats()
+
+    @staticmethod
+    def _auto_workers(dataset: object, num_workers: object, max_workers: int | None,
+                      cpu_budget: float | None, memory_budget: int | None,
+                      prefetch_factor: int | None) -> int | None:
+        """The bound of a tuned worker count (``num_workers='auto'``); None for torch's integer,
+        left to torch to check. ``memory_budget`` bounds a ring whose slots shmseq counts: with
+        ``'auto'`` and no ``prefetch_factor`` only."""
+        auto = num_workers == "auto" and isinstance(num_workers, str)
+        check_auto_bounds("auto" if auto else num_workers, max_workers, cpu_budget,
+                          memory_budget, None)
+        if memory_budget is not None and not (auto and prefetch_factor is None):
+            raise ValueError(f"memory_budget={memory_budget!r} bounds a ring whose slots shmseq "
+                             f"counts, which it does with num_workers='auto' and no "
+                             f"prefetch_factor (got num_workers={num_workers!r}, "
+                             f"prefetch_factor={prefetch_factor!r}): leave memory_budget out")
+        if not auto:
+            return None
+        if isinstance(dataset, IterableDataset):
+            raise ValueError(
+                f"num_workers='auto' needs a map-style dataset: the stream of "
+                f"{type(dataset).__name__} (an IterableDataset) is split among the workers, so "
+                "its batches would change with their number as the loader tunes it; pass an "
+                "integer num_workers")
+        return max_workers or default_max_workers()
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         if self.num_workers == 0:
@@ -265,14 +308,17 @@ class _RingIterator(_BaseDataLoaderIter):
         self._spec = PipelineSpec(
             _Fetcher(self._dataset, self._dataset_kind, self._auto_collation, self._collate_fn,
                      self._drop_last),
-            self._num_workers, buffer=self._num_workers * loader.prefetch_factor + 2,
+            self._num_workers, buffer=(loader._ring_slots if loader.max_workers is not None
+                                       else self._num_workers * loader.prefetch_factor + 2),
             slot_bytes=loader.slot_bytes,
             start_method=None if context is None else context.get_start_method(),
             out_type="cpu", pin_memory=self._pin_memory,
             pin_device_id=torch.cuda.current_device() if self._pin_memory else 0,
             timeout=self._timeout or None, base_seed=int(self._base_seed),
             worker_init_fn=loader.worker_init_fn, restarts=loader.worker_restarts,
-            in_turn=True, wait_for_workers=False)
+            in_turn=loader.max_workers is None, wait_for_workers=False,
+            max_workers=loader.max_workers, cpu_budget=loader.cpu_budget,
+            memory_budget=loader.memory_budget)
         self._stats = loader.stats
         self._pipeline: Pipeline | None = None
         self._stopped: list = []  # the worker processes, once shut down

@@ -13,7 +13,7 @@ def feed(stats: LoaderStats, seconds: float, now: float, *, rate: float = 100.0,
          storage: float = 0.0, decode: float = 0.0, copy: float = 0.0) -> float:
     """``seconds`` of a pipeline ticked every half second: ``rate`` batches/s, the trainer
     waiting ``wait`` of the time, each worker busy ``busy`` of it, ``cpu`` of that on a CPU
-    and ``storage`` waiting on remote reads; the ring full ``full`` of the time, decode and
+    and ``storage`` waiting on remote reads; each idle for want of a slot ``full`` of it, decode and
     copies taking ``decode`` and ``copy`` of it. The clock's time at the end."""
     for _ in range(round(seconds / TICK_S)):
         busy_s = stats.workers * TICK_S * busy
@@ -22,7 +22,7 @@ def feed(stats: LoaderStats, seconds: float, now: float, *, rate: float = 100.0,
         stats.worker_busy_s += busy_s
         stats.worker_cpu_s += busy_s * cpu
         stats.remote_wait_s += busy_s * storage
-        stats.ring_full_s += full * TICK_S
+        stats.worker_idle_s += stats.workers * TICK_S * full
         stats.decode_s += decode * TICK_S
         stats.copy_s += copy * TICK_S
         now += TICK_S

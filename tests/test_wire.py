@@ -16,7 +16,7 @@ MESSAGES = [
     Build(0, None, np.arange(3, dtype=np.int64)),       # built before the ring: no slot
     Build(2, 0, np.arange(4, dtype=np.int32)),           # any integer dtype: sent as int64
     Build(7, 1, [np.arange(2), np.arange(2, 4)]),        # multi-shard: pickled
-    Done(9, 2, 4096, 0.25),
+    Done(9, 2, 4096, 0.25, 0.125, 0.0625),
     MapRing({"name": "/x"}),
     Failed(4, None, ErrorReport("builtins.KeyError", "3", "Traceback...", None)),
     Stop(),
@@ -40,7 +40,7 @@ def test_every_message_round_trips(message):
 def test_fast_frames_are_the_framed_messages():
     indices = np.arange(6, dtype=np.int64)
     assert build_frame(1, 2, indices) == framed(Build(1, 2, indices))
-    assert done_frame(1, 2, 3, 0.5) == framed(Done(1, 2, 3, 0.5))
+    assert done_frame(1, 2, 3, 0.5, 0.25, 0.125) == framed(Done(1, 2, 3, 0.5, 0.25, 0.125))
 
 
 def test_a_task_owns_its_indices():
@@ -59,7 +59,8 @@ def test_reader_takes_every_complete_message_and_waits_for_the_rest():
     reader, writer = os.pipe()
     try:
         frames = FrameReader(reader)
-        data = (build_frame(1, 0, np.arange(3, dtype=np.int32)) + done_frame(1, 0, 10, 0.1)
+        data = (build_frame(1, 0, np.arange(3, dtype=np.int32))
+                + done_frame(1, 0, 10, 0.1, 0.05, 0.0)
                 + framed(MapRing("r")))
         os.write(writer, data[:-5])
         got = frames.read()
@@ -77,7 +78,7 @@ def test_a_message_larger_than_one_read_arrives_whole():
     receiver, sender = connection.Pipe(duplex=False)
     frames = FrameReader(receiver.fileno())
     writer = threading.Thread(target=sender.send_bytes,
-                              args=(encode(Overflow(5, None, payload, 0.1)),))
+                              args=(encode(Overflow(5, None, payload, 0.1, 0.05)),))
     writer.start()
     got = []
     while not got:
@@ -90,8 +91,8 @@ def test_a_message_larger_than_one_read_arrives_whole():
 
 def test_connection_and_reader_speak_the_same_frames():
     receiver, sender = connection.Pipe(duplex=False)
-    sender.send_bytes(encode(Done(1, 2, 3, 0.5)))
-    assert _same(FrameReader(receiver.fileno()).read(), [Done(1, 2, 3, 0.5)])
+    sender.send_bytes(encode(Done(1, 2, 3, 0.5, 0.25, 0.0)))
+    assert _same(FrameReader(receiver.fileno()).read(), [Done(1, 2, 3, 0.5, 0.25, 0.0)])
     os.write(sender.fileno(), build_frame(4, 5, np.arange(2)))
     assert _same(decode(receiver.recv_bytes()), Build(4, 5, np.arange(2)))
     receiver.close()
@@ -101,8 +102,8 @@ def test_connection_and_reader_speak_the_same_frames():
 def test_a_blocking_reader_sleeps_in_the_read_and_sees_the_writer_leave():
     reader, writer = os.pipe()
     frames = FrameReader(reader, blocking=True)
-    threading.Timer(0.05, os.write, (writer, done_frame(1, 2, 3, 0.0))).start()
-    assert _same(frames.read(), [Done(1, 2, 3, 0.0)])  # blocked until it came
+    threading.Timer(0.05, os.write, (writer, done_frame(1, 2, 3, 0.0, 0.0, 0.0))).start()
+    assert _same(frames.read(), [Done(1, 2, 3, 0.0, 0.0, 0.0)])  # blocked until it came
     os.close(writer)
     with pytest.raises(EOFError):
         frames.read()

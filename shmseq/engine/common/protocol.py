@@ -103,11 +103,15 @@ class Built(NamedTuple):
 
 
 class Done(NamedTuple):
-    """Batch ``number`` is in ``slot``: ``size`` bytes, built in ``seconds``."""
+    """Batch ``number`` is in ``slot``: ``size`` bytes, built in ``seconds``, ``cpu_seconds``
+    of them on a CPU (the worker process's, or a thread worker's own thread's); the worker
+    had waited ``idle_seconds`` for a task since its last reply (none was queued for it)."""
     number: int
     slot: int
     size: int
     seconds: float
+    cpu_seconds: float
+    idle_seconds: float
 
 
 class Overflow(NamedTuple):
@@ -117,6 +121,7 @@ class Overflow(NamedTuple):
     slot: int | None
     payload: np.ndarray
     seconds: float
+    cpu_seconds: float
 
 
 class Failed(NamedTuple):

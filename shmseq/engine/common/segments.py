@@ -250,26 +250,26 @@ class Reservation:
     them). The consumer's own mapping is left to fault in as it reads: a read fault maps 16
     pages at once, which costs no more than mapping them ahead."""
 
-    def __init__(self, spec: RingSpec, fd: int) -> None:
+    def __init__(self, spec: RingSpec, fd: int, slots: int) -> None:
         self.error: SharedMemoryFull | None = None
         self._allocated = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(spec, fd),
+        self._thread = threading.Thread(target=self._run, args=(spec, fd, slots),
                                         name="shmseq-reservation", daemon=True)
         self._thread.start()
 
-    def _run(self, spec: RingSpec, fd: int) -> None:
+    def _run(self, spec: RingSpec, fd: int, slots: int) -> None:
         try:
-            self.error = self._allocate(spec, fd)
+            self.error = self._allocate(spec, fd, slots)
         finally:
             self._allocated.set()
 
     @staticmethod
-    def _allocate(spec: RingSpec, fd: int) -> SharedMemoryFull | None:
-        for slot in range(spec.n_slots):
+    def _allocate(spec: RingSpec, fd: int, slots: int) -> SharedMemoryFull | None:
+        for slot in range(slots):
             try:
                 os.posix_fallocate(fd, slot * spec.stride, spec.reserved)
             except OSError as exc:
-                error = _refuse_space((spec.n_slots - slot) * spec.reserved,
+                error = _refuse_space((slots - slot) * spec.reserved,
                                       f"the slot ring ({spec.n_slots} slots of {spec.stride:,} "
                                       f"bytes; {slot} reserved)")
                 error.__cause__ = exc
@@ -277,7 +277,8 @@ class Reservation:
         return None
 
     def wait(self) -> None:
-        """Return once the whole ring is allocated; raise ``SharedMemoryFull`` if it could not be."""
+        """Return once the slots to reserve are allocated; raise ``SharedMemoryFull`` if they
+        could not be."""
         self._allocated.wait()
         self.check()
 
@@ -295,14 +296,18 @@ class Reservation:
 
 
 class RingSegment(SlotPages):
-    """The consumer's segment: made, reserved, mapped; unmapped at close, or with the last view."""
+    """The consumer's segment: made, its first ``reserve`` slots reserved (None: all of them;
+    a writer allocates any other as it first writes it), mapped; unmapped at close, or with
+    the last view."""
 
-    def __init__(self, n_slots: int, slot_bytes: int, expected: int = 0) -> None:
+    def __init__(self, n_slots: int, slot_bytes: int, expected: int = 0,
+                 reserve: int | None = None) -> None:
         name = f"/{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         spec = RingSpec(name, n_slots, slot_bytes, expected=expected)
-        if spec.reserved_bytes > shm_free_bytes():
-            raise _refuse_space(spec.reserved_bytes, f"the slot ring ({n_slots} slots of "
-                                                     f"{spec.stride:,} bytes)")
+        reserve = n_slots if reserve is None else min(reserve, n_slots)
+        if spec.reserved * reserve > shm_free_bytes():
+            raise _refuse_space(spec.reserved * reserve, f"the slot ring ({reserve} slots of "
+                                                         f"{spec.stride:,} bytes)")
         segment = unlinked_segment(name)
         try:
             os.ftruncate(segment.fd, spec.total_bytes)
@@ -313,8 +318,8 @@ class RingSegment(SlotPages):
         super().__init__(spec._replace(owner_pid=os.getpid(), owner_fd=segment.fd), memory,
                          segment.fd)
         self._segment = segment  # its descriptor stays open: workers map the ring through it
-        self.reservation = Reservation(spec, segment.fd)
-        _hold(spec.name, spec.reserved_bytes, "a live sequence's ring")
+        self.reservation = Reservation(spec, segment.fd, reserve)
+        _hold(spec.name, spec.reserved * reserve, "a live sequence's ring")
 
     @property
     def address(self) -> int:

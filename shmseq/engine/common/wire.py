@@ -21,7 +21,8 @@ from .protocol import (Attached, Build, Built, Counted, Done, Ended, Failed, Fro
                        ToWorker)
 
 _BUILD = struct.Struct("!qq")         # number, slot (-1: none, a batch built before the ring)
-_DONE = struct.Struct("<qqqd")        # number, slot, bytes written, seconds spent
+_DONE = struct.Struct("<qqqddd")      # number, slot, bytes written, seconds spent, on a CPU,
+# and idle before it
 _BUILD_TAG, _DONE_TAG, _PICKLE_TAG = b"T", b"D", b"P"
 _BUILD_BYTE, _DONE_BYTE = _BUILD_TAG[0], _DONE_TAG[0]  # as decode finds them, looked up once
 _unpack_done, _unpack_build = _DONE.unpack_from, _BUILD.unpack_from
@@ -64,9 +65,10 @@ def build_frame(number: int, slot: int | None, indices: object) -> bytes:
     return head + indices.tobytes()
 
 
-def done_frame(number: int, slot: int, size: int, seconds: float) -> bytes:
-    """``Done(number, slot, size, seconds)``, framed."""
-    return _DONE_HEAD + _DONE.pack(number, slot, size, seconds)
+def done_frame(number: int, slot: int, size: int, seconds: float, cpu_seconds: float,
+               idle_seconds: float) -> bytes:
+    """``Done(number, slot, size, seconds, cpu_seconds, idle_seconds)``, framed."""
+    return _DONE_HEAD + _DONE.pack(number, slot, size, seconds, cpu_seconds, idle_seconds)
 
 
 def _pickled(message: Message) -> bytes:

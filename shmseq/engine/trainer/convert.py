@@ -168,7 +168,7 @@ class Converter:
                            functools.partial(self.name, number), self.stats)
 
     def _copied_out(self, batch: object) -> object:
-        n_slots = self._ring.spec.n_slots
+        n_slots = self._ring.active
         self._warn_once("copy-out", (
             f"the consumer holds {n_slots - 1} earlier batches of a ring of {n_slots} "
             "slots, so handing over this one in place would leave the workers no free slot: "

@@ -9,7 +9,9 @@ its finalizer at once, without the garbage collector. ``close()`` works from any
 
 The ring is sized without a lone first batch: with no ``slot_bytes`` given, the first batch of
 each worker is built at once by all of them, each held by its worker, and the first size told
-sizes the ring; each worker then writes its batch into a slot, as every batch after it.
+sizes the ring; each worker then writes its batch into a slot, as every batch after it. With
+no ``buffer`` given, its slots are counted by the tuning rules (tuning.py): made for the most
+workers it may have, used for those it has (control.py keeps the count up to date).
 """
 from __future__ import annotations
 
@@ -27,12 +29,14 @@ from ..common.errors import BatchTimeout, PipelineClosed, ShmSeqError
 from ..common.layout import encode_batch, read_batch, slot_bytes_for
 from ..common.protocol import Delivery, Hooks, Plan
 from ..worker.batch import build_batch, make_worker
+from .control import Control
 from .convert import Converter, OrderedOutput, handed_over
 from .devices import Device, make_device
 from .plan import BatchStream
 from .pool import Waker, WorkerPool, brief
 from .ring import Ring
 from .stats import LoaderStats
+from .tuning import ring_capacity, ring_slots
 from .worker_handle import JOIN_SECONDS
 
 ERROR_GRACE = 0.2  # seconds workers get to leave once a failure was raised, before they are killed
@@ -43,8 +47,8 @@ T = TypeVar("T")
 class PipelineSpec:
     """What a pipeline runs, fixed when it starts."""
     worker: object                    # a class made in each worker, or an instance copied there
-    num_workers: int
-    buffer: int                       # slots in the ring
+    num_workers: int                  # the workers (tuned: the first count)
+    buffer: int | None                # slots in the ring; None: by the tuning rules
     slot_bytes: int | None = None     # None: sized by the first batches
     thread_type: str = "proc"
     start_method: str | None = None
@@ -59,6 +63,9 @@ class PipelineSpec:
     in_turn: bool = False             # batch k of an epoch goes to worker k % num_workers
     wait_for_workers: bool = True     # the pipeline is made once every worker started
     device: Callable[[], Device] | None = None  # makes the device instead of out_type's
+    max_workers: int | None = None    # the worker count is tuned up to this; None: fixed
+    cpu_budget: float | None = None   # cores the tuned workers and the trainer may use
+    memory_budget: int | None = None  # bytes a ring sized by the tuning rules may take
 
     def make_device(self) -> Device:
         if self.device is not None:
@@ -96,12 +103,15 @@ class Pipeline:
                                        self.stream.name)
             if spec.slot_bytes is not None:  # reserved while the workers start
                 self.ring = self._new_ring(spec.slot_bytes)
-            self.pool = WorkerPool(spec.worker, num_workers=spec.num_workers, n_slots=spec.buffer,
+            self.control = self._control()
+            self.pool = WorkerPool(spec.worker, num_workers=spec.num_workers,
+                                   n_slots=spec.buffer or spec.num_workers + 2,
                                    backend=spec.thread_type,
                                    context=multiprocessing.get_context(spec.start_method),
                                    stream=self.stream, waker=self.waker, stats=self.stats,
                                    base_seed=spec.base_seed, worker_init_fn=spec.worker_init_fn,
-                                   restarts=spec.restarts, in_turn=spec.in_turn)
+                                   restarts=spec.restarts, in_turn=spec.in_turn,
+                                   max_workers=spec.max_workers)
             if self.ring is not None:
                 self._use_ring(self.ring)
             if spec.wait_for_workers:
@@ -133,9 +143,26 @@ class Pipeline:
             assert self.ring is not None  # made up front
             self.ring.wait_reserved()
 
+    def _control(self) -> Control:
+        spec = self.spec
+        threads = spec.thread_type == "thread"
+        if spec.max_workers is None:
+            return Control(self.stats, None, sizes_ring=spec.buffer is None,
+                           thread_workers=threads)
+        return Control.auto(self.stats, start_workers=spec.num_workers,
+                            max_workers=spec.max_workers, cpu_budget=spec.cpu_budget,
+                            sizes_ring=spec.buffer is None, thread_workers=threads)
+
     def _new_ring(self, slot_bytes: int, expected: int = 0) -> Ring:
-        return Ring.create(self.spec.buffer, slot_bytes, wake=self.waker.wake_if_waiting,
-                           expected=expected)
+        """``buffer`` slots, or as many as the tuning rules make a ring with, those for the
+        workers running now in use (the consumer assumed to hold one batch until seen)."""
+        spec, wake = self.spec, self.waker.wake_if_waiting
+        if spec.buffer is not None:
+            return Ring.create(spec.buffer, slot_bytes, wake=wake, expected=expected)
+        capacity = ring_capacity(slot_bytes, spec.max_workers or spec.num_workers,
+                                 spec.memory_budget)
+        return Ring.create(capacity, slot_bytes, wake=wake, expected=expected,
+                           active=ring_slots(slot_bytes, spec.num_workers, 1, capacity))
 
     def _use_ring(self, ring: Ring) -> None:
         self.ring = ring
@@ -161,20 +188,22 @@ class Pipeline:
         Without ``take``, the consumer asks for nothing: the workers are given work."""
         assert self.pool is not None and self.converter is not None  # made with the pipeline
         try:
+            now = time.perf_counter()
+            if now >= self.control.due:
+                self.control.look(now, self.pool, self.ring)
             if self.ring is not None:
                 self.ring.collect()  # slots freed, and copies failed, in other threads
             if take is not None and (found := take()) is not None:
-                self.pool.exchange(0, waiting=self.output.waiting, read=False)
+                self.pool.exchange(0, self.output.waiting, read=False)
                 return found
-            began = time.perf_counter()
-            replies = self.pool.exchange(timeout, waiting=self.output.waiting)
+            replies = self.pool.exchange(timeout, self.output.waiting)
             if self.ring is None:
                 self._sized_by(self.pool.built_sizes())
             for reply in replies:
                 self.converter.arrive(reply)
             if take is None:
                 return None
-            self.stats.consumer_wait_s += time.perf_counter() - began
+            self.stats.consumer_wait_s += time.perf_counter() - now
             return take() if replies else None
         except Exception:
             self.output.check()  # closed meanwhile (a signal handler, another thread): say so

@@ -18,6 +18,11 @@ of these batches is then given a slot, which its worker writes it into (``use_ri
 
 Doing this in the consumer's thread spares two thread hand-offs per batch; the ring
 bounds how far workers run ahead anyway, so nothing is lost while the consumer computes.
+
+The pool can be resized while it runs (``resize``, asked by the pipeline's tuning): a new
+worker takes the lowest free id; a worker told to leave takes no new task, and is sent
+``Stop`` once its open tasks are done, its exit then no death. Which batches there are and
+their order do not depend on the workers: the stream and the ring decide them.
 """
 from __future__ import annotations
 
@@ -153,7 +158,10 @@ class WorkerPool:
     def __init__(self, worker: object, *, num_workers: int, n_slots: int, backend: str,
                  context: BaseContext, stream: BatchStream, waker: Waker, stats: LoaderStats,
                  base_seed: int = 0, worker_init_fn: Callable[[int], object] | None = None,
-                 restarts: int = 0, in_turn: bool = False) -> None:
+                 restarts: int = 0, in_turn: bool = False,
+                 max_workers: int | None = None) -> None:
+        """``max_workers``: the most workers ``resize`` may run (None: ``num_workers``); each
+        worker's ``WorkerInfo.num_workers`` says it."""
         self.stream = stream
         self.stats = stats
         self.ring: Ring | None = None
@@ -182,7 +190,12 @@ class WorkerPool:
         assert consumer is not None  # this process, alive
         self._consumer = consumer
         self._processes = backend == "proc"
-        self._board = Board(num_workers) if self._processes else None
+        self._max_workers = num_workers if max_workers is None else max_workers
+        self._base_seed = base_seed
+        self._board = Board(self._max_workers) if self._processes else None
+        self._leaving: list[WorkerHandle] = []  # told to leave, not gone yet (``resize``)
+        self.changes = 0  # workers started or told to leave so far: a tuning window with
+        # a change in it describes no one count of workers
         self._events = _Events()
         self._events.watch(self._waker.fileno(), (self._woken, None))
         self._workers: list[WorkerHandle] = []
@@ -191,10 +204,14 @@ class WorkerPool:
             hold_starting_thread()  # released by stop(), once the workers are gone
         try:
             for wid in range(num_workers):
-                self._workers.append(self._start(WorkerInfo(wid, num_workers, base_seed + wid)))
+                self._workers.append(self._start(self._info(wid)))
         except BaseException:
             self.stop()  # a start failed: stop those that did start
             raise
+        stats.workers = num_workers
+
+    def _info(self, wid: int) -> WorkerInfo:
+        return WorkerInfo(wid, self._max_workers, self._base_seed + wid)
 
     # -- start -------------------------------------------------------------------------------
     def _start(self, info: WorkerInfo) -> WorkerHandle:
@@ -202,6 +219,7 @@ class WorkerPool:
         others = [*self._waker.fds(), *consumer_ends(self._workers)]
         handle = start_worker(worker, info, backend, context, worker_init_fn, self._consumer, others,
                               board=None if self._board is None else self._board.spec)
+        self.changes += 1
         self._events.watch(handle.replies.fd, (self._receive, handle))
         if self._pickled_worker is not None:  # see worker/loop.py: _received_worker
             self._send(handle, framed(TakeWorker(self._pickled_worker)))
@@ -229,7 +247,7 @@ class WorkerPool:
         ring = self.ring
         assert ring is not None, "no ring to place the batches in"
         for handle, number, size in self._built:
-            if not handle.accepting or handle not in self._workers:
+            if not handle.accepting or not (handle in self._workers or handle in self._leaving):
                 continue
             slot = ring.acquire_owed() if size <= ring.spec.slot_bytes else None
             if slot is not None:
@@ -266,6 +284,8 @@ class WorkerPool:
         waiting += len(received)
         waits = not ready and not received and timeout != 0
         if timeout != 0:  # the consumer looks for a batch not delivered yet
+            if self.ring is not None:
+                self._pace.n_slots = self.ring.active
             self._pace.follow(waiting, waited=waits)
         self._dispatch(waiting)
         if not waits:
@@ -378,15 +398,21 @@ class WorkerPool:
     def _handle(self, handle: WorkerHandle, message: FromWorker, received: list[Reply]) -> None:
         ring = self.ring  # there before any batch is written (or overflows) into a slot
         match message:
-            case Done(number, slot, _, busy):
+            case Done(number, slot, _, busy, cpu, idle):
                 handle.closed(number)
-                self.stats.worker_busy_s += busy
+                if handle.leaving and not handle.open:
+                    self._send(handle, framed(Stop()))
+                stats = self.stats
+                stats.worker_busy_s += busy
+                stats.worker_cpu_s += cpu
+                stats.worker_idle_s += idle
                 assert ring is not None
                 ring.written(slot)
                 received.append(Reply(number, slot, skipped=self._skipped.pop(number, ())))
-            case Overflow(number, slot, payload, busy):
-                handle.closed(number)
+            case Overflow(number, slot, payload, busy, cpu):
+                self._closed(handle, number)
                 self.stats.worker_busy_s += busy
+                self.stats.worker_cpu_s += cpu
                 self._give_back(slot)
                 # one without a slot was built before the ring and given none: larger than a
                 # slot (an overflow too), or none was free (a ring with fewer slots than workers)
@@ -395,7 +421,7 @@ class WorkerPool:
                 received.append(Reply(number, None, payload, overflowed=overflowed,
                                       skipped=self._skipped.pop(number, ())))
             case Failed(number, slot, error):
-                indices = handle.closed(number)
+                indices = self._closed(handle, number)
                 self._give_back(slot)
                 what = (f"{handle.describe()} failed on {self.stream.name(number)} "
                         f"(sample indices {brief(indices)})")
@@ -407,7 +433,7 @@ class WorkerPool:
                 if self.ring is not None:
                     self._place_built()
             case Ended(number, slot):
-                handle.closed(number)
+                self._closed(handle, number)
                 self._give_back(slot)
                 received.append(Reply(number, None, ended=True))
                 if number >= self._pass_first:
@@ -422,6 +448,70 @@ class WorkerPool:
                 handle.attached = True
             case InitFailed(_, error):
                 raise raised_in_worker(error, what=f"{handle.describe()} failed to start")
+
+    def _closed(self, handle: WorkerHandle, number: int) -> object:
+        """Task ``number`` is done (or failed): its indices. A leaving worker with none left
+        open is told to stop."""
+        indices = handle.closed(number)
+        if handle.leaving and not handle.open:
+            self._send(handle, framed(Stop()))
+        return indices
+
+    # -- resizing --------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """The workers taking tasks (not those told to leave)."""
+        return len(self._workers)
+
+    def resize(self, workers: int) -> None:
+        """Run ``workers`` workers (1 to ``max_workers``), once there is a ring: start new ones,
+        or tell some to leave (those with the fewest open tasks, the highest ids first). Also
+        forgets the workers that left since the last call."""
+        self._forget_gone()
+        workers = max(1, min(workers, self._max_workers))
+        if self.ring is None or self._stopped:
+            return
+        while len(self._workers) < workers and self._grow():
+            pass
+        while len(self._workers) > workers:
+            self._let_leave(min(self._workers, key=lambda h: (len(h.open), -h.wid)))
+        self.stats.workers = len(self._workers)
+
+    def _grow(self) -> bool:
+        """Start a worker with the lowest id not in use, given the ring; False when every id
+        is (workers still leaving hold theirs)."""
+        used = {handle.wid for handle in (*self._workers, *self._leaving)}
+        wid = next((wid for wid in range(self._max_workers) if wid not in used), None)
+        if wid is None:
+            return False
+        if self._board is not None:
+            self._board.clear(wid)
+        assert self.ring is not None  # resized only once there is one
+        handle = self._start(self._info(wid))
+        self._workers.append(handle)
+        self._send(handle, framed(MapRing(self.ring.spec)))
+        return True
+
+    def _let_leave(self, handle: WorkerHandle) -> None:
+        """The worker takes no new task; it is sent ``Stop`` once its open tasks are done."""
+        self._workers.remove(handle)
+        self._leaving.append(handle)
+        handle.leaving = True
+        self.changes += 1
+        if not handle.open:
+            self._send(handle, framed(Stop()))
+
+    def _forget_gone(self) -> None:
+        """The leaving workers that have left: joined and forgotten (a process's exit is seen
+        at once, by its sentinel: ``_left``; a thread's, here)."""
+        for handle in [h for h in self._leaving if not h.open and not h.runner.is_alive()]:
+            self._left(handle)
+
+    def _left(self, handle: WorkerHandle) -> None:
+        self._unwatch(handle)
+        handle.close_pipes()
+        end_workers([handle])
+        self._leaving.remove(handle)
 
     def begin_pass(self, first_number: int) -> None:
         """A new pass starts with batch ``first_number``: every worker's stream starts again."""
@@ -442,9 +532,13 @@ class WorkerPool:
 
     # -- deaths --------------------------------------------------------------------------------
     def _died(self, handle: WorkerHandle, received: list[Reply]) -> None:
-        """A worker process ended unasked: replace it, or say how and on which batch."""
+        """A worker process ended unasked: replace it, or say how and on which batch. A
+        leaving worker that ended with no task open left as asked (or lost nothing): no death."""
         while handle.replies.fd >= 0 and self._events.watching(handle.replies.fd):
             self._receive(handle, received)  # its last words (an init error) explain more
+        if handle.leaving and not handle.open:
+            self._left(handle)
+            return
         runner = handle.runner
         assert isinstance(runner, BaseProcess)  # a thread has no sentinel
         runner.join(JOIN_SECONDS)  # its sentinel closed: the exit status follows at once
@@ -535,14 +629,19 @@ class WorkerPool:
         self.stats.restarts += 1
         if charged is not None:
             self._killers.add(charged)
-        warn_user(f"{died}: a new worker takes its place and builds its batches again "
-                  f"({self._restarts} more {'restart' if self._restarts == 1 else 'restarts'} "
-                  "allowed)")
         heir = None if self._in_turn else min(
-            (h for h in self._workers if h.accepting and h.ready and h is not dead),
-            key=lambda h: len(h.open), default=None)
+            (h for h in self._workers if h.accepting and h is not dead and (h.ready or dead.leaving)),
+            key=lambda h: (not h.ready, len(h.open)), default=None)
+        replaced = heir is None or not dead.leaving  # one leaving was not to be replaced
+        warn_user(f"{died}: {'a new worker takes its place and' if replaced else 'other workers'}"
+                  f" builds its batches again ({self._restarts} more "
+                  f"{'restart' if self._restarts == 1 else 'restarts'} allowed)")
         if heir is not None:
             self._hand_over_tasks(dead, heir, building)
+        if not replaced:
+            dead.open.clear()
+            self._left(dead)
+            return
         replacement = self._replace(dead)
         if heir is None:
             self._hand_over_tasks(dead, replacement, building)
@@ -565,7 +664,12 @@ class WorkerPool:
         handle = self._start(dead.info)
         self._replacements.discard(dead)
         self._replacements.add(handle)
-        self._workers[self._workers.index(dead)] = handle
+        if dead.leaving:  # no worker was left to build its batches: one takes them
+            self._leaving.remove(dead)
+            self._workers.append(handle)
+            self.stats.workers = len(self._workers)
+        else:
+            self._workers[self._workers.index(dead)] = handle
         if self.ring is not None:
             self._send(handle, framed(MapRing(self.ring.spec)))
         return handle
@@ -581,7 +685,7 @@ class WorkerPool:
 
     def holder_of(self, number: int) -> str:
         """Which worker is building ``number``, for timeout messages."""
-        for handle in self._workers:
+        for handle in (*self._workers, *self._leaving):
             if number in handle.open:
                 return handle.describe()
         return "no worker (it was never dispatched: the ring has no free slot)"
@@ -593,6 +697,8 @@ class WorkerPool:
         if self._stopped:
             return
         self._stopped = True
+        self._workers += self._leaving
+        self._leaving.clear()
         try:
             for handle in self._workers:
                 self._send(handle, framed(Stop()))

@@ -15,10 +15,17 @@ transition the machine does not allow raises ``IllegalTransition``.
 
 The ring answers every question about its slots, so that nothing else counts them: the
 slots new tasks may take (``acquire_free``: the free ones, less those ``owe``d to batches
-built before the ring, which take theirs with ``acquire_owed``), whether the consumer may
-keep one more batch in place (``keep_in_place``: not when it would hold every slot), how
-long the consumer may wait (``wait_bound``), and what to wait for once a lease dies (the
-device's ``fence``, and the copies ``track_copy`` was told of).
+built before the ring, which take theirs with ``acquire_owed``, and never more than
+``active`` in use at once), whether the consumer may keep one more batch in place
+(``keep_in_place``: not when it would hold every active slot), the most it held at once
+(``peak_held``), how long the consumer may wait (``wait_bound``), and what to wait for once a lease dies (the device's ``fence``,
+and the copies ``track_copy`` was told of).
+
+A ring is made with a ``capacity`` of slots (``spec.n_slots``) and uses ``active`` of them
+(``set_active``, by the pipeline's tuning). The free list is a stack: the slots beyond the
+active count are never popped while it holds, so their pages stay untouched and unreserved
+(segments.py reserves the ring's first ``active`` slots; a writer allocates any other slot
+as it first writes it).
 
 Events from other threads (the last view of a lease dies wherever it is dropped; copies
 complete on the releaser thread) are recorded and applied by the consumer's thread at its
@@ -68,12 +75,17 @@ _COPIED, _FAILED = "copied", "failed"
 class Ring:
     """The state of every slot of the consumer's ring; its memory is ``segment``'s."""
 
-    def __init__(self, segment: RingSegment, *, wake: Callable[[], None]) -> None:
+    def __init__(self, segment: RingSegment, *, wake: Callable[[], None],
+                 active: int | None = None) -> None:
         self.segment = segment
         self.spec: RingSpec = segment.spec
         self._states = [FREE] * self.spec.n_slots
-        self._free = list(range(self.spec.n_slots - 1, -1, -1))
+        self._free = list(range(self.spec.n_slots - 1, -1, -1))  # a stack: slot 0 on top
         self._owed = 0  # free slots kept for batches built before the ring (``owe``)
+        self.active = self.spec.n_slots  # slots in use at most: set_active
+        self._inactive = 0  # capacity less active: free slots no task may take
+        self.set_active(self.spec.n_slots if active is None else active)
+        self.peak_held = 0  # the most slots handed over to the consumer at once
         self._leased = 0  # slots LEASED, kept with the states,
         self._held = 0  # and of those, the ones handed over to the consumer (``keep_in_place``)
         self._handed = bytearray(self.spec.n_slots)  # 1: that slot's lease is one of them
@@ -89,12 +101,21 @@ class Ring:
 
     @classmethod
     def create(cls, n_slots: int, slot_bytes: int, *, wake: Callable[[], None],
-               expected: int = 0) -> "Ring":
-        """A new ring, its name already unlinked, its memory being reserved (``wait_reserved``:
-        the ``expected`` bytes of each slot, if given, see ``RingSpec``); ``SharedMemoryFull``
-        when /dev/shm has not the room for it now. ``wake`` is called (from any thread) when a
-        slot's lease dies or its copies complete."""
-        return cls(RingSegment(n_slots, slot_bytes, expected), wake=wake)
+               expected: int = 0, active: int | None = None) -> "Ring":
+        """A new ring of ``n_slots`` (its capacity), ``active`` of them used (None: all), its
+        name already unlinked, the active slots' memory being reserved (``wait_reserved``: the
+        ``expected`` bytes of each slot, if given, see ``RingSpec``); ``SharedMemoryFull``
+        when /dev/shm has not the room for them now. ``wake`` is called (from any thread) when
+        a slot's lease dies or its copies complete."""
+        active = n_slots if active is None else min(active, n_slots)
+        return cls(RingSegment(n_slots, slot_bytes, expected, reserve=active), wake=wake,
+                   active=active)
+
+    def set_active(self, slots: int) -> None:
+        """Use at most ``slots`` slots at once (1 to the capacity) from now on: a lower count
+        takes effect as slots in use above it come free."""
+        self.active = max(1, min(slots, self.spec.n_slots))
+        self._inactive = self.spec.n_slots - self.active
 
     @property
     def address(self) -> int:
@@ -164,10 +185,12 @@ class Ring:
 
     def free_count(self) -> int:
         """Slots a new task may take now: the free ones, less those kept for batches built
-        before the ring (after applying what other threads reported, if none was left)."""
-        if len(self._free) <= self._owed:
+        before the ring and those beyond the active count (after applying what other threads
+        reported, if none was left)."""
+        kept = self._owed + self._inactive
+        if len(self._free) <= kept:
             self.collect()
-        free = len(self._free) - self._owed
+        free = len(self._free) - kept
         return free if free > 0 else 0
 
     def has_news(self) -> bool:
@@ -180,7 +203,7 @@ class Ring:
         (a death in another thread announces itself to nobody); else ``timeout``."""
         if self.has_news():
             return 0
-        if self._leased and not self._free:
+        if self._leased and len(self._free) <= self._inactive:
             return LEASE_POLL_SECONDS if timeout is None else min(timeout, LEASE_POLL_SECONDS)
         return timeout
 
@@ -211,12 +234,14 @@ class Ring:
 
     def keep_in_place(self, slot: int) -> bool:
         """The consumer is handed the batch in leased ``slot``: whether it may keep it in place,
-        which it may unless it would then hold every slot of the ring (the workers would have
-        none left: the batch is copied out instead). Either way the slot counts as the
-        consumer's until its lease dies."""
+        which it may unless it would then hold every active slot of the ring (the workers
+        would have none left: the batch is copied out instead). Either way the slot counts as
+        the consumer's until its lease dies."""
         self._handed[slot] = 1
         self._held += 1
-        return self._held < self.spec.n_slots
+        if self._held > self.peak_held:
+            self.peak_held = self._held
+        return self._held < self.active
 
     def track_copy(self, slot: int, completion: Completion) -> None:
         """A copy out of a leased slot is in flight: the slot waits for it once the lease dies."""

@@ -30,7 +30,7 @@ class _Totals(NamedTuple):
     consumer_wait_s: float
     worker_busy_s: float
     worker_cpu_s: float
-    ring_full_s: float
+    worker_idle_s: float
     decode_s: float
     copy_s: float
     storage_wait_s: float  # remote reads and shard fetches waited for
@@ -48,7 +48,7 @@ class Breakdown(NamedTuple):
     trainer_wait_fraction: float   # the consumer waited for a batch
     worker_busy_fraction: float    # of the workers' time, building batches
     worker_cpu_fraction: float     # of that busy time, on a CPU
-    ring_full_fraction: float      # no slot free for a new task: workers idle for want of one
+    ring_full_fraction: float      # of the workers' time, idle for want of a task: no slot free
     decode_fraction: float         # decoding in the training process
     copy_fraction: float           # host-to-device copies
     remote_wait_fraction: float    # of the workers' busy time, waiting on remote storage
@@ -129,7 +129,8 @@ class LoaderStats:
     cache_peak_bytes: int = 0     # the most the node's cache held, as this rank's fetches saw it
     # where the time goes (breakdown()):
     worker_cpu_s: float = 0.0     # CPU time of the workers, summed
-    ring_full_s: float = 0.0      # wall time with no slot free for a new task
+    worker_idle_s: float = 0.0    # time workers waited for a task (no slot was free for one),
+    # summed over workers
     decode_s: float = 0.0         # time spent decoding batches in the training process
     copy_s: float = 0.0           # time spent on host-to-device copies of batches
     workers: int = 0              # workers running now: the time since the last tick counts at it
@@ -183,7 +184,7 @@ class LoaderStats:
             trainer_wait_fraction=_ratio(span.consumer_wait_s, span.at),
             worker_busy_fraction=_ratio(span.worker_busy_s, span.worker_s),
             worker_cpu_fraction=_ratio(span.worker_cpu_s, span.worker_busy_s),
-            ring_full_fraction=_ratio(span.ring_full_s, span.at),
+            ring_full_fraction=_ratio(span.worker_idle_s, span.worker_s),
             decode_fraction=_ratio(span.decode_s, span.at),
             copy_fraction=_ratio(span.copy_s, span.at),
             remote_wait_fraction=_ratio(span.storage_wait_s, span.worker_busy_s))
@@ -194,7 +195,7 @@ class LoaderStats:
 
     def _totals(self, now: float) -> _Totals:
         return _Totals(now, self.batches, self.consumer_wait_s, self.worker_busy_s,
-                       self.worker_cpu_s, self.ring_full_s, self.decode_s, self.copy_s,
+                       self.worker_cpu_s, self.worker_idle_s, self.decode_s, self.copy_s,
                        self.remote_wait_s + self.shard_wait_s,
                        self._worker_s + self.workers * (now - self._worker_s_at))
 
@@ -232,6 +233,6 @@ class LoaderStats:
                 "cache_peak_bytes": self.cache_peak_bytes,
                 "read_amplification": self.read_amplification,
                 "elapsed_s": self.elapsed_s, "stall_fraction": self.stall_fraction,
-                "worker_cpu_s": self.worker_cpu_s, "ring_full_s": self.ring_full_s,
+                "worker_cpu_s": self.worker_cpu_s, "worker_idle_s": self.worker_idle_s,
                 "decode_s": self.decode_s, "copy_s": self.copy_s, "workers": self.workers,
                 **self.breakdown()._asdict()}

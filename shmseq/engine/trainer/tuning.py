@@ -4,7 +4,8 @@
 time, batches, how long the trainer waited, how busy the workers were, on how much CPU) and
 answers the worker count it wants now. It holds its state explicitly and reads time only
 from the clock it is given, so a test drives it with synthetic windows and a fake clock.
-``ring_slots`` says how many of the ring's slots to use for a given count of workers.
+``ring_slots`` says how many of the ring's slots to use for a given count of workers, and
+``ring_capacity`` how many to make a ring with.
 
 The model behind both: a worker takes ``worker_busy_s / batches`` seconds of wall time per
 batch, and the trainer wants one every ``(seconds - trainer_wait_s) / batches`` seconds, so
@@ -38,6 +39,19 @@ MAX_COOL_DOWN_S = 80.0   # ... doubled each time the next one does not pay eithe
 # that falls out of the CPU caches is slower (10 slots of 38 MB ran at 0.61x the rate of 4).
 # A first guess between 64 and 128 MiB, to be calibrated by a bench.
 RING_BYTES_TARGET = 64 << 20
+
+
+START_WORKERS = 2  # the workers a tuned pool starts with (at most its max_workers)
+MAX_SLOTS = 64   # the most slots a ring sized by these rules is made with
+HELD_ROOM = 4    # batches a consumer may hold at once that such a ring has room for
+
+
+def ring_capacity(slot_bytes: int, max_workers: int, memory_bytes: int | None) -> int:
+    """The slots to make a ring with when none were asked for: what ``ring_slots`` uses for
+    ``max_workers`` and a consumer holding ``HELD_ROOM`` batches, within ``memory_bytes`` (at
+    least 2 slots) and ``MAX_SLOTS``. The slots beyond those in use take no memory."""
+    most = MAX_SLOTS if memory_bytes is None else min(MAX_SLOTS, memory_bytes // slot_bytes)
+    return ring_slots(slot_bytes, max_workers, HELD_ROOM, max(2, most))
 
 
 def ring_slots(slot_bytes: int, workers: int, held: int, capacity: int) -> int:
@@ -96,6 +110,11 @@ class Window(NamedTuple):
                       self.worker_cpu_s + later.worker_cpu_s,
                       self.ring_full_s + later.ring_full_s, later.workers,
                       self.trainer_cpu_s + later.trainer_cpu_s, self.steady and later.steady)
+
+
+def default_max_workers() -> int:
+    """The most workers a tuned pool may run when not told: 16, or the usable cores if more."""
+    return max(16, usable_cores())
 
 
 def usable_cores() -> int:

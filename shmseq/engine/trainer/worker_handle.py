@@ -93,6 +93,7 @@ class WorkerHandle:
         self.ready = False        # its worker object is built
         self.attached = False     # it maps the ring
         self.accepting = True     # its task pipe is open
+        self.leaving = False      # told to leave (the pool shrank): no new task for it
         self.imports_main = imports_main  # started by spawn or forkserver: it imports __main__
 
     @property

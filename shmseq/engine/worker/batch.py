@@ -2,7 +2,10 @@
 
 ``run_task`` calls ``worker_obj[indices]`` (or ``worker_obj.fill_batch(indices, out)`` for
 in-place workers), writes the batch into the slot (``layout.write_batch``) and makes the reply
-``Done(number, slot, size, seconds)``: only ids travel, never the payload. A batch too large
+``Done(number, slot, size, seconds, cpu_seconds, idle_seconds)``: only ids travel, never the
+payload. The CPU time is read from the clock the worker is given (``cpu_clock``:
+``time.process_time`` in a process, ``time.thread_time`` in a thread), for the loader's
+statistics and its tuner, as is the time the worker waited for the task (loop.py's). A batch too large
 for its slot goes back encoded instead (``Overflow``); a failure goes back as its type,
 message and traceback (``Failed``). The messages are protocol.py's.
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 import pickle
 import time
 import traceback
-from typing import Any, Iterator, NamedTuple, Sized
+from typing import Any, Callable, Iterator, NamedTuple, Sized
 
 import numpy as np
 
@@ -118,34 +121,56 @@ class Held(NamedTuple):
     batch: object
     size: int        # bytes it takes in a slot
     told: bytes      # the ``Skipped`` frame that goes with its reply, if any
-    seconds: float   # how long building it took
+    seconds: float   # how long building it took,
+    cpu_seconds: float  # and on a CPU
+
+
+CpuClock = Callable[[], float]  # seconds of CPU the worker used so far
+
+
+class Clocks(NamedTuple):
+    """When a task began, by the wall clock and the worker's CPU clock, and how long the
+    worker had waited for it."""
+    began: float
+    cpu_began: float
+    cpu_clock: CpuClock
+    idle_s: float = 0.0
+
+    @classmethod
+    def start(cls, cpu_clock: CpuClock, idle_s: float = 0.0) -> "Clocks":
+        return cls(time.perf_counter(), cpu_clock(), cpu_clock, idle_s)
+
+    def spent(self) -> tuple[float, float]:
+        """Seconds since the task began, and CPU seconds."""
+        return time.perf_counter() - self.began, self.cpu_clock() - self.cpu_began
 
 
 def run_task(worker: Hooks, ring: WorkerRing | None, number: int, slot: int | None,
-              indices: object, first: bool) -> bytes | Held:
-    """Build and write one batch (``first``: the worker's first); the framed reply, with its
-    size and the time it took. Without a slot, the batch built, to be held (``place``)."""
-    began = time.perf_counter()
+              indices: object, first: bool, clocks: Clocks) -> bytes | Held:
+    """Build and write one batch (``first``: the worker's first), timed from ``clocks``; the
+    framed reply, with its size and the time it took. Without a slot, the batch built, to be
+    held (``place``)."""
     try:
         region = _region(ring, slot)  # may find /dev/shm full
         batch, allocator = build_batch(worker, indices, region, first)
         skipped = worker.pop_skipped()
         told = framed(Skipped(number, skipped)) if skipped else b""
         if slot is None:
-            return Held(number, batch, packed_size(batch), told, time.perf_counter() - began)
-        return _written(number, ring, slot, region, batch, allocator, told, began)
+            return Held(number, batch, packed_size(batch), told, *clocks.spent())
+        return _written(number, ring, slot, region, batch, allocator, told, clocks)
     except StreamEnded:
         return framed(Ended(number, slot))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
         return _failed(number, slot, exc)
 
 
-def place(held: Held, ring: WorkerRing | None, slot: int | None) -> bytes:
+def place(held: Held, ring: WorkerRing | None, slot: int | None, cpu_clock: CpuClock) -> bytes:
     """The reply for a held batch, given ``slot`` (None: it goes back encoded)."""
-    began = time.perf_counter() - held.seconds
+    clocks = Clocks(time.perf_counter() - held.seconds, cpu_clock() - held.cpu_seconds,
+                    cpu_clock)
     try:
         region = _region(ring, slot)
-        return _written(held.number, ring, slot, region, held.batch, None, held.told, began)
+        return _written(held.number, ring, slot, region, held.batch, None, held.told, clocks)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
         return _failed(held.number, slot, exc)
 
@@ -159,18 +184,19 @@ def _region(ring: WorkerRing | None, slot: int | None) -> np.ndarray | None:
 
 
 def _written(number: int, ring: WorkerRing | None, slot: int | None, region: np.ndarray | None,
-             batch: object, allocator: SlotAllocator | None, told: bytes, began: float) -> bytes:
+             batch: object, allocator: SlotAllocator | None, told: bytes,
+             clocks: Clocks) -> bytes:
     """The batch written into its slot (``Done``), or encoded where it has none or does not
     fit (``Overflow``)."""
     if region is not None:
         assert ring is not None and slot is not None  # a region is a slot's
         try:
             size = _write(batch, ring, slot, region, allocator)
-            return told + done_frame(number, slot, size, time.perf_counter() - began)
+            return told + done_frame(number, slot, size, *clocks.spent(), clocks.idle_s)
         except SlotOverflow:
             pass
     payload = encode_batch(batch)
-    return told + framed(Overflow(number, slot, payload, time.perf_counter() - began))
+    return told + framed(Overflow(number, slot, payload, *clocks.spent()))
 
 
 def _write(batch: object, ring: WorkerRing, slot: int, region: np.ndarray,

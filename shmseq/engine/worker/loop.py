@@ -28,7 +28,7 @@ from ..common.protocol import (Attached, Build, Built, Hooks, InitFailed, MapRin
                                Rebuild, Stop, TakeWorker)
 from ..common.segments import WorkerRing, drop_inherited_rings
 from ..common.wire import FrameReader, Message, decode, encode, framed, write_all
-from .batch import Held, counted_frame, describe_exception, make_worker, place, run_task
+from .batch import Clocks, Held, counted_frame, describe_exception, make_worker, place, run_task
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -120,7 +120,8 @@ class _Inbox:
     ``pool.WorkerPool._restart``).
 
     With nothing queued the worker sleeps in the read itself (one system call a wake-up, as
-    many tasks as came). With tasks queued it looks at the pipe again only once its last look
+    many tasks as came), and counts the time (``pop_idle``: the loader's sign of a ring
+    full). With tasks queued it looks at the pipe again only once its last look
     is ``STOP_CHECK_SECONDS`` old: quick tasks drain within milliseconds anyway, and a look
     before each would cost two system calls a batch."""
 
@@ -132,13 +133,16 @@ class _Inbox:
         self._readable = select.poll()
         self._readable.register(tasks.fileno(), select.POLLIN)
         self._looked = time.monotonic()
+        self._idle = 0.0  # seconds waited with nothing queued, since ``pop_idle``
 
     def next(self) -> Message | None:
         """The next message; None when asked to stop. Raises EOFError once the pipe closed."""
         if not (self._queued or self._again or self._stopped):
+            waited = time.monotonic()
             while not (self._queued or self._again or self._stopped):
                 self._queue(self._reader.read())
             self._looked = time.monotonic()
+            self._idle += self._looked - waited
         elif time.monotonic() - self._looked >= STOP_CHECK_SECONDS:
             if self._readable.poll(0):
                 self._queue(self._reader.read())
@@ -148,6 +152,11 @@ class _Inbox:
         if self._again and not (self._queued and type(self._queued[0]) is not Build):
             return self._again.popleft()
         return self._queued.popleft()
+
+    def pop_idle(self) -> float:
+        """Seconds waited with nothing queued since the last call."""
+        idle, self._idle = self._idle, 0.0
+        return idle
 
     def next_answer(self) -> Message | None:
         """The next message that is not a ``Build`` (the ring, a held batch's ``Place``), the
@@ -218,6 +227,7 @@ def worker_loop(worker: object, tasks: Connection, results: Connection, info: Wo
     held: Held | None = None
     cell = WorkerCell(ties.board, info.id) if ties is not None and ties.board is not None else None
     inbox, replies, first = _Inbox(tasks), results.fileno(), True
+    cpu_clock = time.process_time if ties is not None else time.thread_time
     try:
         write_all(replies, framed(Ready(info.id)))
         while (message := inbox.next() if held is None else inbox.next_answer()) is not None:
@@ -225,7 +235,8 @@ def worker_loop(worker: object, tasks: Connection, results: Connection, info: Wo
                 case Build(number, slot, indices):
                     if cell is not None:
                         cell.begin(number)
-                    reply = run_task(worker_obj, ring, number, slot, indices, first)
+                    clocks = Clocks.start(cpu_clock, inbox.pop_idle())
+                    reply = run_task(worker_obj, ring, number, slot, indices, first, clocks)
                     first = False
                     if isinstance(reply, Held):
                         held, reply = reply, framed(Built(number, reply.size))
@@ -235,7 +246,7 @@ def worker_loop(worker: object, tasks: Connection, results: Connection, info: Wo
                     write_all(replies, framed(Attached(info.id)))
                 case Place(_, slot):
                     assert held is not None  # a Place answers a Built
-                    write_all(replies, place(held, ring, slot))
+                    write_all(replies, place(held, ring, slot, cpu_clock))
                     held = None
     except (EOFError, OSError):
         return  # the consumer closed the pipes: it is shutting down, or gone

@@ -1,0 +1,94 @@
+"""The pipeline's periodic look at itself, from the consumer's step every ``TICK_S``: the
+statistics' snapshot (``LoaderStats.tick``), and what the tuning rules (tuning.py) decide
+from it: the worker count (``num_workers='auto'``: a ``WorkerTuner``) and the ring's active
+slots (a ring sized by the rules, not by ``buffer``).
+
+One ``Control`` per pipeline owns that state; the step pays a float comparison between two
+looks. The decisions are the tuner's; the pool starts and stops workers (``resize``), the
+ring counts slots (``set_active``).
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from .pool import WorkerPool
+from .ring import Ring
+from .stats import LoaderStats
+from .tuning import Budget, Window, WorkerTuner, ring_slots
+
+TICK_S = 0.5  # seconds between two looks
+
+
+class _Seen(NamedTuple):
+    """The counters a window is the difference of, as of one look."""
+
+    at: float
+    batches: int
+    trainer_wait_s: float
+    worker_busy_s: float
+    worker_cpu_s: float
+    worker_idle_s: float
+    process_cpu_s: float  # the training process's CPU, its thread workers' included
+    changes: int          # the pool's starts and departures so far
+
+
+class Control:
+    """Looks at the pipeline every ``TICK_S`` (``due``, then ``look``). ``tuner``: the worker
+    count's (None: fixed); ``sizes_ring``: the ring's active slots follow the workers and the
+    most batches the consumer held at once; ``thread_workers``: the workers' CPU is the
+    training process's own (subtracted from the trainer's)."""
+
+    def __init__(self, stats: LoaderStats, tuner: WorkerTuner | None, *, sizes_ring: bool,
+                 thread_workers: bool) -> None:
+        self.stats = stats
+        self.tuner = tuner
+        self.sizes_ring = sizes_ring
+        self.thread_workers = thread_workers
+        self.due = time.perf_counter() + TICK_S  # the step looks once ``now`` passes it
+        self._seen: _Seen | None = None
+
+    @classmethod
+    def auto(cls, stats: LoaderStats, *, start_workers: int, max_workers: int,
+             cpu_budget: float | None, sizes_ring: bool, thread_workers: bool) -> "Control":
+        """A control that tunes the worker count between 1 and ``max_workers``, starting at
+        ``start_workers``, within ``cpu_budget`` cores (None: the usable cores)."""
+        budget = (Budget(max_workers) if cpu_budget is None
+                  else Budget(max_workers, cpu=cpu_budget))
+        return cls(stats, WorkerTuner(budget, start_workers), sizes_ring=sizes_ring,
+                   thread_workers=thread_workers)
+
+    def look(self, now: float, pool: WorkerPool, ring: Ring | None) -> None:
+        """The statistics' snapshot at ``now``; once there is a ring, the worker count and the
+        ring's active slots."""
+        self.due = now + TICK_S
+        self.stats.tick(now)
+        if ring is None:
+            return
+        if self.tuner is not None:
+            window = self._window(now, pool)
+            if window is not None:
+                pool.resize(self.tuner.observe(window))
+        if self.sizes_ring:
+            ring.set_active(ring_slots(ring.spec.slot_bytes, pool.size, max(ring.peak_held, 1),
+                                       ring.spec.n_slots))
+
+    def _window(self, now: float, pool: WorkerPool) -> Window | None:
+        """What the pipeline did since the last look (None at the first)."""
+        stats = self.stats
+        seen = _Seen(now, stats.batches, stats.consumer_wait_s, stats.worker_busy_s,
+                     stats.worker_cpu_s, stats.worker_idle_s, time.process_time(), pool.changes)
+        last, self._seen = self._seen, seen
+        if last is None:
+            return None
+        worker_cpu_s = seen.worker_cpu_s - last.worker_cpu_s
+        process_cpu_s = seen.process_cpu_s - last.process_cpu_s
+        trainer_cpu_s = process_cpu_s - worker_cpu_s if self.thread_workers else process_cpu_s
+        idle_s = (seen.worker_idle_s - last.worker_idle_s) / max(pool.size, 1)
+        return Window(seconds=now - last.at, batches=seen.batches - last.batches,
+                      trainer_wait_s=seen.trainer_wait_s - last.trainer_wait_s,
+                      worker_busy_s=seen.worker_busy_s - last.worker_busy_s,
+                      worker_cpu_s=worker_cpu_s,
+                      ring_full_s=idle_s, workers=pool.size,
+                      trainer_cpu_s=max(trainer_cpu_s, 0.0),
+                      steady=seen.changes == last.changes)
