@@ -71,8 +71,8 @@ def check_num_workers(num_workers: object, minimum: int = 0) -> None:
     """An integer of workers, or ``'auto'`` (tuned as the loader runs)."""
     if num_workers == "auto" and isinstance(num_workers, str):
         return
-    wanted = (f"num_workers must be an integer >= {minimum}, or 'auto' to have the loader "
-              "choose and adjust it as it runs")
+    wanted = (f"num_workers must be an integer >= {minimum} or 'auto' (chosen and adjusted "
+              "as the loader runs)")
     if not isinstance(num_workers, numbers.Integral) or isinstance(num_workers, bool):
         raise TypeError(f"{wanted}, got {_given(num_workers)}")
     if num_workers < minimum:

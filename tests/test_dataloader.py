@@ -38,7 +38,7 @@ def test_mxnet_argument_rules(options, message):
     ({"batch_size": 2, "shuffle": "yes"}, TypeError, r"shuffle must be True or False, got 'yes' \(str\)"),
     ({"batch_size": 2, "thread_pool": "no"}, TypeError, "thread_pool must be True or False, got 'no'"),
     ({"batch_size": 2, "pin_memory": 1}, TypeError, "pin_memory must be True or False.*got 1"),
-    ({"batch_size": 2, "num_workers": "2"}, TypeError, "num_workers must be an integer >= 0, got '2'"),
+    ({"batch_size": 2, "num_workers": "2"}, TypeError, "num_workers must be an integer >= 0 or 'auto' .*, got '2'"),
     ({"batch_size": 2, "prefetch": "4"}, TypeError, "prefetch must be an integer >= 0 or None, got '4'"),
     ({"batch_size": 2, "prefetch": -1}, ValueError, "prefetch must be an integer >= 0 or None, got -1"),
     ({"batch_size": 2, "timeout": "60"}, TypeError, "timeout must be a number of seconds .* got '60'"),

@@ -241,8 +241,8 @@ def test_dev_shm_taken_by_another_program_after_the_check_is_refused_at_once():
 
 @pytest.mark.parametrize("options, message", [
     ({"batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
-    ({"num_workers": -1}, "num_workers must be an integer >= 0, got -1"),
-    ({"buffer": 0}, "buffer must be an integer >= 1, got 0"),
+    ({"num_workers": -1}, "num_workers must be an integer >= 0 or 'auto' .*, got -1"),
+    ({"buffer": 0}, "buffer must be an integer >= 1 or None, got 0"),
     ({"slot_bytes": 0}, "slot_bytes must be an integer >= 1 or None, got 0"),
     ({"num_converters": 0}, "num_converters"),
     ({"out_type": "gpu"}, "out_type must be .* got 'gpu'"),
@@ -265,7 +265,7 @@ def test_bad_arguments_fail_at_construction(options, message):
 @pytest.mark.parametrize("options, message", [
     ({"batch_size": "64"}, r"batch_size must be an integer >= 1, got '64' \(str\)"),
     ({"batch_size": True}, r"batch_size must be an integer >= 1, got True \(bool\)"),
-    ({"num_workers": 2.0}, r"num_workers must be an integer >= 0, got 2.0 \(float\)"),
+    ({"num_workers": 2.0}, r"num_workers must be an integer >= 0 or 'auto' .*, got 2.0 \(float\)"),
     ({"seed": "7"}, "seed must be an integer >= 0 or None, got '7'"),
     ({"shuffle": "yes"}, r"shuffle must be True or False, got 'yes' \(str\)"),
     ({"shuffle": None}, "shuffle must be True or False, got None"),

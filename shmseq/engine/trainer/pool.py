@@ -633,8 +633,9 @@ class WorkerPool:
             (h for h in self._workers if h.accepting and h is not dead and (h.ready or dead.leaving)),
             key=lambda h: (not h.ready, len(h.open)), default=None)
         replaced = heir is None or not dead.leaving  # one leaving was not to be replaced
-        warn_user(f"{died}: {'a new worker takes its place and' if replaced else 'other workers'}"
-                  f" builds its batches again ({self._restarts} more "
+        again = ("a new worker takes its place and builds its batches again" if replaced
+                 else "other workers build its batches again")
+        warn_user(f"{died}: {again} ({self._restarts} more "
                   f"{'restart' if self._restarts == 1 else 'restarts'} allowed)")
         if heir is not None:
             self._hand_over_tasks(dead, heir, building)
