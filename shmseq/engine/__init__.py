@@ -12,6 +12,8 @@
    pipeline.py       wires them; takes each batch in one pass; closes all   |     |
    worker_handle.py  starts a worker, process or thread                     |     |
    stats.py          the counters a training loop logs                      |     |
+   tuning.py         how many workers and slots: pure rules                 |     |
+   control.py        applies them every half second, from the step          |     |
                                                                             |     v
  worker/   in each worker (a process or a thread)                           |
    loop.py           takes the task; replies Done(number, slot, ...) -------+
