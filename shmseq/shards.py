@@ -45,7 +45,7 @@ import tarfile
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, cast
 
 import numpy as np
 
@@ -756,6 +756,10 @@ def as_shard_index(shards: ShardIndex | str | os.PathLike | Iterable[str | os.Pa
     return ShardIndex.scan([os.fspath(url) for url in shards], storage_options)
 
 
+CACHED_RING_SLOTS = 10  # a cached sequence's ring without a buffer given: the cache's room is
+# checked for what so many slots may be reading, which a ring counted as it runs would not bound
+
+
 def batches_in_flight(buffer: int, num_workers: int) -> int:
     """How many batches in a row a sequence's workers may be reading at once (``buffer`` slots,
     one being built by each worker, and one more): what its shard cache must hold room for."""
@@ -782,7 +786,9 @@ class ShardSequence(ShmSequence):
         cache_dir: where the cache's folders go (default ``$TMPDIR``, else /var/tmp).
         cache_bytes: the cache's budget (default: the whole data set, at most half of the free
             space of ``cache_dir``'s file system); one that cannot hold what ``buffer +
-            num_workers + 1`` batches in a row read is refused at ``start()``.
+            num_workers + 1`` batches in a row read is refused at ``start()`` (``buffer``
+            defaults to 10 with the cache, ``num_workers`` counts as ``max_workers`` with
+            ``'auto'``).
         job: the job the cache belongs to (default: ``SLURM_JOB_ID``, else torchrun's
             ``TORCHELASTIC_RUN_ID``, else "default").
         on_error: ``'raise'`` a ``ShardError`` naming the shard, sample and offset, or
@@ -833,6 +839,8 @@ class ShardSequence(ShmSequence):
         worker = ShardWorker(index, decode, on_error=on_error, storage_options=storage_options,
                              remote=remote, cache=self.cache)
         self._prefetcher: weakref.finalize | None = None
+        if cache and options.get("buffer") is None:
+            options["buffer"] = CACHED_RING_SLOTS
         super().__init__(worker, len(index), **options)
         if self.cache is not None:
             self.cache.timeout = self.timeout
@@ -875,7 +883,9 @@ class ShardSequence(ShmSequence):
         assert self.cache is not None  # read through the cache
         self.cache.prepare()
         self._plan.refresh()
-        depth = batches_in_flight(self.buffer, self.num_workers)
+        assert self.buffer is not None  # a cached sequence's ring has a buffer (__init__)
+        workers = self.max_workers if self.max_workers is not None else self.num_workers
+        depth = batches_in_flight(self.buffer, cast(int, workers))
         check_room(self.cache, self._plan, self.epoch, self._resume_at, depth,
                    f"batch_size={self.batch_size}, buffer={self.buffer}, "
                    f"num_workers={self.num_workers}, " + (
