@@ -230,7 +230,9 @@ class ShmSequence:
         self.finish()
         if not self.num_workers:
             return self._own(Inline(self._spec(), self._plan))
-        return self._own(Pipeline(self._spec(), self._plan, self.epoch, self._resume_at))
+        self._stats = LoaderStats()  # kept, with what it counted, if the start fails
+        return self._own(Pipeline(self._spec(), self._plan, self.epoch, self._resume_at,
+                                  stats=self._stats))
 
     def start_test(self, test_mode: str = "default") -> Self:
         """Run everything in the calling thread, with the same batches as ``start()``.

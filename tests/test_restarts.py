@@ -20,7 +20,8 @@ from workers import Crash, ExitInInit, KillOnce, SizedWorker
 
 def make(worker, dset_size=120, **options):
     options = {"batch_size": 4, "num_workers": 2, "shuffle": True, "seed": 3, "out_type": "null",
-               "timeout": 60, **options}
+               "timeout": 60, "buffer": 10, **options}  # 10 slots: the workers stay within an
+    # epoch of the consumer, and a poison sample's first batch is the one that kills twice
     return ShmSequence(worker, dset_size, **options)
 
 

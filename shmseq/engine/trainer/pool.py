@@ -619,7 +619,8 @@ class WorkerPool:
         started (the consumer waits for the first of them, and a started worker builds it
         sooner than one still starting: a spawned one takes 0.2 s), or, in turn (``in_turn``)
         or with none started, to the new one: every batch still arrives once. The batch it was
-        ``building`` goes first.
+        ``building`` goes first. A worker that was leaving (``resize``) is not replaced: its
+        tasks go to a live worker, started or not, and only with none left to one in its place.
 
         A death is ``charged`` to the batch being built only when the worker died of its own
         doing (see ``its_own_doing``): a batch charged twice is not sent again. A kill from

@@ -13,13 +13,13 @@ it), and COPYING while a device copy, or a copy the consumer enqueued from a pag
 slot, may still read it. Every transition happens here, in the consumer's thread; a
 transition the machine does not allow raises ``IllegalTransition``.
 
-The ring answers every question about its slots, so that nothing else counts them: the
-slots new tasks may take (``acquire_free``: the free ones, less those ``owe``d to batches
-built before the ring, which take theirs with ``acquire_owed``, and never more than
-``active`` in use at once), whether the consumer may keep one more batch in place
-(``keep_in_place``: not when it would hold every active slot), the most it held at once
-(``peak_held``), how long the consumer may wait (``wait_bound``), and what to wait for once a lease dies (the device's ``fence``,
-and the copies ``track_copy`` was told of).
+The ring answers every question about its slots, so that nothing else counts them: the slots
+new tasks may take (``acquire_free``: the free ones, less those ``owe``d to batches built
+before the ring, which take theirs with ``acquire_owed``, and never more than ``active`` in
+use at once), whether the consumer may keep one more batch in place (``keep_in_place``: not
+when it would hold every active slot), the most it held at once (``peak_held``), how long
+the consumer may wait (``wait_bound``), and what to wait for once a lease dies (the device's
+``fence``, and the copies ``track_copy`` was told of).
 
 A ring is made with a ``capacity`` of slots (``spec.n_slots``) and uses ``active`` of them
 (``set_active``, by the pipeline's tuning). The free list is a stack: the slots beyond the
