@@ -48,8 +48,9 @@ class ShmSequence:
         slot_bytes: bytes of one slot; None: sized by the first batches (a quarter more).
         buffer: slots in the ring: how many batches may be built ahead of the consumer. None:
             counted from the slot size, the workers and how many batches the consumer holds
-            at once (a slot per worker, one per batch held, one ready; more for small
-            batches, up to 64 MiB), within ``memory_budget``.
+            at once (two slots per worker, one per batch held, one ready; more for small
+            batches, up to 10 within half the CPU's last-level cache), within
+            ``memory_budget``.
         num_workers: worker processes (or threads); 0 builds batches in the calling thread;
             ``'auto'``: as many as keep the consumer fed, adjusted as it runs (more while it
             waits for batches and CPU is free, fewer while the ring stays full), never more

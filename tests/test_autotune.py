@@ -14,7 +14,7 @@ from shmseq import ShmSequence
 from shmseq.engine.trainer.control import Control
 from shmseq.engine.trainer.ring import FREE, Ring
 from shmseq.engine.trainer.stats import LoaderStats
-from shmseq.engine.trainer.tuning import (HELD_ROOM, MAX_SLOTS, RING_BYTES_TARGET, Window,
+from shmseq.engine.trainer.tuning import (HELD_ROOM, SMALL_BATCH_SLOTS, Window, ring_bytes_target,
                                           ring_capacity)
 
 
@@ -140,10 +140,12 @@ def test_a_default_ring_is_made_for_the_most_workers_and_uses_those_running():
 
 def test_ring_capacity_stays_within_the_memory_budget_and_its_bound():
     mib = 1 << 20
-    assert ring_capacity(38 * mib, max_workers=2, memory_bytes=None) == 2 + HELD_ROOM + 1
+    assert ring_capacity(38 * mib, max_workers=2, memory_bytes=None) == 2 * 2 + HELD_ROOM + 1
     assert ring_capacity(38 * mib, max_workers=16, memory_bytes=200 * mib) == 5
-    assert ring_capacity(1024, max_workers=2, memory_bytes=None) == MAX_SLOTS
-    assert ring_capacity(mib, 2, None) == min(MAX_SLOTS, RING_BYTES_TARGET // mib)
+    assert ring_capacity(1024, max_workers=2, memory_bytes=None) == SMALL_BATCH_SLOTS
+    assert ring_capacity(1024, max_workers=16, memory_bytes=None) == 2 * 16 + HELD_ROOM + 1
+    assert ring_capacity(mib, 2, None) == max(2 * 2 + HELD_ROOM + 1,
+                                               min(SMALL_BATCH_SLOTS, ring_bytes_target() // mib))
     assert ring_capacity(38 * mib, 2, memory_bytes=1) == 2
 
 
@@ -195,7 +197,7 @@ def test_each_look_makes_a_window_of_the_stats_since_the_last_and_resizes_the_po
     assert window == Window(seconds=0.5, batches=40, trainer_wait_s=0.2, worker_busy_s=0.9,
                             worker_cpu_s=0.3, ring_full_s=0.05, workers=2,
                             trainer_cpu_s=pytest.approx(0.1), steady=True)
-    assert pool.asked == [3] and ring.active == 3 + 1 + 1 and control.due == 1.5
+    assert pool.asked == [3] and ring.active == 2 * 3 + 1 + 1 and control.due == 1.5
     control.look(1.5, pool, ring)  # the pool grew in the window: not steady
     assert not tuner.windows[1].steady and tuner.windows[1].workers == 3
 
@@ -205,7 +207,7 @@ def test_a_fixed_pool_is_not_resized_but_its_default_ring_follows_what_the_consu
     control = Control(stats, None, sizes_ring=True, thread_workers=False)
     ring.peak_held = 3
     control.look(0.5, pool, ring)
-    assert pool.asked == [] and ring.active == 2 + 3 + 1
+    assert pool.asked == [] and ring.active == 2 * 2 + 3 + 1
     explicit = FakeRing()
     Control(stats, None, sizes_ring=False, thread_workers=False).look(1.0, pool, explicit)
     assert explicit.active is None

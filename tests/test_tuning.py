@@ -7,8 +7,8 @@ import statistics
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shmseq.engine.trainer.tuning import (COOL_DOWN_S, HEADROOM, RING_BYTES_TARGET, Budget,
-                                          Window, WorkerTuner, ring_slots, usable_cores)
+from shmseq.engine.trainer.tuning import (COOL_DOWN_S, HEADROOM, SMALL_BATCH_SLOTS, Budget, Window,
+                                          WorkerTuner, ring_bytes_target, ring_slots, usable_cores)
 
 WINDOW_S = 0.5
 
@@ -242,10 +242,18 @@ def test_any_windows_keep_the_count_within_its_bounds(seen, least, most, cpu, me
 
 def test_ring_slots_give_each_worker_one_and_small_batches_more():
     mib = 1 << 20
-    assert ring_slots(38 * mib, workers=4, held=1, capacity=32) == 6
+    assert ring_slots(38 * mib, workers=4, held=1, capacity=32) == 10
     assert ring_slots(38 * mib, workers=4, held=1, capacity=5) == 5
-    assert ring_slots(mib, workers=2, held=1, capacity=256) == RING_BYTES_TARGET // mib
-    assert ring_slots(1024, workers=2, held=1, capacity=256) == 256
+    assert ring_slots(mib, workers=2, held=1, capacity=256) == max(
+        6, min(SMALL_BATCH_SLOTS, ring_bytes_target() // mib))
+    assert ring_slots(1024, workers=2, held=1, capacity=256) == SMALL_BATCH_SLOTS
+    assert ring_slots(1024, workers=16, held=1, capacity=256) == 34  # the workers' need wins
+    assert ring_slots(ring_bytes_target(), workers=2, held=1, capacity=256) == 6
+
+
+def test_the_ring_bytes_target_is_half_the_last_level_cache_or_a_guess():
+    assert ring_bytes_target() > 0
+    assert ring_bytes_target() % 1024 == 0
     with pytest.raises(ValueError):
         ring_slots(0, workers=2, held=1, capacity=8)
 
@@ -254,4 +262,4 @@ def test_ring_slots_give_each_worker_one_and_small_batches_more():
 def test_ring_slots_stay_within_capacity_and_cover_the_workers(slot_bytes, workers, held,
                                                                 capacity):
     slots = ring_slots(slot_bytes, workers, held, capacity)
-    assert min(capacity, workers + held + 1) <= slots <= capacity
+    assert min(capacity, 2 * workers + held + 1) <= slots <= capacity

@@ -52,6 +52,9 @@ from .stats import LoaderStats
 from .worker_handle import (JOIN_SECONDS, WorkerHandle, consumer_ends, end_workers, pickled_for,
                             preload_in_fork_server, start_worker)
 
+PACK_DEPTH = 2  # open tasks a worker is given while the consumer is the slower side: the one
+# it builds and the next, so that it never sleeps between them
+
 
 class Waker:
     """Cuts the consumer's wait short from any thread: a slot came free, ``finish()`` was called."""
@@ -343,10 +346,8 @@ class WorkerPool:
         tasks; once a worker's stream ended, the next one round the cycle whose stream has not
         (torch's order for an ``IterableDataset``). Else the least-busy worker that has started
         (a replacement still starting, 0.2 s when spawned, would hold up the batches given to
-        it): the work is spread. But while the consumer is the slower side (``pack``), tasks all
-        go to the first worker that takes tasks, awake most often, where the least-busy one
-        would be a sleeping one woken for each batch; on small batches the wake-ups cost more
-        than the batches themselves."""
+        it): the work is spread. But while the consumer is the slower side (``pack``), tasks go
+        to the first worker that takes tasks (``least_woken``)."""
         workers = self._workers
         if self._in_turn:  # a worker's id is its place
             first = self._turn if self._ended else task.position % len(workers)
@@ -357,7 +358,7 @@ class WorkerPool:
         taking = [handle for handle in workers if handle.accepting]
         if not taking:
             return None
-        return taking[0] if pack else min(taking, key=lambda h: (not h.ready, len(h.open)))
+        return least_woken(taking) if pack else least_busy(taking)
 
     def _send_task(self, chosen: WorkerHandle, task: Task, slot: int | None) -> None:
         if self._in_turn:
@@ -733,6 +734,21 @@ class WorkerPool:
 
 
 _FROM_OUTSIDE = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+
+
+def least_busy(taking: list[WorkerHandle]) -> WorkerHandle:
+    """The started worker with the fewest open tasks: the work spread."""
+    return min(taking, key=lambda handle: (not handle.ready, len(handle.open)))
+
+
+def least_woken(taking: list[WorkerHandle]) -> WorkerHandle:
+    """The first worker with fewer than ``PACK_DEPTH`` open tasks, awake most often, where the
+    least-busy one would be a sleeping one woken for each batch (on small batches the wake-ups
+    cost more than the batches). At most ``PACK_DEPTH`` each: a burst of free slots (a new
+    epoch, once the consumer took the last one's batches) queued on one worker would come at
+    that worker's pace, one batch after the other, while the others sleep."""
+    return next((handle for handle in taking if len(handle.open) < PACK_DEPTH),
+                least_busy(taking))
 
 
 def its_own_doing(code: int | None, out_of_memory: bool | None) -> bool:

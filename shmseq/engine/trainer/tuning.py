@@ -13,6 +13,7 @@ batch, and the trainer wants one every ``(seconds - trainer_wait_s) / batches`` 
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -35,10 +36,28 @@ SHRINK_EVERY_S = 2.0     # the least time between two shrinks (and since any cha
 COOL_DOWN_S = 10.0       # no growth for this long after one that did not pay ...
 MAX_COOL_DOWN_S = 80.0   # ... doubled each time the next one does not pay either, up to this
 
-# Slots of a ring used beyond what the workers need, up to this many bytes in all: a ring
-# that falls out of the CPU caches is slower (10 slots of 38 MB ran at 0.61x the rate of 4).
-# A first guess between 64 and 128 MiB, to be calibrated by a bench.
-RING_BYTES_TARGET = 64 << 20
+# Slots of a ring used beyond what the workers need, for small batches: up to
+# ``SMALL_BATCH_SLOTS``, and up to ``ring_bytes_target()`` in all. A ring whose batches fall out
+# of the CPU's last-level cache is slower: on a 32 MiB cache, with 2 workers, 9.6 MB batches
+# ran at 0.74x the rate on 4 slots they had on 2, and 0.8 MB batches at 0.57x on 64 slots
+# of what 6 gave (``python -m shmseq.bench --autotune``, ring workloads); 38.5 MB batches, which
+# fit no cache, ran alike on 2 to 10.
+SMALL_BATCH_SLOTS = 10
+_CACHE_INDEX = "/sys/devices/system/cpu/cpu0/cache/index3/size"
+_CACHE_GUESS = 32 << 20
+
+
+@functools.cache
+def ring_bytes_target() -> int:
+    """Half the last-level cache (the other half for what the workers read and the trainer
+    computes); a 32 MiB cache assumed where the system does not say."""
+    try:
+        with open(_CACHE_INDEX) as size:
+            text = size.read().strip()
+        cache = int(text[:-1]) << 10 if text.endswith("K") else int(text)
+    except (OSError, ValueError):
+        cache = _CACHE_GUESS
+    return cache // 2
 
 
 START_WORKERS = 2  # the workers a tuned pool starts with (at most its max_workers)
@@ -55,13 +74,17 @@ def ring_capacity(slot_bytes: int, max_workers: int, memory_bytes: int | None) -
 
 
 def ring_slots(slot_bytes: int, workers: int, held: int, capacity: int) -> int:
-    """The ring's slots to use: one for each worker to build into while the trainer holds
-    ``held`` and one more is ready, more for small batches up to ``RING_BYTES_TARGET``, never
-    more than the ``capacity`` the ring was made with."""
+    """The ring's slots to use: two for each worker (the batch it builds and the next, as
+    torch's ``prefetch_factor=2``: batches are taken in order, and with one each, workers done
+    early would wait for a slot behind a slow one; 16 latency-bound workers ran at 0.74x the
+    rate on 21 slots they had on 34), one for each of the ``held`` batches the trainer holds,
+    one ready, more for small batches (``SMALL_BATCH_SLOTS`` within ``ring_bytes_target()``),
+    never more than the ``capacity`` the ring was made with."""
     if slot_bytes <= 0 or workers < 0 or held < 0 or capacity < 1:
         raise ValueError(f"ring_slots({slot_bytes=}, {workers=}, {held=}, {capacity=})")
-    needed = workers + held + 1
-    return min(capacity, max(needed, RING_BYTES_TARGET // slot_bytes))
+    needed = 2 * workers + held + 1
+    small = min(SMALL_BATCH_SLOTS, ring_bytes_target() // slot_bytes)
+    return min(capacity, max(needed, small))
 
 
 class Window(NamedTuple):
