@@ -9,7 +9,7 @@ from shmseq.engine.trainer.convert import Converter, Delivery, OrderedOutput
 from shmseq.engine.trainer.devices import HostDevice
 from shmseq.engine.common.errors import PipelineClosed
 from shmseq.engine.common.layout import write_batch
-from shmseq.engine.trainer.pool import Pace, Reply, least_busy, least_woken
+from shmseq.engine.trainer.pool import PACK_BELOW_S, Pace, Reply
 from shmseq.engine.trainer.ring import FREE, Ring
 from shmseq.engine.trainer.stats import LoaderStats
 
@@ -114,21 +114,11 @@ def test_tasks_are_packed_once_half_the_ring_waits_until_the_consumer_waits_agai
     assert not pace.consumer_is_slower
 
 
-class _Handle:
-    def __init__(self, open_tasks: int, ready: bool = True) -> None:
-        self.open = dict.fromkeys(range(open_tasks))
-        self.ready = ready
-
-
-def test_packed_tasks_go_to_the_first_worker_until_it_has_two_then_spread():
-    first, second, third = _Handle(0), _Handle(1), _Handle(0)
-    assert least_woken([first, second, third]) is first
-    first.open.update({0: None, 1: None})
-    assert least_woken([first, second, third]) is second
-    second.open[1] = None
-    assert least_woken([first, second, third]) is third  # a burst is spread, not queued
-
-
-def test_spread_tasks_go_to_the_least_busy_worker_that_started():
-    starting, busy, idle = _Handle(0, ready=False), _Handle(2), _Handle(1)
-    assert least_busy([starting, busy, idle]) is idle
+def test_tasks_are_packed_only_while_batches_are_cheaper_than_a_wake_up():
+    pace = Pace(n_slots=8)
+    pace.follow(waiting=4, waited=False)
+    assert pace.packs(busy_s=100 * PACK_BELOW_S / 2, batches=100)
+    assert not pace.packs(busy_s=100 * PACK_BELOW_S * 2, batches=100)  # spread: slow batches
+    assert not pace.packs(busy_s=0.0, batches=0)  # nothing built yet
+    pace.follow(waiting=0, waited=True)
+    assert not pace.packs(busy_s=0.0, batches=100)

@@ -52,8 +52,11 @@ from .stats import LoaderStats
 from .worker_handle import (JOIN_SECONDS, WorkerHandle, consumer_ends, end_workers, pickled_for,
                             preload_in_fork_server, start_worker)
 
-PACK_DEPTH = 2  # open tasks a worker is given while the consumer is the slower side: the one
-# it builds and the next, so that it never sleeps between them
+
+PACK_BELOW_S = 0.002  # batches built faster than this are packed on one worker (Pace.packs): 16
+# latency-bound workers (21 ms a batch) ran at one worker's rate for a second after each epoch
+# began, its first batches queued on one worker, where cifar's (a copy well under 1 ms) ran
+# 1.7x faster packed than spread (python -m shmseq.bench --autotune, ring-cifar, 6 slots)
 
 
 class Waker:
@@ -135,7 +138,8 @@ class _Events:
 class Pace:
     """Which side is slower: the consumer, once it looked for a batch not delivered yet and
     found replies that left half the ring or more waiting for it, until it has to wait for a
-    batch again. Its tasks are then packed on one worker (see ``WorkerPool._choose``)."""
+    batch again. Its tasks are then packed on one worker (see ``WorkerPool._choose``), if
+    batches are cheap (``packs``)."""
 
     def __init__(self, n_slots: int) -> None:
         self.n_slots = n_slots
@@ -148,6 +152,13 @@ class Pace:
             self.consumer_is_slower = False
         elif 2 * waiting >= self.n_slots:
             self.consumer_is_slower = True
+
+    def packs(self, busy_s: float, batches: int) -> bool:
+        """Whether tasks go to one worker: the consumer is slower, and the batches delivered
+        took less than ``PACK_BELOW_S`` each to build (``busy_s`` over ``batches``), so that a
+        worker woken for each would cost as much as the batch. Slower batches are spread: a
+        burst of free slots (a new epoch) queued on one worker would come at its pace alone."""
+        return self.consumer_is_slower and busy_s < PACK_BELOW_S * batches
 
 
 class WorkerPool:
@@ -318,7 +329,8 @@ class WorkerPool:
         if self.ring is None:
             self._dispatch_unsized(waiting)
             return
-        slots, pack = self.ring.acquire_free(), self._pace.consumer_is_slower
+        slots = self.ring.acquire_free()
+        pack = self._pace.packs(self.stats.worker_busy_s, self.stats.batches)
         for at, slot in enumerate(slots):
             task = self.stream.peek()
             chosen = None if task is None else self._choose(task, pack)
@@ -346,8 +358,10 @@ class WorkerPool:
         tasks; once a worker's stream ended, the next one round the cycle whose stream has not
         (torch's order for an ``IterableDataset``). Else the least-busy worker that has started
         (a replacement still starting, 0.2 s when spawned, would hold up the batches given to
-        it): the work is spread. But while the consumer is the slower side (``pack``), tasks go
-        to the first worker that takes tasks (``least_woken``)."""
+        it): the work is spread. But while the consumer is the slower side (``pack``), tasks all
+        go to the first worker that takes tasks, awake most often, where the least-busy one
+        would be a sleeping one woken for each batch; on small batches the wake-ups cost more
+        than the batches themselves."""
         workers = self._workers
         if self._in_turn:  # a worker's id is its place
             first = self._turn if self._ended else task.position % len(workers)
@@ -358,7 +372,7 @@ class WorkerPool:
         taking = [handle for handle in workers if handle.accepting]
         if not taking:
             return None
-        return least_woken(taking) if pack else least_busy(taking)
+        return taking[0] if pack else min(taking, key=lambda h: (not h.ready, len(h.open)))
 
     def _send_task(self, chosen: WorkerHandle, task: Task, slot: int | None) -> None:
         if self._in_turn:
@@ -734,21 +748,6 @@ class WorkerPool:
 
 
 _FROM_OUTSIDE = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
-
-
-def least_busy(taking: list[WorkerHandle]) -> WorkerHandle:
-    """The started worker with the fewest open tasks: the work spread."""
-    return min(taking, key=lambda handle: (not handle.ready, len(handle.open)))
-
-
-def least_woken(taking: list[WorkerHandle]) -> WorkerHandle:
-    """The first worker with fewer than ``PACK_DEPTH`` open tasks, awake most often, where the
-    least-busy one would be a sleeping one woken for each batch (on small batches the wake-ups
-    cost more than the batches). At most ``PACK_DEPTH`` each: a burst of free slots (a new
-    epoch, once the consumer took the last one's batches) queued on one worker would come at
-    that worker's pace, one batch after the other, while the others sleep."""
-    return next((handle for handle in taking if len(handle.open) < PACK_DEPTH),
-                least_busy(taking))
 
 
 def its_own_doing(code: int | None, out_of_memory: bool | None) -> bool:
