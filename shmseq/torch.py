@@ -260,6 +260,16 @@ class DataLoader(TorchDataLoader[T_co]):
                 "(an IterableDataset) where the dead one stopped; pass worker_restarts=0")
         return _RingIterator(self)  # more workers than cores: torch's constructor warned
 
+    def tuned_arguments(self) -> dict[str, object]:
+        """The arguments that make a loader tune its workers as this one does (``on_ring``'s
+        rebuild: torch's attributes say ``num_workers=2`` and ``prefetch_factor=2``); empty
+        for an integer ``num_workers``."""
+        if self.max_workers is None:
+            return {}
+        return {"num_workers": "auto", "max_workers": self.max_workers,
+                "cpu_budget": self.cpu_budget, "memory_budget": self.memory_budget,
+                "prefetch_factor": None if self._ring_slots is None else self.prefetch_factor}
+
     @property
     def stats(self) -> LoaderStats:
         """Counters of the batches that came through the ring (all iterators of this loader)."""
@@ -433,8 +443,9 @@ def on_ring(loader: TorchDataLoader, like: DataLoader | None = None) -> TorchDat
     its batches would no longer come through the ring. Given what they return, this gives it
     a shmseq ``DataLoader`` with the same arguments instead (and the ``slot_bytes`` and
     ``worker_restarts`` of ``like``); everything else Accelerate does (sharding, ``even_batches``,
-    ``gather_for_metrics``, device placement) is unchanged. A loader already on the ring is
-    returned as it is."""
+    ``gather_for_metrics``, device placement) is unchanged; a ``like`` with
+    ``num_workers='auto'`` gives its bounds, for the workers to be tuned again. A loader
+    already on the ring is returned as it is."""
     base = getattr(loader, "base_dataloader", loader)
     if isinstance(base, DataLoader):
         return loader
@@ -443,8 +454,10 @@ def on_ring(loader: TorchDataLoader, like: DataLoader | None = None) -> TorchDat
                         f"{type(loader).__name__}")
     batching = ({"batch_sampler": base.batch_sampler} if base.batch_sampler is not None else
                 {"batch_size": None, "sampler": base.sampler})
-    rebuilt: DataLoader = DataLoader(base.dataset, **batching,
-                         **{name: getattr(base, name) for name in _TORCH_ARGUMENTS},
+    arguments = {name: getattr(base, name) for name in _TORCH_ARGUMENTS}
+    if isinstance(like, DataLoader):
+        arguments.update(like.tuned_arguments())
+    rebuilt: DataLoader = DataLoader(base.dataset, **batching, **arguments,
                          slot_bytes=getattr(like, "slot_bytes", None),
                          worker_restarts=getattr(like, "worker_restarts", 0))
     if base is loader:

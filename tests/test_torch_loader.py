@@ -266,6 +266,26 @@ def test_accelerate_prepare_rebuilds_the_loader_as_torchs_and_on_ring_puts_it_ba
     accelerator.free_memory()
 
 
+@pytest.mark.parametrize("prefetch_factor", [None, 3])
+def test_on_ring_keeps_a_tuned_loaders_bounds(prefetch_factor):
+    """torch's attributes of an 'auto' loader say num_workers=2 and prefetch_factor=2: rebuilt
+    from them alone, the loader would no longer tune its workers (and a memory_budget beside
+    an integer num_workers is refused)."""
+    accelerate = pytest.importorskip("accelerate")
+    from shmseq.torch import on_ring
+    accelerator = accelerate.Accelerator(cpu=True)
+    budget = None if prefetch_factor else 1 << 24
+    loader = DataLoader(data.Counting(20), batch_size=4, num_workers="auto", max_workers=3,
+                        cpu_budget=1.5, memory_budget=budget, prefetch_factor=prefetch_factor)
+    prepared = on_ring(accelerator.prepare(loader), like=loader)
+    rebuilt = prepared.base_dataloader
+    assert (rebuilt.max_workers, rebuilt.cpu_budget, rebuilt.memory_budget) == (3, 1.5, budget)
+    assert rebuilt.tuned_arguments() == loader.tuned_arguments()
+    assert sorted(i for batch in labels(prepared) for i in batch) == list(range(20))
+    assert rebuilt.stats.batches == 5
+    accelerator.free_memory()
+
+
 def test_persistent_workers_are_not_replaced_after_one_died():
     """As torch's: the pass goes on without the dead worker, and every later ``iter()`` says
     why it cannot start another pass and what to do; ``close()`` stops the worker left."""
