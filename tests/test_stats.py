@@ -44,6 +44,7 @@ def test_the_fractions_say_where_the_time_went():
     assert window.remote_wait_fraction == pytest.approx(0.2)
     assert window.decode_fraction == pytest.approx(0.05)
     assert window.copy_fraction == pytest.approx(0.02)
+    assert window.mean_workers == pytest.approx(4)
 
 
 def test_the_window_drops_what_is_older_than_its_length():
@@ -95,12 +96,14 @@ def breakdown(**fractions: float) -> Breakdown:
                         "trainer_wait_fraction": 0.3, "worker_busy_fraction": 0.95,
                         "worker_cpu_fraction": 0.3, "ring_full_fraction": 0.0,
                         "decode_fraction": 0.0, "copy_fraction": 0.0,
-                        "remote_wait_fraction": 0.0, **fractions})
+                        "remote_wait_fraction": 0.0, "mean_workers": 4.0, **fractions})
 
 
 @pytest.mark.parametrize("fractions, verdict, fix", [
     ({"trainer_wait_fraction": 0.0, "ring_full_fraction": 0.92}, "trainer-bound: the ring was "
      "full 92 %", "fewer workers would too"),
+    ({"trainer_wait_fraction": 0.0, "ring_full_fraction": 0.92, "mean_workers": 1.0},
+     "trainer-bound: the ring was full 92 %", "the loader keeps up"),
     ({"trainer_wait_fraction": 0.03}, "trainer-bound: the trainer waited 3 %", "keeps up"),
     ({"trainer_wait_fraction": 0.0, "batches_per_s": 0.0}, "no batches asked for", "30 s"),
     ({"window_s": 0.0}, "no time measured yet", ""),
@@ -117,6 +120,13 @@ def breakdown(**fractions: float) -> Breakdown:
 def test_the_verdict_follows_the_fractions(fractions, verdict, fix):
     line = breakdown(**fractions).verdict()
     assert line.startswith(verdict) and fix in line, line
+
+
+def test_one_worker_that_keeps_up_is_not_told_fewer_would():
+    stats = LoaderStats(started=0.0, workers=1)
+    feed(stats, 30, 0.0, wait=0.0, full=0.9)
+    assert stats.summary() == ("trainer-bound: the ring was full 90 % of the last 30 s; the "
+                               "loader keeps up")
 
 
 def test_as_dict_keeps_its_keys_and_adds_the_window():

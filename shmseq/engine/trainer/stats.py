@@ -52,6 +52,7 @@ class Breakdown(NamedTuple):
     decode_fraction: float         # decoding in the training process
     copy_fraction: float           # host-to-device copies
     remote_wait_fraction: float    # of the workers' busy time, waiting on remote storage
+    mean_workers: float            # workers running, on average over the window
 
     def verdict(self) -> str:
         """One line a person reads: what bounds the rate, and the fix."""
@@ -62,8 +63,9 @@ class Breakdown(NamedTuple):
             return f"no batches asked for in {span}"
         if self.trainer_wait_fraction <= INPUT_BOUND:
             if self.ring_full_fraction >= RING_MOSTLY_FULL:
+                fewer = ", fewer workers would too" if self.mean_workers >= 1.5 else ""
                 return (f"trainer-bound: the ring was full {_pct(self.ring_full_fraction)} of "
-                        f"{span}; the loader keeps up, fewer workers would too")
+                        f"{span}; the loader keeps up{fewer}")
             return (f"trainer-bound: the trainer waited {_pct(self.trainer_wait_fraction)} "
                     f"of {span}; the loader keeps up")
         waited = f"the trainer waited {_pct(self.trainer_wait_fraction)} of {span}"
@@ -187,7 +189,8 @@ class LoaderStats:
             ring_full_fraction=_ratio(span.worker_idle_s, span.worker_s),
             decode_fraction=_ratio(span.decode_s, span.at),
             copy_fraction=_ratio(span.copy_s, span.at),
-            remote_wait_fraction=_ratio(span.storage_wait_s, span.worker_busy_s))
+            remote_wait_fraction=_ratio(span.storage_wait_s, span.worker_busy_s),
+            mean_workers=_ratio(span.worker_s, span.at))
 
     def summary(self) -> str:
         """One line on the last window: what bounds the rate, and the fix."""
