@@ -30,6 +30,8 @@ import concurrent.futures
 import os
 import re
 import struct
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -38,7 +40,7 @@ import numpy as np
 
 from .checks import check_choice, check_int
 from .engine.common.ragged import Ragged
-from .engine.trainer.devices import CudaDevice, cuda_available
+from .engine.trainer.devices import CudaDevice, GpuTimer, cuda_available
 from .vision import (IMAGENET_MEAN, IMAGENET_STD, JPEG_EXTENSIONS, MAX_PIXELS, ImageDecodeError,
                      ImageFolder, _simplejpeg, center_crop, check_pixels, random_resized_crop)
 
@@ -290,6 +292,8 @@ class HostDecoder(_DecodingDevice):
         self.torch = torch
         self.scale, self.shift = stage.normalizer("cpu")
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._job_seconds: deque[float] = deque()  # each job's wall time, from the pool's threads
+        self._blocked_s = 0.0  # the consumer's wait for rows still decoding, at hand-over
 
     def attach(self, ring: Ring) -> None:
         """Nothing to page-lock: the slot is read in place by the pool."""
@@ -312,11 +316,13 @@ class HostDecoder(_DecodingDevice):
         return self._pool
 
     def _decode_rows(self, rows: list, images: torch.Tensor, failed: list[str | None]) -> None:
+        began = time.perf_counter()
         for data, box, row in rows:
             try:
                 self._decode_row(data, box, images[row])
             except ValueError as exc:
                 failed[row] = str(exc) or type(exc).__name__
+        self._job_seconds.append(time.perf_counter() - began)
 
     def _decode_row(self, data: np.ndarray, box: np.ndarray, out: torch.Tensor) -> None:
         """Decoded, then resized as ``uint8`` (torch's fast CPU path), rounded, then normalized."""
@@ -327,10 +333,22 @@ class HostDecoder(_DecodingDevice):
     def wait(self, jobs: list[concurrent.futures.Future]) -> None:
         concurrent.futures.wait(jobs)
 
+    def pop_counts(self) -> dict[str, float]:
+        """Since the last call: ``decode_s``, the pool's busy time per thread (a pool busy
+        throughout adds the wall time); ``consumer_wait_s``, the consumer's wait at hand-over
+        for rows still decoding, a wait for the loader as any (the consumer's thread only)."""
+        seconds, jobs = 0.0, self._job_seconds
+        while jobs:
+            seconds += jobs.popleft()
+        blocked, self._blocked_s = self._blocked_s, 0.0
+        return {"decode_s": seconds / self.stage.threads, "consumer_wait_s": blocked}
+
     def hand_over(self, batch: Decoding,
                   jobs: list[concurrent.futures.Future]) -> tuple[torch.Tensor, torch.Tensor]:
+        began = time.perf_counter()
         for job in jobs:
             job.result()  # a failure other than a bad image (memory, a bug) is raised here
+        self._blocked_s += time.perf_counter() - began
         return self.finished(batch)
 
     def close(self) -> None:
@@ -349,6 +367,7 @@ class CudaDecoder(_DecodingDevice):
         self.gpu = CudaDevice(stage.device, stage.streams)  # crops. streams, page lock, hand-over
         self.torch, self.device = self.gpu.torch, self.gpu.device
         self._decoding = self.torch.cuda.Stream(self.device)  # torchcodec's alone: owns its memory
+        self.timer = GpuTimer(self.torch)  # the decoding stream's busy time: ``decode_s``
         self.scale, self.shift = stage.normalizer(self.device)
 
     def attach(self, ring: Ring) -> None:
@@ -368,8 +387,10 @@ class CudaDecoder(_DecodingDevice):
         encoded, labels, ids = source_batch(views)
         _, failed = self.headers(encoded)
         stream = self.gpu.next_stream()
+        began = self.timer.mark(self._decoding)
         with torch.cuda.stream(self._decoding):
             decoded = decoded_rows(self.decode_jpegs, encoded, failed, self.device)
+        self.timer.span(began, self.timer.mark(self._decoding))
         with torch.cuda.stream(stream):
             stream.wait_stream(self._decoding)
             for image in decoded:
@@ -390,6 +411,9 @@ class CudaDecoder(_DecodingDevice):
 
     def wait(self, events: tuple[torch.cuda.Event, torch.cuda.Event]) -> None:
         events[0].synchronize()
+
+    def pop_counts(self) -> dict[str, float]:
+        return {"decode_s": self.timer.pop_seconds()}
 
     def hand_over(self, batch: Decoding, events: tuple[torch.cuda.Event, torch.cuda.Event]
                   ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,6 +69,7 @@ class FakeStream:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._locked: list[tuple[int, int]] = []
+        self.busy_s = 0.0  # time its thread spent on copies (a GPU's copy time), written there
 
     def register(self, address: int, nbytes: int) -> None:
         self._locked.append((address, address + nbytes))
@@ -103,10 +104,12 @@ class FakeStream:
             if isinstance(job, FakeEvent):
                 job.done.set()
                 continue
+            began = time.perf_counter()
             time.sleep(self._random.uniform(0, self.max_delay))
             target, source, nbytes = job
             ctypes.memmove(target.ctypes.data, source, nbytes)
             del job, target
+            self.busy_s += time.perf_counter() - began
 
     def close(self) -> None:
         """Stop once every job enqueued has run."""
@@ -130,10 +133,17 @@ class FakeDevice:
         self.fail_on = fail_on
         self.fail_wait_on = fail_wait_on
         self.attached_ring: RingSpec | None = None
+        self._busy_popped = 0.0
 
     def attach(self, ring: Ring) -> None:
         self.attached_ring = ring.spec
         self.stream.register(ring.address, ring.spec.total_bytes)
+
+    def pop_counts(self) -> dict[str, float]:
+        """``copy_s``: the stream's copy time since the last call, as ``CudaDevice``'s."""
+        busy = self.stream.busy_s
+        popped, self._busy_popped = self._busy_popped, busy
+        return {"copy_s": busy - popped}
 
     def convert(self, views: object) -> tuple[object, FakeEvent]:
         failed = self.fail_on is not None and self.fail_on(views)

@@ -213,6 +213,17 @@ def test_a_fixed_pool_is_not_resized_but_its_default_ring_follows_what_the_consu
     assert explicit.active is None
 
 
+def test_each_look_adds_the_devices_counts_before_the_snapshot():
+    counts = iter([{"copy_s": 0.25}, {"copy_s": 0.5, "decode_s": 0.1}])
+    stats = LoaderStats(started=0.0, workers=2)
+    control = Control(stats, None, sizes_ring=False, thread_workers=False,
+                      device_counts=lambda: next(counts))
+    control.look(0.5, FakePool(2), None)
+    control.look(1.0, FakePool(2), None)
+    assert (stats.copy_s, stats.decode_s) == (0.75, 0.1)
+    assert stats.breakdown().copy_fraction == pytest.approx(0.75)
+
+
 # -- arguments ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("options, error, words", [
     ({"num_workers": "many"}, TypeError, "num_workers must be an integer >= 0 or 'auto'"),

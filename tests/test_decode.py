@@ -94,6 +94,16 @@ def test_every_batch_decoded_in_order_and_intact_through_worker_processes(folder
         assert_rows_are(images, ids)
 
 
+def test_the_cpu_decoders_time_and_the_consumers_wait_for_it_are_counted(folder):
+    worker = EncodedImageWorker(folder)
+    decoder = DecodeStage(SIZE, device="cpu", threads=2)()
+    images, _ = decoder.hand_over(*decoder.convert(worker[np.arange(16)]))
+    counts = decoder.pop_counts()
+    assert images.shape[0] == 16 and counts["decode_s"] > 0 and counts["consumer_wait_s"] >= 0
+    assert decoder.pop_counts() == {"decode_s": 0.0, "consumer_wait_s": 0.0}
+    decoder.close()
+
+
 def test_a_slot_is_not_reused_before_late_reads_by_address_are_done(folder):
     """The CUDA decoder's protocol through a fake GPU: the encoded bytes are read from the slot
     late, by address (no view keeps the slot), on a ring of two slots."""

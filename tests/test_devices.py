@@ -7,7 +7,7 @@ import pytest
 
 import shmseq.engine.trainer.devices
 from shmseq import ShmSeqError, ShmSequence
-from shmseq.engine.trainer.devices import make_device
+from shmseq.engine.trainer.devices import GpuTimer, make_device
 from shmseq.testing import FakeDevice, FakeStream, planned_batches, ring_of
 from shmseq.engine.trainer.ring import LEASED, Ring
 from workers import ImageWorker
@@ -156,3 +156,43 @@ def test_torch_wraps_views_of_the_slot_where_torch_can():
     copied = torch_wrap(swapped.dtype)(swapped)  # torch holds native order only: a copy
     assert copied.tolist() == swapped.tolist() and copied.data_ptr() != swapped.ctypes.data
     assert torch_wrap(np.dtype("U3")) is None  # torch lacks it: stays a numpy view
+
+
+class TimingEvent:
+    """A CUDA timing event's stand-in, recorded at ``at_ms`` on a stream's clock; ``done``:
+    the stream went past it."""
+
+    def __init__(self, at_ms: float, done: bool = True) -> None:
+        self.at_ms, self.done = at_ms, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: "TimingEvent") -> float:
+        assert self.done and end.done, "CUDA refuses the time of an event not reached yet"
+        return end.at_ms - self.at_ms
+
+
+def test_the_gpu_timer_adds_the_spans_that_completed_and_waits_for_the_rest():
+    timer = GpuTimer(torch=None)
+    running = TimingEvent(9, done=False)
+    timer.span(TimingEvent(0), TimingEvent(5))
+    timer.span(TimingEvent(6), running)
+    timer.span(TimingEvent(9), TimingEvent(12))
+    assert timer.pop_seconds() == pytest.approx(0.005)  # the rest waits behind the running one
+    running.done = True
+    assert timer.pop_seconds() == pytest.approx(0.006)
+    assert timer.pop_seconds() == 0
+
+
+def test_the_copies_time_is_counted_and_named_when_it_bounds_the_rate():
+    """Copies slower than the workers: the slots stay held by copies in flight, the ring is
+    full, and the consumer (whose own wait for a copy would be the GPU's) does not wait."""
+    seq = ShmSequence(ImageWorker(16), 320, batch_size=4, num_workers=2, buffer=2,
+                      out_type="null", timeout=30, device=Fakes(max_delay=0.02))
+    with seq.start():
+        for _ in seq:
+            pass
+        window = seq.stats.breakdown()
+        assert seq.stats.copy_s > 0 and window.copy_fraction > 0
+        assert seq.stats.summary().startswith("copy-bound: host-to-device copies ran"), window

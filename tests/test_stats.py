@@ -111,7 +111,16 @@ def breakdown(**fractions: float) -> Breakdown:
     ({"remote_wait_fraction": 0.6}, "remote reads: the trainer waited 30 %",
      "storage 60 % of their time; add workers"),
     ({"decode_fraction": 0.4}, "decode-bound", "on the GPU"),
-    ({"copy_fraction": 0.4}, "copy-bound", "page-lock"),
+    ({"copy_fraction": 0.4}, "copy-bound: host-to-device copies ran 40 % of the last 30 s, "
+     "and the trainer waited 30 %", "fewer bytes"),
+    ({"trainer_wait_fraction": 0.0, "ring_full_fraction": 0.9, "copy_fraction": 0.95},
+     "copy-bound: host-to-device copies ran 95 %", "fewer bytes"),
+    ({"trainer_wait_fraction": 0.0, "ring_full_fraction": 0.9, "decode_fraction": 0.9},
+     "decode-bound: decoding ran 90 %", "on the GPU"),
+    ({"trainer_wait_fraction": 0.0, "ring_full_fraction": 0.9, "copy_fraction": 0.5},
+     "trainer-bound: the ring was full 90 %", "keeps up"),
+    ({"trainer_wait_fraction": 0.0, "copy_fraction": 0.95}, "trainer-bound: the trainer "
+     "waited 0 %", "keeps up"),
     ({"worker_busy_fraction": 0.4}, "input-bound: the trainer waited 30 %", "busy only 40 %"),
     ({"worker_cpu_fraction": 0.95}, "input-bound: the trainer waited 30 %", "add cores"),
     ({}, "input-bound: the trainer waited 30 % of the last 30 s; workers busy 95 %",

@@ -10,7 +10,7 @@ ring counts slots (``set_active``).
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from .pool import WorkerPool
 from .ring import Ring
@@ -37,31 +37,36 @@ class Control:
     """Looks at the pipeline every ``TICK_S`` (``due``, then ``look``). ``tuner``: the worker
     count's (None: fixed); ``sizes_ring``: the ring's active slots follow the workers and the
     most batches the consumer held at once; ``thread_workers``: the workers' CPU is the
-    training process's own (subtracted from the trainer's)."""
+    training process's own (subtracted from the trainer's); ``device_counts``: the device's
+    statistics since the last call (its ``pop_counts``: a decode's or the copies' time)."""
 
     def __init__(self, stats: LoaderStats, tuner: WorkerTuner | None, *, sizes_ring: bool,
-                 thread_workers: bool) -> None:
+                 thread_workers: bool,
+                 device_counts: Callable[[], dict[str, float]] = dict) -> None:
         self.stats = stats
         self.tuner = tuner
         self.sizes_ring = sizes_ring
         self.thread_workers = thread_workers
+        self.device_counts = device_counts
         self.due = time.perf_counter() + TICK_S  # the step looks once ``now`` passes it
         self._seen: _Seen | None = None
 
     @classmethod
     def auto(cls, stats: LoaderStats, *, start_workers: int, max_workers: int,
-             cpu_budget: float | None, sizes_ring: bool, thread_workers: bool) -> "Control":
+             cpu_budget: float | None, sizes_ring: bool, thread_workers: bool,
+             device_counts: Callable[[], dict[str, float]] = dict) -> "Control":
         """A control that tunes the worker count between 1 and ``max_workers``, starting at
         ``start_workers``, within ``cpu_budget`` cores (None: the usable cores)."""
         budget = (Budget(max_workers) if cpu_budget is None
                   else Budget(max_workers, cpu=cpu_budget))
         return cls(stats, WorkerTuner(budget, start_workers), sizes_ring=sizes_ring,
-                   thread_workers=thread_workers)
+                   thread_workers=thread_workers, device_counts=device_counts)
 
     def look(self, now: float, pool: WorkerPool, ring: Ring | None) -> None:
-        """The statistics' snapshot at ``now``; once there is a ring, the worker count and the
-        ring's active slots."""
+        """The statistics' snapshot at ``now`` (the device's counts added first); once there is
+        a ring, the worker count and the ring's active slots."""
         self.due = now + TICK_S
+        self.stats.add_counts(self.device_counts())
         self.stats.tick(now)
         if ring is None:
             return

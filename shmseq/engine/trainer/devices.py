@@ -10,13 +10,15 @@ that blocks until done) for the copies the consumer may have enqueued from the s
   place when a pinning device is given (MXNet's ``pin_memory``), with a CUDA event recorded
   on that device's current stream as each batch's fence.
 * ``CudaDevice``: the whole ring page-locked in place (``cudaHostRegister``), each batch
-  copied on one of ``num_converters`` streams, an event per batch.
+  copied on one of ``num_converters`` streams, an event per batch; the copies' GPU time is
+  read from timing events (``GpuTimer``) for the statistics' ``copy_s``.
 
 Fakes of both, for tests without a GPU, are in ``shmseq.testing``.
 """
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
@@ -63,7 +65,9 @@ class Device(Protocol):
         """After the last copy completed, before the ring is unmapped.
 
         A device may also have ``pop_skipped()``: the samples it left out of the batch it just
-        handed over (a decode stage's bad images), reported as a worker's skips are (looked up
+        handed over (a decode stage's bad images), reported as a worker's skips are; and
+        ``pop_counts()``: its statistics since the last call (``{"copy_s": seconds}``, a
+        decode stage's ``decode_s``), added to the loader's every half second (both looked up
         once, by ``protocol.Hooks``)."""
 
 
@@ -176,6 +180,35 @@ class HostDevice:
             lock.release()
 
 
+class GpuTimer:
+    """The GPU time of one stage (copies, a decode): pairs of timing events around its work
+    on a stream, read once they completed, so that nobody waits for them. The spans of several
+    streams add up (they may overlap)."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        self._spans: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+
+    def mark(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """A timing event recorded on ``stream`` now (one that ends a span may also be waited on
+        as any event)."""
+        event = self.torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def span(self, began: torch.cuda.Event, ended: torch.cuda.Event) -> None:
+        self._spans.append((began, ended))
+
+    def pop_seconds(self) -> float:
+        """The seconds of the spans that completed since the last call, in the order they were
+        made: one still running waits for the next call, with those after it."""
+        seconds, spans = 0.0, self._spans
+        while spans and spans[0][1].query():
+            began, ended = spans.popleft()
+            seconds += began.elapsed_time(ended) / 1000  # milliseconds
+        return seconds
+
+
 class CudaDevice:
     """Copies each batch to the GPU on one of its own streams; an event marks the end."""
 
@@ -189,6 +222,7 @@ class CudaDevice:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._streams = itertools.cycle([torch.cuda.Stream(self.device) for _ in range(num_streams)])
         self._lock: PageLock | None = None
+        self.timer = GpuTimer(torch)
 
     def attach(self, ring: Ring) -> None:
         self._lock = PageLock(ring, self.device.index)
@@ -200,10 +234,11 @@ class CudaDevice:
     def convert(self, views: object) -> tuple[object, torch.cuda.Event]:
         torch = self.torch
         stream = self.next_stream()
+        began = self.timer.mark(stream)
         with torch.cuda.stream(stream):
             batch = map_arrays(views, self._copy, (np.ndarray, torch.Tensor))
-            event = torch.cuda.Event()
-            event.record(stream)
+        event = self.timer.mark(stream)
+        self.timer.span(began, event)
         return batch, event
 
     def _copy(self, array: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
@@ -220,6 +255,9 @@ class CudaDevice:
 
     def wait(self, event: torch.cuda.Event) -> None:
         event.synchronize()
+
+    def pop_counts(self) -> dict[str, float]:
+        return {"copy_s": self.timer.pop_seconds()}
 
     def close(self) -> None:
         lock, self._lock = self._lock, None

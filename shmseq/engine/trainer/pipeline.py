@@ -146,12 +146,14 @@ class Pipeline:
     def _control(self) -> Control:
         spec = self.spec
         threads = spec.thread_type == "thread"
+        device_counts = Hooks(self.device).pop_counts
         if spec.max_workers is None:
             return Control(self.stats, None, sizes_ring=spec.buffer is None,
-                           thread_workers=threads)
+                           thread_workers=threads, device_counts=device_counts)
         return Control.auto(self.stats, start_workers=spec.num_workers,
                             max_workers=spec.max_workers, cpu_budget=spec.cpu_budget,
-                            sizes_ring=spec.buffer is None, thread_workers=threads)
+                            sizes_ring=spec.buffer is None, thread_workers=threads,
+                            device_counts=device_counts)
 
     def _new_ring(self, slot_bytes: int, expected: int = 0) -> Ring:
         """``buffer`` slots, or as many as the tuning rules make a ring with, those for the
@@ -370,7 +372,7 @@ class Inline:
         self.test_mode = test_mode
         cpu_instead = test_mode == "cpu" and spec.out_type.startswith("cuda")
         self.device = make_device("cpu", pin_memory=False) if cpu_instead else spec.make_device()
-        self._device_skipped = Hooks(self.device).pop_skipped
+        self._device = Hooks(self.device)
         self.stats = LoaderStats()
 
     def batches(self, epoch: int, position: int = 0) -> Iterator[object]:
@@ -388,8 +390,9 @@ class Inline:
             self.stats.add_counts(worker.pop_counts())
             if self.test_mode != "numpy":
                 views = read_batch(encode_batch(batch), self.device.wrap)
-                batch = handed_over(self.device, self._device_skipped,
+                batch = handed_over(self.device, self._device.pop_skipped,
                                     *self.device.convert(views), lambda: name, self.stats)
+                self.stats.add_counts(self._device.pop_counts())
             self.plan.release(epoch, position + 1)
             yield batch
 

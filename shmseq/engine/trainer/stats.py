@@ -17,7 +17,8 @@ from .tuning import INPUT_BOUND, RING_MOSTLY_FULL
 
 SNAPSHOTS = 60          # snapshots a window keeps at most: closer ticks replace the newest
 STORAGE_BOUND = 0.5     # workers waited on storage this share of their busy time: remote-bound
-STAGE_BOUND = 0.25      # decode or copies took this share of the wall time: that stage's
+STAGE_BOUND = 0.25      # a decode or the copies busy this share of a window the trainer waited
+STAGE_SATURATED = 0.8   # ... or of one the ring was full in: that stage bounds the rate
 WORKERS_BUSY = 0.8      # workers busy this share of their time: the trainer waits for them
 CPU_HEAVY = 0.8         # a busy worker on a CPU this share of the time: cores, not workers
 
@@ -49,8 +50,8 @@ class Breakdown(NamedTuple):
     worker_busy_fraction: float    # of the workers' time, building batches
     worker_cpu_fraction: float     # of that busy time, on a CPU
     ring_full_fraction: float      # of the workers' time, idle for want of a task: no slot free
-    decode_fraction: float         # decoding in the training process
-    copy_fraction: float           # host-to-device copies
+    decode_fraction: float         # a decode stage busy (its threads' mean, or the GPU's)
+    copy_fraction: float           # host-to-device copies running (their streams', summed)
     remote_wait_fraction: float    # of the workers' busy time, waiting on remote storage
     mean_workers: float            # workers running, on average over the window
 
@@ -59,40 +60,54 @@ class Breakdown(NamedTuple):
         if self.window_s <= 0:
             return "no time measured yet"
         span = f"the last {self.window_s:.3g} s"
-        if self.batches_per_s == 0 and self.trainer_wait_fraction <= INPUT_BOUND:
+        waited = self.trainer_wait_fraction > INPUT_BOUND
+        full = self.ring_full_fraction >= RING_MOSTLY_FULL
+        if self.batches_per_s == 0 and not waited:
             return f"no batches asked for in {span}"
-        if self.trainer_wait_fraction <= INPUT_BOUND:
-            if self.ring_full_fraction >= RING_MOSTLY_FULL:
+        if (waited or full) and (stage := self._stage_bound(span, waited)):
+            return stage
+        if not waited:
+            if full:
                 fewer = ", fewer workers would too" if self.mean_workers >= 1.5 else ""
                 return (f"trainer-bound: the ring was full {_pct(self.ring_full_fraction)} of "
                         f"{span}; the loader keeps up{fewer}")
             return (f"trainer-bound: the trainer waited {_pct(self.trainer_wait_fraction)} "
                     f"of {span}; the loader keeps up")
-        waited = f"the trainer waited {_pct(self.trainer_wait_fraction)} of {span}"
-        if self.ring_full_fraction >= RING_MOSTLY_FULL:
-            return (f"slot-bound: {waited}, yet the ring was full "
+        waited_for = f"the trainer waited {_pct(self.trainer_wait_fraction)} of {span}"
+        if full:
+            return (f"slot-bound: {waited_for}, yet the ring was full "
                     f"{_pct(self.ring_full_fraction)}; give the ring more slots (buffer) or "
                     f"let go of batches sooner")
         if self.remote_wait_fraction >= STORAGE_BOUND:
-            return (f"remote reads: {waited}; workers waited on storage "
+            return (f"remote reads: {waited_for}; workers waited on storage "
                     f"{_pct(self.remote_wait_fraction)} of their time; add workers (reads "
                     f"overlap) or cache the shards nearer")
-        if self.decode_fraction >= STAGE_BOUND:
-            return (f"decode-bound: {waited}; decoding took {_pct(self.decode_fraction)}; "
-                    f"decode on the GPU or in more threads")
-        if self.copy_fraction >= STAGE_BOUND:
-            return (f"copy-bound: {waited}; host-to-device copies took "
-                    f"{_pct(self.copy_fraction)}; page-lock the ring or send fewer bytes")
         if self.worker_busy_fraction < WORKERS_BUSY:
-            return (f"input-bound: {waited}, yet workers were busy only "
+            return (f"input-bound: {waited_for}, yet workers were busy only "
                     f"{_pct(self.worker_busy_fraction)}; the training process is slow to "
                     f"hand out work or take batches: profile it")
         busy = f"workers busy {_pct(self.worker_busy_fraction)}"
         if self.worker_cpu_fraction >= CPU_HEAVY:
-            return (f"input-bound: {waited}; {busy}, on a CPU "
+            return (f"input-bound: {waited_for}; {busy}, on a CPU "
                     f"{_pct(self.worker_cpu_fraction)} of it; add cores, or workers if "
                     f"cores are free, or make each batch cheaper")
-        return f"input-bound: {waited}; {busy}; add workers or cores"
+        return f"input-bound: {waited_for}; {busy}; add workers or cores"
+
+    def _stage_bound(self, span: str, waited: bool) -> str | None:
+        """A stage of the training process that holds the rate back: busy ``STAGE_BOUND`` of
+        the window while the trainer waited, or nearly always (``STAGE_SATURATED``) while the
+        ring was full: the slots it reads stay held, and on a GPU the trainer's wait for it is
+        the GPU's, unseen by the host. None if neither stage is."""
+        share = STAGE_BOUND if waited else STAGE_SATURATED
+        also = f", and the trainer waited {_pct(self.trainer_wait_fraction)}" if waited else ""
+        for stage, fraction, what, fix in (
+                ("decode", self.decode_fraction, "decoding", "decode on the GPU or in more "
+                 "threads"),
+                ("copy", self.copy_fraction, "host-to-device copies", "send fewer bytes "
+                 "(uint8 images, converted on the GPU) or copy on more streams")):
+            if fraction >= share:
+                return f"{stage}-bound: {what} ran {_pct(fraction)} of {span}{also}; {fix}"
+        return None
 
 
 def _pct(fraction: float) -> str:
