@@ -82,7 +82,7 @@ def check_num_workers(num_workers: object, minimum: int = 0) -> None:
 def check_auto_bounds(num_workers: object, max_workers: object, cpu_budget: object,
                       memory_budget: object, buffer: object) -> None:
     """``max_workers`` and ``cpu_budget`` bound ``num_workers='auto'``; ``memory_budget`` a
-    ring whose slots shmseq counts (no ``buffer`` given)."""
+    ring whose slots shmseq counts (no ``buffer`` given), and with ``'auto'`` the workers."""
     check_int("max_workers", max_workers, 1, optional=True)
     check_int("memory_budget", memory_budget, 1, optional=True)
     if cpu_budget is not None and (isinstance(cpu_budget, bool)

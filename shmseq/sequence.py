@@ -59,7 +59,9 @@ class ShmSequence:
             A worker's ``get_worker_info().num_workers`` is this bound.
         cpu_budget: cores ``'auto'``'s workers and the consumer may use together; None: the
             cores this process may run on.
-        memory_budget: bytes the ring may take when shmseq counts its slots (no ``buffer``).
+        memory_budget: bytes the ring may take when shmseq counts its slots (no ``buffer``);
+            with ``'auto'``, the ring and the workers: each costs what its process holds
+            alone (``stats.worker_private_bytes``) and its two slots.
         num_converters: CUDA streams batches are copied on (MDNC's name); None: MDNC's default.
         shuffle, seed: a new order each epoch, a function of ``seed`` and the epoch.
         thread_type: ``'proc'`` (processes) or ``'thread'``.

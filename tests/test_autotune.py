@@ -1,7 +1,7 @@
 """num_workers='auto': the pool resized while it runs (grown, shrunk, a leaving worker killed)
 delivers the batches of a fixed pool in the same order; the ring uses no more slots than
 its active count; the periodic look (control.py) turns the stats into windows for the tuner,
-driven here by a fake clock and a fake pool."""
+driven here by a fake clock and a fake pool; a memory budget bounds the workers."""
 import os
 import signal
 import time
@@ -14,8 +14,10 @@ from shmseq import ShmSequence
 from shmseq.engine.trainer.control import Control
 from shmseq.engine.trainer.ring import FREE, Ring
 from shmseq.engine.trainer.stats import LoaderStats
-from shmseq.engine.trainer.tuning import (HELD_ROOM, SMALL_BATCH_SLOTS, Window, ring_bytes_target,
-                                          ring_capacity)
+from shmseq.engine.trainer.tuning import (HELD_ROOM, SMALL_BATCH_SLOTS, Budget, Window,
+                                          ring_bytes_target, ring_capacity)
+from shmseq.engine.worker.batch import MemoryMeter
+from shmseq.testing import ring_of
 
 
 class SlowIndexWorker:
@@ -29,10 +31,10 @@ class SlowIndexWorker:
         return indices.astype(np.int64)
 
 
-def make(**options):
+def make(worker=None, **options):
     options = {"batch_size": 3, "shuffle": True, "seed": 5, "out_type": "null", "timeout": 60,
                "num_workers": 2, **options}
-    return ShmSequence(SlowIndexWorker(), 300, **options)
+    return ShmSequence(SlowIndexWorker() if worker is None else worker, 300, **options)
 
 
 def reference(epochs: int = 1) -> list:
@@ -105,6 +107,54 @@ def test_auto_tunes_with_threads_and_says_what_bounds_the_rate():
     assert got == reference()[0]
 
 
+class HoldsMemory(SlowIndexWorker):
+    """A latency-bound worker that holds ``megabytes`` of its own once made in its process."""
+
+    def __init__(self, megabytes: int, seconds: float = 0.02):
+        super().__init__(seconds)
+        self.megabytes, self.held = megabytes, None
+
+    def __getitem__(self, indices):
+        if self.held is None:
+            self.held = np.ones(self.megabytes << 17)  # 8-byte floats, every page written
+        return super().__getitem__(indices)
+
+
+def test_a_worker_measures_the_memory_it_holds_alone():
+    with make(worker=HoldsMemory(96)).start() as seq:
+        next(iter(seq))
+        for _ in zip(range(10), seq):  # the first batches' counts come with their replies
+            pass
+        assert seq.stats.worker_private_bytes >= 96 << 20
+        assert seq.stats.as_dict()["worker_private_bytes"] == seq.stats.worker_private_bytes
+
+
+def test_the_memory_meter_measures_at_once_then_every_so_often():
+    meter = MemoryMeter()
+    first = meter.counts()["worker_private_bytes"]
+    held = np.ones(32 << 17)  # 32 MB, written
+    assert meter.counts() == {}  # not due yet
+    meter._due = 0.0
+    assert meter.counts()["worker_private_bytes"] >= first + (30 << 20)
+    del held
+
+
+def test_the_memory_budget_bounds_the_workers_that_auto_runs():
+    """Latency-bound workers that hold 96 MB each: 'auto' would grow toward 16 of them; each
+    costs what it holds and its two slots, beside the rest of the ring."""
+    budget = 320 << 20
+    with make(worker=HoldsMemory(96), num_workers="auto", max_workers=16,
+              memory_budget=budget).start() as seq:
+        slot, most = ring_of(seq).spec.slot_bytes, 0
+        for _ in range(3):
+            for _ in seq:
+                most = max(most, seq.stats.workers)
+                held = seq.stats.worker_private_bytes + 2 * slot
+                assert seq.stats.workers == 1 or seq.stats.workers * held < budget, (
+                    seq.stats.workers, held)
+    assert most >= 2  # the budget left room for more than one
+
+
 # -- the ring's active slots ----------------------------------------------------------------------
 def test_the_ring_never_has_more_slots_in_use_than_its_active_count():
     ring = Ring.create(8, 4096, wake=lambda: None, active=3)
@@ -162,6 +212,8 @@ class FakePool:
 
 class ScriptedTuner:
     """Answers the counts it is given, one a window, and keeps the windows."""
+
+    budget = Budget(8)
 
     def __init__(self, answers):
         self.answers, self.windows = list(answers), []

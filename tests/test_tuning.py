@@ -207,8 +207,10 @@ def test_memory_bounds_the_count_once_a_worker_is_measured():
     tuned = tuner(1, memory_bytes=3 << 30)
     counts = run(tuned, LATENCY_BOUND, 4)
     assert counts[-1] > 3
-    tuned.worker_bytes = 1 << 30
+    tuned.measured_memory(1 << 30, shared_bytes=0)
     assert tuned.ceiling() == 3 and run(tuned, LATENCY_BOUND, 10) == [3] * 10
+    tuned.measured_memory(1 << 29, shared_bytes=2 << 30)  # the rest of the ring takes 2 GiB
+    assert tuned.ceiling() == 2 and run(tuned, LATENCY_BOUND, 3) == [2] * 3
 
 
 def test_budget_checks_its_bounds():
@@ -233,7 +235,7 @@ def test_any_windows_keep_the_count_within_its_bounds(seen, least, most, cpu, me
     gib = 1 << 30
     tuned = tuner(start, cpu=cpu, max_workers=most, min_workers=least,
                   memory_bytes=None if memory is None else memory * gib)
-    tuned.worker_bytes = gib
+    tuned.measured_memory(gib, 0)
     most = most if memory is None else max(least, min(most, memory))
     for window in seen:
         advance(tuned, window.seconds)

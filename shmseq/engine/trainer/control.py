@@ -53,12 +53,14 @@ class Control:
 
     @classmethod
     def auto(cls, stats: LoaderStats, *, start_workers: int, max_workers: int,
-             cpu_budget: float | None, sizes_ring: bool, thread_workers: bool,
+             cpu_budget: float | None, memory_budget: int | None, sizes_ring: bool,
+             thread_workers: bool,
              device_counts: Callable[[], dict[str, float]] = dict) -> "Control":
         """A control that tunes the worker count between 1 and ``max_workers``, starting at
-        ``start_workers``, within ``cpu_budget`` cores (None: the usable cores)."""
-        budget = (Budget(max_workers) if cpu_budget is None
-                  else Budget(max_workers, cpu=cpu_budget))
+        ``start_workers``, within ``cpu_budget`` cores (None: the usable cores) and
+        ``memory_budget`` bytes for the workers and the ring (None: no bound)."""
+        budget = (Budget(max_workers, memory_bytes=memory_budget) if cpu_budget is None
+                  else Budget(max_workers, cpu=cpu_budget, memory_bytes=memory_budget))
         return cls(stats, WorkerTuner(budget, start_workers), sizes_ring=sizes_ring,
                    thread_workers=thread_workers, device_counts=device_counts)
 
@@ -71,12 +73,22 @@ class Control:
         if ring is None:
             return
         if self.tuner is not None:
+            if self.tuner.budget.memory_bytes is not None:
+                self._measure_memory(self.tuner, ring)
             window = self._window(now, pool)
             if window is not None:
                 pool.resize(self.tuner.observe(window))
         if self.sizes_ring:
             ring.set_active(ring_slots(ring.spec.slot_bytes, pool.size, max(ring.peak_held, 1),
                                        ring.spec.n_slots))
+
+    def _measure_memory(self, tuner: WorkerTuner, ring: Ring) -> None:
+        """A worker's cost: the most memory a worker process held alone (its own measure; a
+        thread's is the trainer's), and its two slots; the rest of the ring's slots in use is
+        the pipeline's whatever the count."""
+        slot = ring.spec.slot_bytes
+        shared = ring_slots(slot, 0, max(ring.peak_held, 1), ring.spec.n_slots) * slot
+        tuner.measured_memory(self.stats.worker_private_bytes + 2 * slot, shared)
 
     def _window(self, now: float, pool: WorkerPool) -> Window | None:
         """What the pipeline did since the last look (None at the first)."""

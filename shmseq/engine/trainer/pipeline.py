@@ -65,7 +65,8 @@ class PipelineSpec:
     device: Callable[[], Device] | None = None  # makes the device instead of out_type's
     max_workers: int | None = None    # the worker count is tuned up to this; None: fixed
     cpu_budget: float | None = None   # cores the tuned workers and the trainer may use
-    memory_budget: int | None = None  # bytes a ring sized by the tuning rules may take
+    memory_budget: int | None = None  # bytes the ring (sized by the tuning rules) and, with
+    # 'auto', the workers' own memory may take
 
     def make_device(self) -> Device:
         if self.device is not None:
@@ -152,6 +153,7 @@ class Pipeline:
                            thread_workers=threads, device_counts=device_counts)
         return Control.auto(self.stats, start_workers=spec.num_workers,
                             max_workers=spec.max_workers, cpu_budget=spec.cpu_budget,
+                            memory_budget=spec.memory_budget,
                             sizes_ring=spec.buffer is None, thread_workers=threads,
                             device_counts=device_counts)
 

@@ -110,6 +110,9 @@ class Breakdown(NamedTuple):
         return None
 
 
+_PEAKS = frozenset({"cache_peak_bytes", "worker_private_bytes"})  # counts kept as the largest
+
+
 def _pct(fraction: float) -> str:
     return f"{100 * fraction:.0f} %"
 
@@ -144,6 +147,8 @@ class LoaderStats:
     shard_read_bytes: int = 0     # bytes of the samples read from cached shards
     shard_wait_s: float = 0.0     # time workers waited for a shard not cached yet, summed
     cache_peak_bytes: int = 0     # the most the node's cache held, as this rank's fetches saw it
+    worker_private_bytes: int = 0  # the most memory a worker process held alone (measured by
+    # each every 10 s or so; not the pages it shares with the trainer, nor the ring)
     # where the time goes (breakdown()):
     worker_cpu_s: float = 0.0     # CPU time of the workers, summed
     worker_idle_s: float = 0.0    # time workers waited for a task (no slot was free for one),
@@ -229,8 +234,8 @@ class LoaderStats:
         """Add a worker's counts (its ``pop_counts()``: field name -> increment); a peak is kept
         as the largest."""
         for name, value in counts.items():
-            if name == "cache_peak_bytes":
-                self.cache_peak_bytes = max(self.cache_peak_bytes, value)
+            if name in _PEAKS:
+                setattr(self, name, max(getattr(self, name), value))
             else:
                 setattr(self, name, getattr(self, name) + value)
 
@@ -249,6 +254,7 @@ class LoaderStats:
                 "shard_refetches": self.shard_refetches,
                 "shard_read_bytes": self.shard_read_bytes, "shard_wait_s": self.shard_wait_s,
                 "cache_peak_bytes": self.cache_peak_bytes,
+                "worker_private_bytes": self.worker_private_bytes,
                 "read_amplification": self.read_amplification,
                 "elapsed_s": self.elapsed_s, "stall_fraction": self.stall_fraction,
                 "worker_cpu_s": self.worker_cpu_s, "worker_idle_s": self.worker_idle_s,

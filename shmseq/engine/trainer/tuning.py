@@ -154,7 +154,7 @@ class Budget:
 
     max_workers: int
     cpu: float = field(default_factory=usable_cores)  # cores
-    memory_bytes: int | None = None  # for the workers, with the tuner's ``worker_bytes``
+    memory_bytes: int | None = None  # for the workers and the ring (``measured_memory``)
     min_workers: int = 1
 
     def __post_init__(self) -> None:
@@ -211,10 +211,10 @@ class WorkerTuner:
     """
 
     def __init__(self, budget: Budget, start_workers: int,
-                 clock: Callable[[], float] = time.monotonic,
-                 worker_bytes: int | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.budget = budget
-        self.worker_bytes = worker_bytes  # an estimate of one worker's memory, when known
+        self.worker_bytes: int | None = None  # one worker's memory, once measured
+        self.shared_bytes = 0  # what the pipeline takes whatever the count, once measured
         self.clock = clock
         self.workers = self._bounded(start_workers)
         self.reason = "started"  # why the count is what it is: the last decision, for a log
@@ -226,11 +226,17 @@ class WorkerTuner:
         self._cool_down = COOL_DOWN_S
         self._floor = budget.min_workers
 
+    def measured_memory(self, worker_bytes: int, shared_bytes: int) -> None:
+        """What one more worker costs (its own memory and its slots) and what the pipeline
+        takes whatever the count (the rest of the ring): the memory budget's ceiling, checked
+        at every ``observe``, follows them from now on."""
+        self.worker_bytes, self.shared_bytes = worker_bytes, shared_bytes
+
     def ceiling(self) -> int:
         """The most workers ``max_workers`` and the memory budget allow."""
         most = self.budget.max_workers
         if self.budget.memory_bytes is not None and self.worker_bytes:
-            most = min(most, self.budget.memory_bytes // self.worker_bytes)
+            most = min(most, (self.budget.memory_bytes - self.shared_bytes) // self.worker_bytes)
         return max(self.budget.min_workers, most)
 
     def observe(self, window: Window) -> int:

@@ -28,7 +28,8 @@ from ..common.protocol import (Attached, Build, Built, Hooks, InitFailed, MapRin
                                Rebuild, Stop, TakeWorker)
 from ..common.segments import WorkerRing, drop_inherited_rings
 from ..common.wire import FrameReader, Message, decode, encode, framed, write_all
-from .batch import Clocks, Held, counted_frame, describe_exception, make_worker, place, run_task
+from .batch import (Clocks, Held, MemoryMeter, counted_frame, describe_exception, make_worker,
+                    place, run_task)
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -228,6 +229,7 @@ def worker_loop(worker: object, tasks: Connection, results: Connection, info: Wo
     cell = WorkerCell(ties.board, info.id) if ties is not None and ties.board is not None else None
     inbox, replies, first = _Inbox(tasks), results.fileno(), True
     cpu_clock = time.process_time if ties is not None else time.thread_time
+    meter = MemoryMeter() if ties is not None else None  # a thread's memory is the trainer's
     try:
         write_all(replies, framed(Ready(info.id)))
         while (message := inbox.next() if held is None else inbox.next_answer()) is not None:
@@ -240,7 +242,7 @@ def worker_loop(worker: object, tasks: Connection, results: Connection, info: Wo
                     first = False
                     if isinstance(reply, Held):
                         held, reply = reply, framed(Built(number, reply.size))
-                    write_all(replies, counted_frame(worker_obj) + reply)  # counted, then delivered
+                    write_all(replies, counted_frame(worker_obj, meter) + reply)  # counted, then delivered
                 case MapRing(spec):
                     ring = WorkerRing(spec)
                     write_all(replies, framed(Attached(info.id)))
