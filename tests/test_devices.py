@@ -186,8 +186,8 @@ def test_the_gpu_timer_adds_the_spans_that_completed_and_waits_for_the_rest():
 
 
 def test_the_copies_time_is_counted_and_named_when_it_bounds_the_rate():
-    """Copies slower than the workers: the slots stay held by copies in flight, the ring is
-    full, and the consumer (whose own wait for a copy would be the GPU's) does not wait."""
+    """Copies slower than the workers: the copy stream is busy nearly all the time, while the
+    consumer (whose wait for a copy would be the GPU's) does not wait for batches."""
     seq = ShmSequence(ImageWorker(16), 320, batch_size=4, num_workers=2, buffer=2,
                       out_type="null", timeout=30, device=Fakes(max_delay=0.02))
     with seq.start():

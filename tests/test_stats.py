@@ -119,7 +119,9 @@ def breakdown(**fractions: float) -> Breakdown:
      "decode-bound: decoding ran 90 %", "on the GPU"),
     ({"trainer_wait_fraction": 0.0, "ring_full_fraction": 0.9, "copy_fraction": 0.5},
      "trainer-bound: the ring was full 90 %", "keeps up"),
-    ({"trainer_wait_fraction": 0.0, "copy_fraction": 0.95}, "trainer-bound: the trainer "
+    ({"trainer_wait_fraction": 0.0, "copy_fraction": 0.95}, "copy-bound: host-to-device "
+     "copies ran 95 %", "fewer bytes"),
+    ({"trainer_wait_fraction": 0.0, "copy_fraction": 0.7}, "trainer-bound: the trainer "
      "waited 0 %", "keeps up"),
     ({"worker_busy_fraction": 0.4}, "input-bound: the trainer waited 30 %", "busy only 40 %"),
     ({"worker_cpu_fraction": 0.95}, "input-bound: the trainer waited 30 %", "add cores"),

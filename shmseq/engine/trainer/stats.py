@@ -18,7 +18,7 @@ from .tuning import INPUT_BOUND, RING_MOSTLY_FULL
 SNAPSHOTS = 60          # snapshots a window keeps at most: closer ticks replace the newest
 STORAGE_BOUND = 0.5     # workers waited on storage this share of their busy time: remote-bound
 STAGE_BOUND = 0.25      # a decode or the copies busy this share of a window the trainer waited
-STAGE_SATURATED = 0.8   # ... or of one the ring was full in: that stage bounds the rate
+STAGE_SATURATED = 0.8   # ... or of any window: that stage bounds the rate
 WORKERS_BUSY = 0.8      # workers busy this share of their time: the trainer waits for them
 CPU_HEAVY = 0.8         # a busy worker on a CPU this share of the time: cores, not workers
 
@@ -64,7 +64,7 @@ class Breakdown(NamedTuple):
         full = self.ring_full_fraction >= RING_MOSTLY_FULL
         if self.batches_per_s == 0 and not waited:
             return f"no batches asked for in {span}"
-        if (waited or full) and (stage := self._stage_bound(span, waited)):
+        if stage := self._stage_bound(span, waited):
             return stage
         if not waited:
             if full:
@@ -95,9 +95,9 @@ class Breakdown(NamedTuple):
 
     def _stage_bound(self, span: str, waited: bool) -> str | None:
         """A stage of the training process that holds the rate back: busy ``STAGE_BOUND`` of
-        the window while the trainer waited, or nearly always (``STAGE_SATURATED``) while the
-        ring was full: the slots it reads stay held, and on a GPU the trainer's wait for it is
-        the GPU's, unseen by the host. None if neither stage is."""
+        a window in which the trainer waited, or nearly always (``STAGE_SATURATED``) in any: on
+        a GPU the trainer's wait for it is the GPU's, unseen by the host. None if neither
+        stage is."""
         share = STAGE_BOUND if waited else STAGE_SATURATED
         also = f", and the trainer waited {_pct(self.trainer_wait_fraction)}" if waited else ""
         for stage, fraction, what, fix in (
