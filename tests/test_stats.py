@@ -9,12 +9,14 @@ TICK_S = 0.5
 
 
 def feed(stats: LoaderStats, seconds: float, now: float, *, rate: float = 100.0,
-         wait: float = 0.0, busy: float = 1.0, cpu: float = 1.0, full: float = 0.0,
+         wait: float = 0.0, busy: float | None = None, cpu: float = 1.0, full: float = 0.0,
          storage: float = 0.0, decode: float = 0.0, copy: float = 0.0) -> float:
     """``seconds`` of a pipeline ticked every half second: ``rate`` batches/s, the trainer
     waiting ``wait`` of the time, each worker busy ``busy`` of it, ``cpu`` of that on a CPU
     and ``storage`` waiting on remote reads; each idle for want of a slot ``full`` of it, decode and
-    copies taking ``decode`` and ``copy`` of it. The clock's time at the end."""
+    copies taking ``decode`` and ``copy`` of it (``busy`` by default: the rest of ``full``). The
+    clock's time at the end."""
+    busy = 1.0 - full if busy is None else busy
     for _ in range(round(seconds / TICK_S)):
         busy_s = stats.workers * TICK_S * busy
         stats.batches += round(rate * TICK_S)
@@ -32,13 +34,13 @@ def feed(stats: LoaderStats, seconds: float, now: float, *, rate: float = 100.0,
 
 def test_the_fractions_say_where_the_time_went():
     stats = LoaderStats(started=0.0, workers=4)
-    feed(stats, 20, 0.0, wait=0.38, busy=0.97, cpu=0.5, full=0.1, storage=0.2, decode=0.05,
+    feed(stats, 20, 0.0, wait=0.38, busy=0.9, cpu=0.5, full=0.1, storage=0.2, decode=0.05,
          copy=0.02)
     window = stats.breakdown()
     assert window.window_s == pytest.approx(20)
     assert window.batches_per_s == pytest.approx(100)
     assert window.trainer_wait_fraction == pytest.approx(0.38)
-    assert window.worker_busy_fraction == pytest.approx(0.97)
+    assert window.worker_busy_fraction == pytest.approx(0.9)
     assert window.worker_cpu_fraction == pytest.approx(0.5)
     assert window.ring_full_fraction == pytest.approx(0.1)
     assert window.remote_wait_fraction == pytest.approx(0.2)
@@ -63,6 +65,14 @@ def test_ticks_closer_than_the_window_needs_keep_the_deque_small():
         stats.tick(tick / 1000)
     assert len(stats._snapshots) <= SNAPSHOTS + 2
     assert stats.breakdown().batches_per_s == pytest.approx(1000)  # the newest tick counts
+
+
+def test_the_ring_is_full_for_the_share_of_the_time_workers_reported():
+    """Idle time comes with a worker's next reply: one given no task (tasks packed on another)
+    reports nothing, and its wait is no share of the workers' wall time."""
+    stats = LoaderStats(started=0.0, workers=4)
+    feed(stats, 10, 0.0, busy=0.02, full=0.23)  # one of four reports its time: busy 8 %
+    assert stats.breakdown().ring_full_fraction == pytest.approx(0.92)
 
 
 def test_workers_added_count_from_the_tick_after():

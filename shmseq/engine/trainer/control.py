@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 from .pool import WorkerPool
 from .ring import Ring
 from .stats import LoaderStats
-from .tuning import Budget, Window, WorkerTuner, ring_slots
+from .tuning import Budget, Window, WorkerTuner, idle_share, ring_slots
 
 TICK_S = 0.5  # seconds between two looks
 
@@ -101,7 +101,8 @@ class Control:
         worker_cpu_s = seen.worker_cpu_s - last.worker_cpu_s
         process_cpu_s = seen.process_cpu_s - last.process_cpu_s
         trainer_cpu_s = process_cpu_s - worker_cpu_s if self.thread_workers else process_cpu_s
-        idle_s = (seen.worker_idle_s - last.worker_idle_s) / max(pool.size, 1)
+        idle_s = (now - last.at) * idle_share(seen.worker_idle_s - last.worker_idle_s,
+                                              seen.worker_busy_s - last.worker_busy_s)
         return Window(seconds=now - last.at, batches=seen.batches - last.batches,
                       trainer_wait_s=seen.trainer_wait_s - last.trainer_wait_s,
                       worker_busy_s=seen.worker_busy_s - last.worker_busy_s,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 from ..common.errors import SkippedSamplesWarning, warn_user
-from .tuning import INPUT_BOUND, RING_MOSTLY_FULL
+from .tuning import INPUT_BOUND, RING_MOSTLY_FULL, idle_share
 
 SNAPSHOTS = 60          # snapshots a window keeps at most: closer ticks replace the newest
 STORAGE_BOUND = 0.5     # workers waited on storage this share of their busy time: remote-bound
@@ -49,7 +49,8 @@ class Breakdown(NamedTuple):
     trainer_wait_fraction: float   # the consumer waited for a batch
     worker_busy_fraction: float    # of the workers' time, building batches
     worker_cpu_fraction: float     # of that busy time, on a CPU
-    ring_full_fraction: float      # of the workers' time, idle for want of a task: no slot free
+    ring_full_fraction: float      # of the workers' reported time, idle for want of a task: no
+                                   # slot free (``tuning.idle_share``)
     decode_fraction: float         # a decode stage busy (its threads' mean, or the GPU's)
     copy_fraction: float           # host-to-device copies running (their streams', summed)
     remote_wait_fraction: float    # of the workers' busy time, waiting on remote storage
@@ -206,7 +207,7 @@ class LoaderStats:
             trainer_wait_fraction=_ratio(span.consumer_wait_s, span.at),
             worker_busy_fraction=_ratio(span.worker_busy_s, span.worker_s),
             worker_cpu_fraction=_ratio(span.worker_cpu_s, span.worker_busy_s),
-            ring_full_fraction=_ratio(span.worker_idle_s, span.worker_s),
+            ring_full_fraction=idle_share(span.worker_idle_s, span.worker_busy_s),
             decode_fraction=_ratio(span.decode_s, span.at),
             copy_fraction=_ratio(span.copy_s, span.at),
             remote_wait_fraction=_ratio(span.storage_wait_s, span.worker_busy_s),

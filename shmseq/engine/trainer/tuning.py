@@ -87,6 +87,15 @@ def ring_slots(slot_bytes: int, workers: int, held: int, capacity: int) -> int:
     return min(capacity, max(needed, small))
 
 
+def idle_share(idle_s: float, busy_s: float) -> float:
+    """The share of the workers' time they waited for a task (no slot was free for one), of
+    the time they reported (with each reply: busy building it, idle before it), not of their
+    wall time: a worker given no task reports nothing until it gets one (while tasks are
+    packed on one worker, say), and its wait would be missing from a share of the wall time."""
+    reported = idle_s + busy_s
+    return idle_s / reported if reported > 0 else 0.0
+
+
 class Window(NamedTuple):
     """What the pipeline saw over one control window. Times are seconds, summed over the
     workers where they say so."""
@@ -96,7 +105,8 @@ class Window(NamedTuple):
     trainer_wait_s: float     # the trainer waited for a batch
     worker_busy_s: float      # workers building batches (wall time, summed over workers)
     worker_cpu_s: float       # the workers' CPU time, summed
-    ring_full_s: float        # wall time with no slot free for a new task
+    ring_full_s: float        # wall time with no slot free for a new task: the window's
+                              # seconds times the workers' ``idle_share``
     workers: int              # workers that ran through the window
     trainer_cpu_s: float = 0.0  # the training process's own CPU (worker processes excluded)
     steady: bool = True       # False: a worker restarted, started or stopped during the
