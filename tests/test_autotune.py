@@ -222,6 +222,9 @@ class ScriptedTuner:
         self.windows.append(window)
         return self.answers.pop(0)
 
+    def limit(self) -> str:
+        return "max_workers" if self.windows else ""
+
 
 class FakeRing:
     class spec:
@@ -250,6 +253,7 @@ def test_each_look_makes_a_window_of_the_stats_since_the_last_and_resizes_the_po
                             worker_cpu_s=0.3, ring_full_s=0.05, workers=2,
                             trainer_cpu_s=pytest.approx(0.1), steady=True)
     assert pool.asked == [3] and ring.active == 2 * 3 + 1 + 1 and control.due == 1.5
+    assert stats.workers_limit == "max_workers"  # the tuner's, for the summary
     control.look(1.5, pool, ring)  # the pool grew in the window: not steady
     assert not tuner.windows[1].steady and tuner.windows[1].workers == 3
 

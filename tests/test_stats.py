@@ -135,6 +135,8 @@ def breakdown(**fractions: float) -> Breakdown:
      "waited 0 %", "keeps up"),
     ({"worker_busy_fraction": 0.4}, "input-bound: the trainer waited 30 %", "busy only 40 %"),
     ({"worker_cpu_fraction": 0.95}, "input-bound: the trainer waited 30 %", "add cores"),
+    ({"workers_limit": "memory_budget"}, "input-bound: the trainer waited 30 %",
+     "runs all that memory_budget allows: raise it"),
     ({}, "input-bound: the trainer waited 30 % of the last 30 s; workers busy 95 %",
      "add workers"),
 ])

@@ -207,8 +207,10 @@ def test_memory_bounds_the_count_once_a_worker_is_measured():
     tuned = tuner(1, memory_bytes=3 << 30)
     counts = run(tuned, LATENCY_BOUND, 4)
     assert counts[-1] > 3
+    assert tuned.limit() == ""
     tuned.measured_memory(1 << 30, shared_bytes=0)
     assert tuned.ceiling() == 3 and run(tuned, LATENCY_BOUND, 10) == [3] * 10
+    assert tuned.limit() == "memory_budget"
     tuned.measured_memory(1 << 29, shared_bytes=2 << 30)  # the rest of the ring takes 2 GiB
     assert tuned.ceiling() == 2 and run(tuned, LATENCY_BOUND, 3) == [2] * 3
 

@@ -78,6 +78,7 @@ class Control:
             window = self._window(now, pool)
             if window is not None:
                 pool.resize(self.tuner.observe(window))
+            self.stats.workers_limit = self.tuner.limit()
         if self.sizes_ring:
             ring.set_active(ring_slots(ring.spec.slot_bytes, pool.size, max(ring.peak_held, 1),
                                        ring.spec.n_slots))

@@ -55,6 +55,7 @@ class Breakdown(NamedTuple):
     copy_fraction: float           # host-to-device copies running (their streams', summed)
     remote_wait_fraction: float    # of the workers' busy time, waiting on remote storage
     mean_workers: float            # workers running, on average over the window
+    workers_limit: str = ""        # 'auto' held at its most workers by this bound, at the end
 
     def verdict(self) -> str:
         """One line a person reads: what bounds the rate, and the fix."""
@@ -88,6 +89,9 @@ class Breakdown(NamedTuple):
                     f"{_pct(self.worker_busy_fraction)}; the training process is slow to "
                     f"hand out work or take batches: profile it")
         busy = f"workers busy {_pct(self.worker_busy_fraction)}"
+        if self.workers_limit:
+            return (f"input-bound: {waited_for}; {busy}; num_workers='auto' runs all that "
+                    f"{self.workers_limit} allows: raise it, or make each batch cheaper")
         if self.worker_cpu_fraction >= CPU_HEAVY:
             return (f"input-bound: {waited_for}; {busy}, on a CPU "
                     f"{_pct(self.worker_cpu_fraction)} of it; add cores, or workers if "
@@ -157,6 +161,7 @@ class LoaderStats:
     decode_s: float = 0.0         # time spent decoding batches in the training process
     copy_s: float = 0.0           # time spent on host-to-device copies of batches
     workers: int = 0              # workers running now: the time since the last tick counts at it
+    workers_limit: str = ""       # 'auto' at its most workers: the bound that holds it there
     started: float = field(default_factory=time.perf_counter)
     window_length_s: float = 30.0  # the span ``breakdown()`` and ``summary()`` look back on
     _snapshots: deque[_Totals] = field(init=False, repr=False, compare=False)
@@ -211,7 +216,7 @@ class LoaderStats:
             decode_fraction=_ratio(span.decode_s, span.at),
             copy_fraction=_ratio(span.copy_s, span.at),
             remote_wait_fraction=_ratio(span.storage_wait_s, span.worker_busy_s),
-            mean_workers=_ratio(span.worker_s, span.at))
+            mean_workers=_ratio(span.worker_s, span.at), workers_limit=self.workers_limit)
 
     def summary(self) -> str:
         """One line on the last window: what bounds the rate, and the fix."""

@@ -249,6 +249,14 @@ class WorkerTuner:
             most = min(most, (self.budget.memory_bytes - self.shared_bytes) // self.worker_bytes)
         return max(self.budget.min_workers, most)
 
+    def limit(self) -> str:
+        """The bound the count is held at, by name ('max_workers', 'memory_budget'); '' below
+        both."""
+        ceiling = self.ceiling()
+        if self.workers < ceiling:
+            return ""
+        return "max_workers" if ceiling >= self.budget.max_workers else "memory_budget"
+
     def observe(self, window: Window) -> int:
         """Judge one window; the worker count wanted now."""
         if self.workers > self.ceiling():  # a worker's memory measured since
@@ -349,6 +357,8 @@ class WorkerTuner:
             return self.ceiling()  # no CPU measured: the budget says nothing
         trainer_cores = window.trainer_cpu_s / window.seconds
         fits = (self.budget.cpu - trainer_cores) / share + 0.5
+        if math.isnan(fits):  # inf - inf: a window too short to measure (nanoseconds)
+            return 0
         return math.floor(min(max(fits, 0), self.ceiling()))
 
     def _recent_rate(self) -> float:
