@@ -272,7 +272,7 @@ def test_a_fixed_pool_is_not_resized_but_its_default_ring_follows_what_the_consu
 
 def test_each_look_adds_the_devices_counts_before_the_snapshot():
     counts = iter([{"copy_s": 0.25}, {"copy_s": 0.5, "decode_s": 0.1}])
-    stats = LoaderStats(started=0.0, workers=2)
+    stats = LoaderStats(started=0.0, workers=2, clock=lambda: 1.0)
     control = Control(stats, None, sizes_ring=False, thread_workers=False,
                       device_counts=lambda: next(counts))
     control.look(0.5, FakePool(2), None)

@@ -49,6 +49,7 @@ def run_demo(tmp_path, *options):
 
 def check_results(stdout, out):
     assert re.search(r"epoch 1: loss \d+\.\d+, accuracy \d+\.\d%, [\d,]+ img/s", stdout)
+    assert re.search(r"the loader \(seq.stats.summary\(\)\): \w+-bound: ", stdout)
     results = json.loads((out / "results.json").read_text())
     summary = results["summary"]
     assert {(s["loader"], s["step_ms"]) for s in summary} == {

@@ -29,6 +29,7 @@ def feed(stats: LoaderStats, seconds: float, now: float, *, rate: float = 100.0,
         stats.copy_s += copy * TICK_S
         now += TICK_S
         stats.tick(now)
+    stats.clock = lambda: now  # the summary is read right after the last tick
     return now
 
 
@@ -59,7 +60,7 @@ def test_the_window_drops_what_is_older_than_its_length():
 
 
 def test_ticks_closer_than_the_window_needs_keep_the_deque_small():
-    stats = LoaderStats(started=0.0, workers=2)
+    stats = LoaderStats(started=0.0, workers=2, clock=lambda: 100.0)
     for tick in range(1, 100_001):
         stats.batches += 1
         stats.tick(tick / 1000)
@@ -81,6 +82,16 @@ def test_workers_added_count_from_the_tick_after():
     stats.workers = 4
     feed(stats, 10, now)
     assert stats.breakdown().worker_busy_fraction == pytest.approx(1)
+
+
+def test_batches_taken_since_the_last_tick_count():
+    """A run shorter than a tick: three batches, and the summary read at once."""
+    now = 1.2
+    stats = LoaderStats(started=0.0, workers=2, clock=lambda: now)
+    stats.tick(0.5)
+    stats.batches, stats.worker_idle_s = 3, 1.0
+    assert stats.breakdown().batches_per_s == pytest.approx(2.5)
+    assert stats.summary().startswith("trainer-bound: the ring was full 100 % of the last 1.2 s")
 
 
 def test_before_any_tick_the_window_is_the_whole_run():

@@ -28,7 +28,7 @@ from ..vision import ImageArrayWorker, ImageFolderWorker
 from . import __doc__ as ABOUT
 from . import report, sweep
 from .data import make_array_store, make_jpeg_folder
-from .loaders import LOADERS, Worker, shmseq_loader
+from .loaders import LOADERS, Worker, endless, shmseq_sequence
 from .training import Epoch, Trainer, train
 
 FULL = {"images": 2000, "side": 256, "crop": 224, "batch_size": 64, "steps_ms": "50,20,10,5,2,1",
@@ -122,12 +122,15 @@ def training_run(worker: Worker, args: argparse.Namespace, device: torch.device)
     print(f"training a small CNN on shmseq batches ({len(worker)} images, {CLASSES} classes, "
           f"{args.epochs} epoch{'s' * (args.epochs != 1)}):", flush=True)
 
+    seq = shmseq_sequence(worker, args.batch_size, args.workers, args.seed, device)
+
     def say(epoch: Epoch) -> None:
         print(f"  epoch {epoch.number}: loss {epoch.loss:.3f}, accuracy {epoch.accuracy:.1%}, "
-              f"{epoch.images_per_s:,.0f} img/s", flush=True)
+              f"{epoch.images_per_s:,.0f} img/s\n    the loader (seq.stats.summary()): "
+              f"{seq.stats.summary()}", flush=True)
 
-    with shmseq_loader(worker, args.batch_size, args.workers, args.seed, device) as batches:
-        return train(batches, math.ceil(len(worker) / args.batch_size), args.epochs,
+    with seq.start():
+        return train(endless(seq), math.ceil(len(worker) / args.batch_size), args.epochs,
                      Trainer(CLASSES, device, args.seed), say)
 
 

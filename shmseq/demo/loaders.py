@@ -32,12 +32,16 @@ def endless(loader: Iterable) -> Generator[Any, None, None]:
         yield from loader
 
 
+def shmseq_sequence(worker: Worker, batch_size: int, workers: int, seed: int,
+                    device: torch.device) -> ShmSequence:
+    return ShmSequence(worker, len(worker), batch_size=batch_size, num_workers=workers,
+                       seed=seed, out_type="cuda" if device.type == "cuda" else "cpu")
+
+
 @contextlib.contextmanager
 def shmseq_loader(worker: Worker, batch_size: int, workers: int, seed: int,
                   device: torch.device) -> Iterator[Iterator[tuple]]:
-    seq = ShmSequence(worker, len(worker), batch_size=batch_size, num_workers=workers, seed=seed,
-                      out_type="cuda" if device.type == "cuda" else "cpu")
-    with seq.start():
+    with shmseq_sequence(worker, batch_size, workers, seed, device).start() as seq:
         yield endless(seq)
 
 

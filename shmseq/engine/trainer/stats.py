@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from ..common.errors import SkippedSamplesWarning, warn_user
 from .tuning import INPUT_BOUND, RING_MOSTLY_FULL, idle_share
@@ -164,6 +164,8 @@ class LoaderStats:
     workers_limit: str = ""       # 'auto' at its most workers: the bound that holds it there
     started: float = field(default_factory=time.perf_counter)
     window_length_s: float = 30.0  # the span ``breakdown()`` and ``summary()`` look back on
+    clock: Callable[[], float] = field(default_factory=lambda: time.perf_counter, repr=False,
+                                       compare=False)  # the time ``started`` and ticks are of
     _snapshots: deque[_Totals] = field(init=False, repr=False, compare=False)
     _worker_s: float = field(default=0.0, init=False, repr=False, compare=False)
     _worker_s_at: float = field(default=0.0, init=False, repr=False, compare=False)
@@ -174,7 +176,7 @@ class LoaderStats:
 
     @property
     def elapsed_s(self) -> float:
-        return time.perf_counter() - self.started
+        return self.clock() - self.started
 
     @property
     def stall_fraction(self) -> float:
@@ -202,11 +204,10 @@ class LoaderStats:
             snapshots.popleft()
 
     def breakdown(self) -> Breakdown:
-        """Where the time went over the last ``window_length_s`` up to the last tick; before
-        any tick, over the whole run so far."""
+        """Where the time went from the last ``window_length_s`` as of the last tick up to
+        now (a run shorter than a tick, or the batches taken since the last one, count)."""
         snapshots = self._snapshots
-        last = snapshots[-1] if len(snapshots) > 1 else self._totals(time.perf_counter())
-        span = snapshots[0].until(last)
+        span = snapshots[0].until(self._totals(max(self.clock(), snapshots[-1].at)))
         return Breakdown(
             window_s=span.at, batches_per_s=_ratio(span.batches, span.at),
             trainer_wait_fraction=_ratio(span.consumer_wait_s, span.at),
