@@ -148,6 +148,8 @@ def breakdown(**fractions: float) -> Breakdown:
     ({"worker_cpu_fraction": 0.95}, "input-bound: the trainer waited 30 %", "add cores"),
     ({"workers_limit": "memory_budget"}, "input-bound: the trainer waited 30 %",
      "runs all that memory_budget allows: raise it"),
+    ({"workers_limit": "max_workers", "worker_busy_fraction": 0.7}, "input-bound: the trainer "
+     "waited 30 % of the last 30 s; workers busy 70 %", "all that max_workers allows"),
     ({}, "input-bound: the trainer waited 30 % of the last 30 s; workers busy 95 %",
      "add workers"),
 ])

@@ -84,14 +84,14 @@ class Breakdown(NamedTuple):
             return (f"remote reads: {waited_for}; workers waited on storage "
                     f"{_pct(self.remote_wait_fraction)} of their time; add workers (reads "
                     f"overlap) or cache the shards nearer")
+        busy = f"workers busy {_pct(self.worker_busy_fraction)}"
+        if self.workers_limit:  # each growth that brought it there raised the rate
+            return (f"input-bound: {waited_for}; {busy}; num_workers='auto' runs all that "
+                    f"{self.workers_limit} allows: raise it, or make each batch cheaper")
         if self.worker_busy_fraction < WORKERS_BUSY:
             return (f"input-bound: {waited_for}, yet workers were busy only "
                     f"{_pct(self.worker_busy_fraction)}; the training process is slow to "
                     f"hand out work or take batches: profile it")
-        busy = f"workers busy {_pct(self.worker_busy_fraction)}"
-        if self.workers_limit:
-            return (f"input-bound: {waited_for}; {busy}; num_workers='auto' runs all that "
-                    f"{self.workers_limit} allows: raise it, or make each batch cheaper")
         if self.worker_cpu_fraction >= CPU_HEAVY:
             return (f"input-bound: {waited_for}; {busy}, on a CPU "
                     f"{_pct(self.worker_cpu_fraction)} of it; add cores, or workers if "
