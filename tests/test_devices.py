@@ -1,5 +1,6 @@
 """The slot-release protocol of copying devices, proved against a fake device whose copies
 complete late, on another thread, after random delays."""
+import contextlib
 import threading
 
 import numpy as np
@@ -210,3 +211,32 @@ def test_the_copies_time_is_counted_and_named_when_it_bounds_the_rate():
         window = seq.stats.breakdown()
         assert seq.stats.copy_s > 0 and window.copy_fraction > 0
         assert seq.stats.summary().startswith("copy-bound: host-to-device copies ran"), window
+
+
+def test_the_cuda_device_times_each_batchs_copies_on_its_stream(monkeypatch):
+    """No GPU here: torch.cuda's streams and events are stand-ins that record where they were
+    recorded; the copies of numpy leaves stay on the host. On a GPU, tests/test_cuda.py."""
+    torch = pytest.importorskip("torch")
+    ticks = iter(range(0, 1000, 4))
+
+    class Event(TimingEvent):
+        def __init__(self, enable_timing=False):
+            super().__init__(at_ms=0)
+            self.timing = enable_timing
+
+        def record(self, stream):
+            self.at_ms, self.stream = next(ticks), stream
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+    for name, value in [("Stream", Stream), ("Event", Event), ("current_device", lambda: 0),
+                        ("stream", lambda stream: contextlib.nullcontext())]:
+        monkeypatch.setattr(torch.cuda, name, value)
+    device = shmseq.engine.trainer.devices.CudaDevice("cuda", num_streams=2)
+    events = [device.convert({"x": np.arange(4)})[1] for _ in range(3)]
+    assert all(event.timing for event in events)
+    assert len({event.stream for event in events}) == 2  # the streams in turn
+    assert device.pop_counts() == {"copy_s": pytest.approx(0.012)}  # 4 ms a span, 3 of them
+    assert device.pop_counts() == {"copy_s": 0}
