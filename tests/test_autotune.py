@@ -156,6 +156,26 @@ def test_the_memory_budget_bounds_the_workers_that_auto_runs():
     assert most == 2  # the budget's room
 
 
+class SlowFirstBatch(SlowIndexWorker):
+    """Its first batch takes 0.7 s, the others no time: a look falls in the wait, none after."""
+
+    def __init__(self):
+        super().__init__(0.7)
+
+    def __getitem__(self, indices):
+        batch = super().__getitem__(indices)
+        self.seconds = 0.0
+        return batch
+
+
+def test_the_summary_after_an_epoch_takes_in_its_last_batches():
+    with make(worker=SlowFirstBatch(), num_workers=1).start() as seq:
+        assert sum(1 for _ in seq) == 100
+        window = seq.stats.breakdown()
+        assert window.batches_per_s * window.window_s == pytest.approx(100)
+        assert not seq.stats.summary().startswith("no batches asked for"), window
+
+
 # -- the ring's active slots ----------------------------------------------------------------------
 def test_the_ring_never_has_more_slots_in_use_than_its_active_count():
     ring = Ring.create(8, 4096, wake=lambda: None, active=3)

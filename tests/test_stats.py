@@ -94,7 +94,17 @@ def test_batches_taken_since_the_last_tick_count():
     assert stats.summary().startswith("trainer-bound: the ring was full 100 % of the last 1.2 s")
 
 
-def test_before_any_tick_the_window_is_the_whole_run():
+def test_a_devices_counts_are_read_up_to_the_tick_they_came_in_with():
+    """Added at ticks only: over a window that runs on to now, the copies since the last tick
+    would be missing from the fraction."""
+    stats = LoaderStats(started=0.0, workers=2)
+    feed(stats, 2, 0.0, copy=0.9)
+    stats.clock = lambda: 2.4  # read 0.4 s after the last tick
+    assert stats.breakdown().window_s == pytest.approx(2.4)
+    assert stats.breakdown().copy_fraction == pytest.approx(0.9)
+
+
+
     stats = LoaderStats(started=time.perf_counter() - 10)
     stats.consumer_wait_s, stats.batches = 5.0, 100
     window = stats.breakdown()

@@ -205,17 +205,19 @@ class LoaderStats:
 
     def breakdown(self) -> Breakdown:
         """Where the time went from the last ``window_length_s`` as of the last tick up to
-        now (a run shorter than a tick, or the batches taken since the last one, count)."""
+        now (a run shorter than a tick, or the batches taken since the last one, count); the
+        decode and copy fractions up to the last tick, when their device's counts came in."""
         snapshots = self._snapshots
         span = snapshots[0].until(self._totals(max(self.clock(), snapshots[-1].at)))
+        ticked = snapshots[0].until(snapshots[-1])  # a device's counts come in at ticks only
         return Breakdown(
             window_s=span.at, batches_per_s=_ratio(span.batches, span.at),
             trainer_wait_fraction=_ratio(span.consumer_wait_s, span.at),
             worker_busy_fraction=_ratio(span.worker_busy_s, span.worker_s),
             worker_cpu_fraction=_ratio(span.worker_cpu_s, span.worker_busy_s),
             ring_full_fraction=idle_share(span.worker_idle_s, span.worker_busy_s),
-            decode_fraction=_ratio(span.decode_s, span.at),
-            copy_fraction=_ratio(span.copy_s, span.at),
+            decode_fraction=_ratio(ticked.decode_s, ticked.at),
+            copy_fraction=_ratio(ticked.copy_s, ticked.at),
             remote_wait_fraction=_ratio(span.storage_wait_s, span.worker_busy_s),
             mean_workers=_ratio(span.worker_s, span.at), workers_limit=self.workers_limit)
 
