@@ -414,9 +414,7 @@ class WorkerPool:
         ring = self.ring  # there before any batch is written (or overflows) into a slot
         match message:
             case Done(number, slot, _, busy, cpu, idle):
-                handle.closed(number)
-                if handle.leaving and not handle.open:
-                    self._send(handle, framed(Stop()))
+                self._closed(handle, number)
                 stats = self.stats
                 stats.worker_busy_s += busy
                 stats.worker_cpu_s += cpu
