@@ -49,7 +49,8 @@ def run(command: Callable[[int], list[str]]) -> str:
     once more (``stuck_in_fork``)."""
     for attempt in (1, 2):
         port = free_port()
-        job = _started(command(port), {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        args = command(port)
+        job = _started(args, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
         try:
             output, _ = job.communicate(timeout=RUN_SECONDS)
         except subprocess.TimeoutExpired:
@@ -60,8 +61,8 @@ def run(command: Callable[[int], list[str]]) -> str:
                 warnings.warn(f"processes {stuck} hung in the child side of os.fork "
                               f"(CPython gh-112275, fixed in 3.11.8): running the job again")
                 continue
-            pytest.fail(f"{' '.join(command(port))} took over {RUN_SECONDS} s:\n{output[-4000:]}")
-        assert job.returncode == 0, f"{' '.join(command(port))} failed:\n{output[-4000:]}"
+            pytest.fail(f"{' '.join(args)} took over {RUN_SECONDS} s:\n{output[-4000:]}")
+        assert job.returncode == 0, f"{' '.join(args)} failed:\n{output[-4000:]}"
         return output
     raise AssertionError("unreachable: the second attempt returns or fails")
 
