@@ -20,7 +20,8 @@ from leaks import leftovers, shm_entries
 from shmseq.engine.common.ragged import Ragged
 from shmseq.engine.worker.batch import check_rows
 from workers import (BadReturn, Crash, DieOrDawdle, DiesUnpickled, ExitInInit, FailingInit, Hang,
-                     IndexWorker, ImageWorker, SampleDataset, Slow, SlowStart5)
+                     IndexWorker, ImageWorker, SampleDataset, SampleWithLabels, ScalarLabels, Slow,
+                     SlowStart5, TypeErrorAt)
 from sequences import make
 
 TESTS = Path(__file__).parent
@@ -312,6 +313,64 @@ def test_a_dataset_of_samples_is_refused_naming_the_sample_level_loaders(options
     assert "shmseq.DataLoader" in message and "shmseq.torch.DataLoader" in message
 
 
+@pytest.mark.parametrize("options", [{}, {"num_workers": 0}])
+def test_a_dataset_of_samples_with_a_label_per_index_is_refused(options):
+    """Given the batch's index array, a dataset written for one index returns one image of
+    (3, 8, 8) and ``indices % 10``: the labels' row per index must not let the image through
+    as a batch."""
+    message = ""
+    with make(SampleWithLabels(), dset_size=64, batch_size=16, **options).start() as seq:
+        try:
+            next(iter(seq))
+        except UnsupportedBatch as exc:  # not pytest.raises: its record would hold the frames
+            message = str(exc)
+    assert "arrays of shapes (3, 8, 8), (16,) for the 16 sample indices" in message
+    assert "largest, (3, 8, 8), has no row per index" in message
+    assert "shmseq.DataLoader" in message and "shmseq.torch.DataLoader" in message
+
+
+@pytest.mark.parametrize("batch", [
+    (np.zeros((3, 32, 32), np.float32), np.arange(16) % 10),        # one CHW image, the labels
+    {"image": np.zeros((1, 28, 28, 2)), "id": np.arange(16), "w": np.ones(16)},
+])
+def test_a_sample_beside_arrays_of_one_row_per_index_fails_the_rows_check(batch):
+    with pytest.raises(UnsupportedBatch, match="has no row per index"):
+        check_rows(batch, np.arange(16))
+
+
+@pytest.mark.parametrize("options", [{}, {"num_workers": 0}])
+def test_a_dataset_of_samples_failing_on_the_index_array_is_told_what_it_was_given(options):
+    """``int(labels[indices])`` fails with numpy's words alone; the first batch's failure
+    says that the worker was given an array of indices, and where a dataset of samples goes."""
+    notes, cause = [], None
+    with make(ScalarLabels(), dset_size=64, batch_size=16, **options).start() as seq:
+        try:
+            next(iter(seq))
+        except TypeError as exc:  # not pytest.raises: its record would hold the frames
+            notes, cause = exc.__notes__, exc.__cause__
+    hint = ("worker[indices] was given a 1-D int64 array of 16 sample indices, not one index: a "
+            "dataset whose __getitem__ takes one index goes to shmseq.torch.DataLoader "
+            "or shmseq.DataLoader")
+    assert any(hint in note for note in notes)
+    if options:
+        return
+    assert isinstance(cause, WorkerError) and hint in str(cause)
+    assert "int(self.labels[index])" in cause.worker_traceback
+
+
+@pytest.mark.parametrize("at, told", [(9, False), (1, True)])
+def test_only_a_first_batch_failing_is_told_about_index_arrays(at, told):
+    """A TypeError of the third batch comes from a worker that took the index arrays of two."""
+    notes = []
+    with make(TypeErrorAt(at), dset_size=16, num_workers=1).start() as seq:
+        try:
+            for _ in seq:
+                pass
+        except TypeError as exc:  # not pytest.raises: its record would hold the frames
+            notes = exc.__notes__
+    assert notes and any("array of 4 sample indices" in note for note in notes) == told
+
+
 @pytest.mark.parametrize("batch", [
     (np.zeros((16, 3, 8, 8)), np.zeros(3), np.int64(7)),            # per-sample rows and extras
     {"ids": np.array([5]), "images": [np.zeros(k) for k in range(16)]},  # a list of 16 items
@@ -319,6 +378,10 @@ def test_a_dataset_of_samples_is_refused_naming_the_sample_level_loaders(options
     pytest.param("nested", id="a-nested-tensor-of-16-items"),
     [1.5] * 16,                                                     # no array at all
     ("names", 3.0, np.float32(1)),                                  # nothing with rows
+    (np.zeros((5, 16, 3)), np.arange(16)),                          # time-major, its lengths
+    (np.zeros((2, 16, 3, 8, 8)), np.arange(16)),                    # two views of each sample
+    (np.zeros((40, 3)), np.zeros((2, 90), np.int64), np.arange(16)),  # a graph: nodes, edges
+    (np.zeros((9, 4)), np.arange(16)),                              # 9 boxes in 16 images
 ])
 def test_a_batch_with_a_row_per_index_anywhere_passes_the_rows_check(batch):
     if isinstance(batch, str):

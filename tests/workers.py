@@ -361,6 +361,45 @@ class SampleDataset:
         return np.full((3, 8, 8), 0.5, np.float32), label
 
 
+class SampleWithLabels:
+    """A dataset of samples whose label is computed from the index: ``dataset[i]`` is one
+    image and ``i % 10``. Given an array of indices it returns one image and a label per index,
+    so one of its arrays has a row per index."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        return np.full((3, 8, 8), 0.5, np.float32), index % 10
+
+
+class ScalarLabels:
+    """A dataset of samples that makes its label a Python int: given an array of indices,
+    ``int(labels[i])`` raises numpy's TypeError."""
+
+    def __init__(self):
+        self.images = np.zeros((64, 3, 8, 8), np.float32)
+        self.labels = np.arange(64) % 10
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        return self.images[index], int(self.labels[index])
+
+
+class TypeErrorAt:
+    """Raises a TypeError for the batch that holds sample ``at``."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def __getitem__(self, indices):
+        if self.at in indices:
+            raise TypeError(f"sample {self.at} is bad")
+        return indices
+
+
 class EatsMemory:
     """Moves its process into the memory cgroup ``cgroup`` as it starts, and fills ``megabytes``
     of memory when it meets sample ``at``: more than the cgroup allows."""

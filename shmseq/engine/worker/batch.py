@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sized
 
 import numpy as np
 
-from ..common.errors import UnsupportedBatch
+from ..common.errors import UnsupportedBatch, add_note
 from ..common.layout import SlotAllocator, SlotOverflow, encode_batch, packed_size, write_batch
 from ..common.protocol import Counted, Ended, ErrorReport, Failed, Hooks, Overflow, Skipped
 from ..common.ragged import Ragged, is_tensor
@@ -41,11 +41,11 @@ def build_batch(worker: Hooks, indices: Any, region: np.ndarray | None,
                 first: bool = False) -> tuple[object, SlotAllocator | None]:
     """Call the user's worker; in-place workers get an allocator over the slot. A worker's
     ``__getitem__`` that returns None most likely forgot its ``return``: that is refused, and
-    so is a ``first`` batch without a row per index (``check_rows``)."""
+    so is a ``first`` batch that looks like one sample (``check_rows``)."""
     if worker.fill_batch is not None:
         allocator = SlotAllocator(region)
         return worker.fill_batch(indices, allocator), allocator
-    batch = worker.obj[indices]
+    batch = _got(worker.obj, indices, first)
     if batch is None:
         raise UnsupportedBatch("the worker returned None for a batch: return an array, "
                                "or a tuple/list/dict of arrays")
@@ -54,42 +54,105 @@ def build_batch(worker: Hooks, indices: Any, region: np.ndarray | None,
     return batch, None
 
 
+# what code written for one index raises when given an array of them: int(array), list[array],
+# a dict keyed by the array, a format spec
+_INDEX_ERRORS = (TypeError, ValueError, IndexError, KeyError)
+
+
+def _got(obj: Any, indices: Any, first: bool) -> object:
+    """``obj[indices]``. Where the worker's first batch fails the way a dataset of samples
+    fails on an index array, the exception (its traceback kept) says what the worker was given
+    and where such a dataset goes: numpy's and torch's words alone ("only length-1 arrays can
+    be converted to Python scalars") do not say that ``indices`` was an array."""
+    try:
+        return obj[indices]
+    except _INDEX_ERRORS as exc:
+        if first and isinstance(indices, np.ndarray):
+            add_note(exc, index_array_note(indices))
+        raise
+
+
+def index_array_note(indices: np.ndarray) -> str:
+    """What a dataset of samples given a batch's index array is told."""
+    return (f"shmseq: worker[indices] was given a {indices.ndim}-D {indices.dtype} array of "
+            f"{len(indices)} sample indices, not one index: a dataset whose __getitem__ takes "
+            "one index goes to shmseq.torch.DataLoader or shmseq.DataLoader, which fetch the "
+            "samples one by one and stack them into a batch")
+
+
+class _Rows(NamedTuple):
+    """A part of a batch that has rows: an array's or tensor's first dimension (with its
+    ``shape`` and ``nbytes``), or a list's or ragged leaf's items (``shape`` None)."""
+    rows: int
+    shape: tuple | None = None
+    nbytes: int = 0
+
+
 def check_rows(batch: object, indices: Sized) -> None:
-    """Refuse a batch in which nothing has a row per index: the worker was written for one
-    sample (a torch ``Dataset``'s ``dataset[i]``), and given the index array it returned one
-    sample, which would travel as a batch of the wrong size, silently.
+    """Refuse a first batch that looks like one sample: the worker was written for one sample
+    (a torch ``Dataset``'s ``dataset[i]``), and given the index array it returned one sample,
+    which would travel as a batch of the wrong size, silently.
 
     A row per index: an array's (or tensor's) first dimension, a list's or a ragged leaf's
-    items. Other arrays may have other lengths (a worker id, a lookup table); a batch without
-    an array is not judged. Workers that build in place (``fill_batch``: the sample-level
-    loaders, with collate functions of their own) are not asked."""
+    items. Refused: a batch in which nothing has a row per index, and one that looks like a
+    sample beside arrays computed from the indices (``_one_sample_beside``). Other arrays may
+    have other lengths (a worker id, a lookup table); a batch without an array is not judged.
+    Workers that build in place (``fill_batch``: the sample-level loaders, with collate
+    functions of their own) are not asked."""
     found = list(_rows(batch))
-    shapes = [shape for _, shape in found if shape is not None]
-    if not shapes or any(rows == len(indices) for rows, _ in found):
+    arrays = [part for part in found if part.shape is not None]
+    if not arrays:
         return
-    raise UnsupportedBatch(
-        f"the worker returned arrays of shapes {', '.join(map(str, shapes))} for the "
-        f"{len(indices)} sample indices of a batch, none with a row per index: ShmSequence "
-        "calls worker[indices] with a 1-D array of sample indices and takes what it returns "
-        "as the batch. A dataset whose __getitem__ returns one sample for one index (a torch "
-        "Dataset) goes to a sample-level loader, which fetches the samples one by one and "
-        "stacks them in the slot: shmseq.DataLoader(dataset, batch_size=...) for numpy "
-        "arrays, shmseq.torch.DataLoader (torch's DataLoader) for torch tensors")
+    count = len(indices)
+    if not any(part.rows == count for part in found):
+        raise UnsupportedBatch(_one_sample(arrays, count, "none with a row per index"))
+    largest = max(arrays, key=lambda part: part.nbytes)
+    if _one_sample_beside(largest, found, count):
+        raise UnsupportedBatch(_one_sample(
+            arrays, count, f"of which the largest, {largest.shape}, has no row per index and "
+            "only 1-D arrays have one (labels computed from the indices, say)"))
 
 
-def _rows(batch: object) -> Iterator[tuple[int, tuple | None]]:
-    """(rows, shape) of each array and tensor of a batch (not of a 0-d one); (items, None) of
-    each list and ragged leaf (a ``Ragged``, a nested tensor)."""
+def _one_sample_beside(largest: _Rows, found: list[_Rows], count: int) -> bool:
+    """Whether the ``largest`` array is shaped like one sample, an image, beside arrays of a row
+    per index that are all 1-D (``indices % 10``, ``labels[indices]``): it has three or more
+    dimensions, fewer rows than ``count`` and no dimension of ``count``. Not refused: a
+    time-major batch or stacked views (``count`` is a later dimension), packed rows, a graph's
+    nodes (more rows than samples), a graph's 2-D edges, and a batch with a list, a ragged
+    leaf or an array of two or more dimensions of a row per index (a batch's, all of them)."""
+    shape = largest.shape
+    assert shape is not None, "an array's"
+    return len(shape) >= 3 and shape[0] < count and count not in shape and all(
+        part.shape is not None and len(part.shape) == 1 for part in found if part.rows == count)
+
+
+def _one_sample(arrays: list[_Rows], count: int, what: str) -> str:
+    """Why a batch was refused as one sample (``what``), and where a dataset of samples goes."""
+    return (f"the worker returned arrays of shapes {', '.join(str(a.shape) for a in arrays)} "
+            f"for the {count} sample indices of a batch, {what}: ShmSequence calls "
+            "worker[indices] with a 1-D array of sample indices and takes what it returns as "
+            "the batch. A dataset whose __getitem__ returns one sample for one index (a torch "
+            "Dataset) goes to a sample-level loader, which fetches the samples one by one and "
+            "stacks them in the slot: shmseq.DataLoader(dataset, batch_size=...) for numpy "
+            "arrays, shmseq.torch.DataLoader (torch's DataLoader) for torch tensors")
+
+
+def _rows(batch: object) -> Iterator[_Rows]:
+    """The rows of each array and tensor of a batch (not of a 0-d one), of each list and
+    ragged leaf (a ``Ragged``, a nested tensor)."""
     if isinstance(batch, Ragged):
-        yield len(batch), None
+        yield _Rows(len(batch))
     elif is_tensor(batch) and batch.is_nested:
-        yield batch.size(0), None  # its shape is not defined
-    elif isinstance(batch, np.ndarray) or is_tensor(batch):
+        yield _Rows(batch.size(0))  # its shape is not defined
+    elif isinstance(batch, np.ndarray):
         if batch.ndim:
-            yield batch.shape[0], tuple(batch.shape)
+            yield _Rows(batch.shape[0], batch.shape, batch.nbytes)
+    elif is_tensor(batch):
+        if batch.ndim:
+            yield _Rows(batch.shape[0], tuple(batch.shape), batch.numel() * batch.element_size())
     elif isinstance(batch, (tuple, list, dict)):
         if isinstance(batch, list):
-            yield len(batch), None
+            yield _Rows(len(batch))
         for item in batch.values() if isinstance(batch, dict) else batch:
             yield from _rows(item)
 
