@@ -3,6 +3,7 @@ language model built from a config (nothing downloaded) trained and evaluated wi
 workers, persistent or not, gives the same losses step for step, and shmseq's batches, train
 and eval, come through its ring."""
 import os
+import warnings
 
 import pytest
 
@@ -50,9 +51,9 @@ def ring_batches(transformers):
     return RingBatches()
 
 
-def fit(transformers, trainer_class, output_dir, persistent_workers: bool):
-    """Train 4 steps, evaluating every 2 and once more after: the logged losses (step, loss),
-    and the ring's batches."""
+def trainer_of(transformers, trainer_class, output_dir, callbacks=(), **arguments):
+    """A trainer of a tiny GPT-2 built from a config (4 steps, evaluating every 2), its
+    ``TrainingArguments`` given ``arguments`` beside these."""
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
@@ -60,16 +61,22 @@ def fit(transformers, trainer_class, output_dir, persistent_workers: bool):
     args = transformers.TrainingArguments(
         output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=4,
         per_device_eval_batch_size=4, eval_strategy="steps", eval_steps=2, logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
-        dataloader_num_workers=2, dataloader_persistent_workers=persistent_workers)
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0, **arguments)
+    return trainer_class(model=model, args=args, train_dataset=data.TokenSequences(32),
+                         eval_dataset=data.TokenSequences(8), callbacks=list(callbacks))
+
+
+def fit(transformers, trainer_class, output_dir, persistent_workers: bool):
+    """Train 4 steps, evaluating every 2 and once more after, with 2 workers: the logged losses
+    (step, loss), the ring's batches, and the trainer."""
     ring = ring_batches(transformers)
-    trainer = trainer_class(model=model, args=args, train_dataset=data.TokenSequences(32),
-                            eval_dataset=data.TokenSequences(8), callbacks=[ring])
+    trainer = trainer_of(transformers, trainer_class, output_dir, [ring],
+                         dataloader_num_workers=2, dataloader_persistent_workers=persistent_workers)
     trainer.train()
     trainer.evaluate()
     return [(entry["step"], entry.get("loss", entry.get("eval_loss")))
             for entry in trainer.state.log_history if "loss" in entry or "eval_loss" in entry
-            ], ring.counts()
+            ], ring.counts(), trainer
 
 
 @pytest.mark.timeout(120)
@@ -77,8 +84,31 @@ def fit(transformers, trainer_class, output_dir, persistent_workers: bool):
 def test_a_trainer_on_the_ring_trains_and_evaluates_as_on_torchs_loader(persistent_workers,
                                                                         transformers, tmp_path):
     from shmseq.transformers import Trainer as RingTrainer
-    torchs, none = fit(transformers, transformers.Trainer, tmp_path / "torch", persistent_workers)
-    ours, ring = fit(transformers, RingTrainer, tmp_path / "shmseq", persistent_workers)
+    torchs, none, _ = fit(transformers, transformers.Trainer, tmp_path / "torch",
+                          persistent_workers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # nothing to warn of with workers
+        ours, ring, trainer = fit(transformers, RingTrainer, tmp_path / "shmseq",
+                                  persistent_workers)
     assert ours == torchs and len(torchs) == 4 + 3
     assert none == {"train": 0, "eval": 0}
     assert ring["train"] >= 4 and ring["eval"] >= 3 * 2  # every step's batch, 3 evaluations of 2
+    assert trainer.loaders["train"].stats.batches >= 4 and trainer.loaders["eval"].num_workers == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_without_workers_says_once_that_its_batches_bypass_the_ring(transformers,
+                                                                              tmp_path):
+    """transformers' default, ``dataloader_num_workers=0``, loads in the training process: the
+    trainer says so once, naming the argument, and ``loaders`` shows which loader ran."""
+    from shmseq.transformers import Trainer as RingTrainer
+    trainer = trainer_of(transformers, RingTrainer, tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+        trainer.evaluate()
+    told = [str(w.message) for w in caught if "shmseq" in str(w.message)]
+    assert len(told) == 1, told
+    assert "dataloader_num_workers=0" in told[0] and "dataloader_num_workers=2" in told[0]
+    assert all(trainer.loaders[kind].num_workers == 0 and trainer.loaders[kind].stats.batches == 0
+               for kind in ("train", "eval"))
