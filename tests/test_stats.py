@@ -162,10 +162,38 @@ def breakdown(**fractions: float) -> Breakdown:
      "waited 30 % of the last 30 s; workers busy 70 %", "all that max_workers allows"),
     ({}, "input-bound: the trainer waited 30 % of the last 30 s; workers busy 95 %",
      "add workers"),
+    ({"workers_growing": True}, "input-bound: the trainer waited 30 %",
+     "'auto' is still adding workers"),
+    ({"workers_growing": True, "worker_cpu_fraction": 0.95}, "input-bound: the trainer "
+     "waited 30 %", "'auto' is still adding workers"),
+    ({"window_s": 0.5, "ring_full_fraction": 0.8}, "too short to judge: 0.5 s measured", "1 s"),
 ])
 def test_the_verdict_follows_the_fractions(fractions, verdict, fix):
     line = breakdown(**fractions).verdict()
     assert line.startswith(verdict) and fix in line, line
+
+
+@pytest.mark.parametrize("seconds", [0.033, 0.5, 0.99])
+def test_a_window_too_short_to_judge_gives_no_advice(seconds):
+    """0.033 s after start, the trainer waiting and the ring full read 'give the ring more
+    slots'; what a window that short measured says nothing of the run."""
+    stats = LoaderStats(started=0.0, workers=2, clock=lambda: seconds)
+    stats.batches, stats.consumer_wait_s = 2, 0.9 * seconds
+    stats.worker_busy_s, stats.worker_idle_s = 0.1 * seconds, 1.8 * seconds
+    assert stats.summary() == (f"too short to judge: {seconds:g} s measured, a verdict "
+                               "needs 1 s")
+
+
+def test_auto_still_adding_workers_is_told_neither_to_add_workers_nor_cores():
+    """Workers that sleep, and num_workers='auto' adding more of them: neither the count nor
+    the cores are the user's to change yet."""
+    stats = LoaderStats(started=0.0, workers=4)
+    stats.workers_growing = True
+    feed(stats, 30, 0.0, wait=0.38, busy=0.97, cpu=0.02)
+    line = stats.summary()
+    assert line == ("input-bound: the trainer waited 38 % of the last 30 s; workers busy 97 %; "
+                    "num_workers='auto' is still adding workers (4 on average over the "
+                    "window): look again once it has settled")
 
 
 def test_one_worker_that_keeps_up_is_not_told_fewer_would():

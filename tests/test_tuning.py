@@ -180,6 +180,21 @@ def test_a_steady_load_keeps_its_count_through_noise(load, start):
         assert changes(counts) <= 2, (seed, counts)
 
 
+def test_the_tuner_is_growing_until_a_bound_or_a_growth_that_did_not_pay_holds_it():
+    """What summary() reads before it asks for workers or cores: not while 'auto' adds them."""
+    growing = tuner(1)
+    assert run(growing, LATENCY_BOUND, 3) == [1, 2, 2] and growing.growing()
+    capped = tuner(1, max_workers=4)
+    run(capped, LATENCY_BOUND, 20)
+    assert capped.workers == 4 and not capped.growing()  # held by max_workers
+    cpu_bound = tuner(1)
+    run(cpu_bound, CPU_BOUND, 20)
+    assert cpu_bound.workers == 2 and not cpu_bound.growing()  # no core left for one more
+    bottleneck = tuner(1)
+    run(bottleneck, SHARED_BOTTLENECK, 6)
+    assert bottleneck.reason.startswith("undone") and not bottleneck.growing()  # cooling down
+
+
 def test_windows_not_steady_are_not_judged():
     tuned = tuner(1)
     count = run(tuned, LATENCY_BOUND, 2)[-1]

@@ -79,6 +79,7 @@ class Control:
             if window is not None:
                 pool.resize(self.tuner.observe(window))
             self.stats.workers_limit = self.tuner.limit()
+            self.stats.workers_growing = self.tuner.growing()
         if self.sizes_ring:
             ring.set_active(ring_slots(ring.spec.slot_bytes, pool.size, max(ring.peak_held, 1),
                                        ring.spec.n_slots))

@@ -21,6 +21,8 @@ STAGE_BOUND = 0.25      # a decode or the copies busy this share of a window the
 STAGE_SATURATED = 0.8   # ... or of any window: that stage bounds the rate
 WORKERS_BUSY = 0.8      # workers busy this share of their time: the trainer waits for them
 CPU_HEAVY = 0.8         # a busy worker on a CPU this share of the time: cores, not workers
+MIN_JUDGED_S = 1.0      # a window shorter than this is too short to judge: the first batches,
+                        # the workers' start, a tick's worth of counts
 
 
 class _Totals(NamedTuple):
@@ -56,11 +58,15 @@ class Breakdown(NamedTuple):
     remote_wait_fraction: float    # of the workers' busy time, waiting on remote storage
     mean_workers: float            # workers running, on average over the window
     workers_limit: str = ""        # 'auto' held at its most workers by this bound, at the end
+    workers_growing: bool = False  # 'auto' may still add workers, at the end
 
     def verdict(self) -> str:
         """One line a person reads: what bounds the rate, and the fix."""
         if self.window_s <= 0:
             return "no time measured yet"
+        if self.window_s < MIN_JUDGED_S:
+            return (f"too short to judge: {self.window_s:.2g} s measured, a verdict needs "
+                    f"{MIN_JUDGED_S:g} s")
         span = f"the last {self.window_s:.3g} s"
         waited = self.trainer_wait_fraction > INPUT_BOUND
         full = self.ring_full_fraction >= RING_MOSTLY_FULL
@@ -88,6 +94,10 @@ class Breakdown(NamedTuple):
         if self.workers_limit:  # each growth that brought it there raised the rate
             return (f"input-bound: {waited_for}; {busy}; num_workers='auto' runs all that "
                     f"{self.workers_limit} allows: raise it, or make each batch cheaper")
+        if self.workers_growing:  # its next growth answers 'add workers', cores or not
+            return (f"input-bound: {waited_for}; {busy}; num_workers='auto' is still adding "
+                    f"workers ({self.mean_workers:.3g} on average over the window): look again "
+                    "once it has settled")
         if self.worker_busy_fraction < WORKERS_BUSY:
             return (f"input-bound: {waited_for}, yet workers were busy only "
                     f"{_pct(self.worker_busy_fraction)}; the training process is slow to "
@@ -162,6 +172,7 @@ class LoaderStats:
     copy_s: float = 0.0           # time spent on host-to-device copies of batches
     workers: int = 0              # workers running now: the time since the last tick counts at it
     workers_limit: str = ""       # 'auto' at its most workers: the bound that holds it there
+    workers_growing: bool = False  # 'auto' below that bound and free to add workers
     started: float = field(default_factory=time.perf_counter)
     window_length_s: float = 30.0  # the span ``breakdown()`` and ``summary()`` look back on
     clock: Callable[[], float] = field(default_factory=lambda: time.perf_counter, repr=False,
@@ -219,7 +230,8 @@ class LoaderStats:
             decode_fraction=_ratio(ticked.decode_s, ticked.at),
             copy_fraction=_ratio(ticked.copy_s, ticked.at),
             remote_wait_fraction=_ratio(span.storage_wait_s, span.worker_busy_s),
-            mean_workers=_ratio(span.worker_s, span.at), workers_limit=self.workers_limit)
+            mean_workers=_ratio(span.worker_s, span.at), workers_limit=self.workers_limit,
+            workers_growing=self.workers_growing)
 
     def summary(self) -> str:
         """One line on the last window: what bounds the rate, and the fix."""

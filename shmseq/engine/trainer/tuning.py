@@ -257,6 +257,19 @@ class WorkerTuner:
             return ""
         return "max_workers" if ceiling >= self.budget.max_workers else "memory_budget"
 
+    def growing(self) -> bool:
+        """Whether the count may still rise on its own: below its ceiling, not cooling down
+        after a growth that did not raise the rate, and with room for one more worker in the
+        CPU budget at the last window judged. While it does, an input-bound loader's fix is
+        the tuner's next growth, not more workers or cores from the user."""
+        if self.workers >= self.ceiling() or self.clock() < self._grow_after:
+            return False
+        if not self._windows:  # a change being judged, or no window yet
+            return True
+        last = self._windows[-1]
+        return (last.cpu_cores <= self.budget.cpu - CPU_MARGIN
+                and self._cpu_ceiling(last) > self.workers)
+
     def observe(self, window: Window) -> int:
         """Judge one window; the worker count wanted now."""
         if self.workers > self.ceiling():  # a worker's memory measured since
