@@ -332,7 +332,7 @@ class _RingIterator(_BaseDataLoaderIter):
         self._stats = loader.stats
         self._pipeline: Pipeline | None = None
         self._stopped: list = []  # the worker processes, once shut down
-        self._dead: tuple[int | None, int | None] | None = None  # a worker that died: pid, exit code
+        self._dead: WorkerDied | None = None  # a worker that died, without its traceback
         self._epoch = -1
         self._reset(loader, first_iter=True)
 
@@ -341,13 +341,15 @@ class _RingIterator(_BaseDataLoaderIter):
         drops what is left of the pass before and gives the workers the first batches. The
         workers start here the first time, and again if an earlier failure stopped them."""
         super()._reset(loader, first_iter)
-        if self._dead is not None:
-            pid, exitcode = self._dead
+        dead = self._dead
+        if dead is not None:
+            restarts = "" if dead.starting else (
+                ", or pass worker_restarts=1 to replace a worker that dies")
             raise WorkerDied(
-                f"DataLoader worker (pid(s) {pid}) exited unexpectedly in an earlier pass; "
+                f"DataLoader worker (pid(s) {dead.pid}) exited unexpectedly in an earlier pass; "
                 "persistent workers are not replaced, so this loader starts no other pass (as "
-                "torch's): make a new DataLoader, or pass worker_restarts=1 to replace a worker "
-                "that dies", pid=pid, exitcode=exitcode)
+                f"torch's): make a new DataLoader{restarts}", pid=dead.pid,
+                exitcode=dead.exitcode, starting=dead.starting)
         self._epoch += 1
         self._position = 0  # the next batch in order, or the first not handed over yet
         self._handed: set[int] = set()  # positions handed over ahead of it (in_order=False)
@@ -395,11 +397,14 @@ class _RingIterator(_BaseDataLoaderIter):
             raise BatchTimeout(f"DataLoader timed out after {self._timeout} seconds: {exc}") \
                 from None
         except WorkerDied as exc:  # the pass goes on without it, as torch's
-            self._dead = (exc.pid, exc.exitcode)
+            self._dead = WorkerDied("", pid=exc.pid, exitcode=exc.exitcode, starting=exc.starting)
+            # a worker that died while starting would die so again in a replacement: its stage
+            # says what to change (a main guard to add, say), restarts could not help
+            restarts = "" if exc.starting else (
+                " (pass worker_restarts=1 to replace a worker that dies and lose none)")
             raise WorkerDied(f"{_torchs_words(exc)}: {exc}; the pass goes on without the "
-                             "batches it held (pass worker_restarts=1 to replace a worker that "
-                             "dies and lose none)",
-                             pid=exc.pid, exitcode=exc.exitcode) from None
+                             f"batches it held{restarts}", pid=exc.pid, exitcode=exc.exitcode,
+                             starting=exc.starting) from None
         except PipelineClosed as exc:
             raise PipelineClosed(f"this DataLoader iterator was shut down ({exc}): start a new "
                                  "pass with iter(loader)") from None

@@ -3,7 +3,12 @@ tests/test_torch_compat.py): batches come through the ring and are views of it, 
 (slot_bytes, worker_restarts, stats, close), the lifecycle of workers and rings; and the
 MXNet-style loader's own plan, dealt to ranks read when an epoch starts."""
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +21,8 @@ import shmseq.engine.trainer.plan  # noqa: E402
 import torch_datasets as data  # noqa: E402
 from shmseq.torch import DataLoader  # noqa: E402
 from leaks import live_children, mapped_rings  # noqa: E402
+
+TESTS = Path(__file__).parent
 
 
 def labels(loader) -> list[list[int]]:
@@ -303,3 +310,41 @@ def test_persistent_workers_are_not_replaced_after_one_died():
     assert len(live_children()) == 1
     loader.close()
     assert not live_children()
+
+
+def test_a_worker_dying_while_starting_is_not_answered_with_restarts():
+    """A replacement would die the same way (worker_restarts replaces no worker of the first
+    start that dies while starting): neither the death nor the next pass suggests it."""
+    loader = DataLoader(data.Counting(12), batch_size=2, num_workers=1, persistent_workers=True,
+                        worker_init_fn=data.exit_init)
+    messages = []
+    for _ in range(2):
+        try:
+            list(loader)
+        except RuntimeError as exc:
+            messages.append(str(exc))
+    loader.close()
+    assert "exited with code 4 while starting" in messages[0]
+    assert "persistent workers are not replaced" in messages[1]
+    assert not any("worker_restarts" in message for message in messages), messages
+
+
+@pytest.mark.timeout(60)
+def test_a_script_without_the_main_guard_is_told_to_add_it_not_to_restart(tmp_path):
+    """Under spawn each worker imports the script, which starts the workers again: the
+    WorkerDied says to add the guard, and not to pass worker_restarts, whose replacement would
+    import the script again."""
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        from shmseq.torch import DataLoader
+        import torch_datasets as data
+        loader = DataLoader(data.Counting(16), batch_size=4, num_workers=2,
+                            multiprocessing_context="spawn")
+        print(sum(len(batch) for batch in loader))
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
+    script = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=60)
+    last = script.stderr.strip().splitlines()[-1]
+    assert script.returncode == 1 and last.startswith("shmseq.engine.common.errors.WorkerDied")
+    assert 'put that code under if __name__ == "__main__":' in last, script.stderr
+    assert "worker_restarts" not in last, last

@@ -29,13 +29,16 @@ class WorkerError(ShmSeqError):
 
 
 class WorkerDied(ShmSeqError):
-    """A worker process ended without being asked to (killed, crashed, exited)."""
+    """A worker process ended without being asked to (killed, crashed, exited). ``starting``:
+    it died before its worker object was built (importing the main module, in its constructor
+    or ``worker_init_fn``), where a replacement would die the same way."""
 
-    def __init__(self, message: str, *, pid: int | None = None,
-                 exitcode: int | None = None) -> None:
+    def __init__(self, message: str, *, pid: int | None = None, exitcode: int | None = None,
+                 starting: bool = False) -> None:
         super().__init__(message)
         self.pid = pid
         self.exitcode = exitcode
+        self.starting = starting
 
 
 class BatchTimeout(ShmSeqError, TimeoutError):

@@ -561,7 +561,7 @@ class WorkerPool:
         if not handle.ready and handle not in self._replacements:
             raise self._retired(handle, received, WorkerDied(
                 f"{died} while starting ({handle.starting_stage(code)})", pid=handle.pid,
-                exitcode=code))
+                exitcode=code, starting=True))
         building = self._building(handle)
         charged = building if its_own_doing(code, out_of_memory) else None
         died += self._what_it_held(handle, building)
