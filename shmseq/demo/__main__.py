@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 try:
     import torch
@@ -27,7 +27,7 @@ from .._apps.report import machine
 from ..vision import ImageArrayWorker, ImageFolderWorker
 from . import __doc__ as ABOUT
 from . import report, sweep
-from .data import make_array_store, make_jpeg_folder
+from .data import MAX_SIDE, MIN_SIDE, make_array_store, make_jpeg_folder
 from .loaders import LOADERS, Worker, endless, shmseq_sequence
 from .training import Epoch, Trainer, train
 
@@ -85,12 +85,28 @@ def dataset(args: argparse.Namespace,
     """The in-place worker over the synthetic dataset under ``workdir``, and the dataset's
     folder (made unless an earlier run made it there)."""
     if args.format == "store":
-        root = make_array_store(workdir / f"store-{args.images}-{CLASSES}-{args.side}-{args.seed}",
-                                args.images, CLASSES, args.side, seed=args.seed)
+        root = workdir / f"store-{args.images}-{CLASSES}-{args.side}-{args.seed}"
+        store = human(args.images * args.side * args.side * 3)
+        announced(root, f"{args.images} images of {args.side}x{args.side} (decoded, a store of "
+                        f"{store})", lambda: make_array_store(root, args.images, CLASSES,
+                                                              args.side, seed=args.seed))
         return ImageArrayWorker(root, args.crop, seed=args.seed), root
-    root = make_jpeg_folder(workdir / f"jpeg-{args.images}-{CLASSES}-{args.seed}", args.images,
-                            CLASSES, seed=args.seed)
+    root = workdir / f"jpeg-{args.images}-{CLASSES}-{args.seed}"
+    announced(root, f"{args.images} JPEG files of {MIN_SIDE} to {MAX_SIDE} pixels a side",
+              lambda: make_jpeg_folder(root, args.images, CLASSES, seed=args.seed))
     return ImageFolderWorker(root, args.crop, seed=args.seed), root
+
+
+def announced(root: Path, what: str, make: Callable[[], Path]) -> None:
+    """``make()`` the dataset ``root``, said before it starts and when it is done: the full
+    demo's store takes seconds, which would pass without a word; one made earlier is reused."""
+    if root.is_dir():
+        print(f"reusing the synthetic dataset made earlier in {root}", flush=True)
+        return
+    print(f"making the synthetic dataset: {what} in {root}...", flush=True)
+    began = time.perf_counter()
+    make()
+    print(f"dataset made in {time.perf_counter() - began:.1f} s", flush=True)
 
 
 def size_of(path: Path) -> int:
