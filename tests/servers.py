@@ -1,5 +1,7 @@
 """Fixtures of servers on 127.0.0.1 (``shmseq.bench.servers``): ``server`` serves ``tmp_path``
 over HTTP, ``web`` is its URL, ``s3`` is moto's S3. A test module imports the ones it uses.
+``RawServer`` (in ``serving(lambda _: RawServer(folder, fault))``) answers as a faulty server
+does: it stalls, cuts a body short, ignores Range, answers short, or sends bytes after a body.
 
 Each stops its server after the test, then fsspec's event loop thread if the test started it
 (fsspec never stops it; its HTTP sessions and S3 clients are closed first), and fails the test
@@ -7,6 +9,10 @@ if a thread is left."""
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import socket
+import socketserver
 import threading
 
 import pytest
@@ -51,3 +57,129 @@ def s3():
     pytest.importorskip("moto.moto_server.werkzeug_app")
     with serving(lambda servers: servers.S3Server()) as served:
         yield served
+
+
+class RawServer:
+    """The files under ``folder`` over HTTP/1.1 on 127.0.0.1 (``url``), written on sockets so
+    that a request can be answered as no well-behaved server answers it. ``fault`` applies to
+    the requests whose path ends with ``only`` (the shards, say, not their index):
+
+    * ``"stall"``: the connection is accepted and the request read, then nothing is sent;
+    * ``"cut"``: the body stops halfway through what Content-Length announced, and the
+      connection closes;
+    * ``"whole"``: a Range request is answered 200 with the whole object (Range ignored);
+    * ``"short"``: 206 with the first half of the bytes asked for (Content-Range says so);
+    * ``"extra"``: 206 as asked, then ``EXTRA`` bytes more after the body;
+    * None: every request answered as it should be (HEAD, GET, ``Range: bytes=a-b``).
+
+    ``stop()`` closes every connection, a stalled one too, and joins the threads that served
+    them."""
+
+    EXTRA = bytes(range(256)) * 4
+
+    def __init__(self, folder, fault: str | None = None, only: str = "") -> None:
+        assert fault in (None, "stall", "cut", "whole", "short", "extra"), fault
+        self.folder, self.fault, self.only = os.fspath(folder), fault, only
+        self.stopping = threading.Event()
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._server = _RawTCPServer(("127.0.0.1", 0), _RawHandler)
+        self._server.raw = self
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
+                                        name="test-raw-server")
+        self._thread.start()
+
+    def answer(self, method: str, path: str, headers: dict[str, str]) -> bytes | None:
+        """The bytes to send for one request (None: send nothing, close); waits while stalled."""
+        fault = self.fault if path.endswith(self.only) else None
+        if fault == "stall":
+            self.stopping.wait()
+            return None
+        file = os.path.join(self.folder, path.lstrip("/"))
+        if not os.path.isfile(file):
+            return _head(404, "Not Found", 0)
+        with open(file, "rb") as opened:
+            data = opened.read()
+        asked = re.fullmatch(r"bytes=(\d+)-(\d*)", headers.get("range", ""))
+        if method == "HEAD":
+            return _head(200, "OK", len(data))
+        if asked is None or fault == "whole":
+            return _head(200, "OK", len(data)) + data
+        start = int(asked[1])
+        end = min(int(asked[2]) + 1 if asked[2] else len(data), len(data))
+        if start >= len(data):
+            return _head(416, "Range Not Satisfiable", 0, f"bytes */{len(data)}")
+        if fault == "short":
+            end = start + (end - start) // 2
+        body = data[start:end]
+        head = _head(206, "Partial Content", len(body), f"bytes {start}-{end - 1}/{len(data)}")
+        if fault == "cut":
+            return head + body[:len(body) // 2]
+        return head + body + (self.EXTRA if fault == "extra" else b"")
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self._server.shutdown()
+        with self._lock:
+            for connection in self._connections:
+                with contextlib.suppress(OSError):
+                    connection.shutdown(socket.SHUT_RDWR)
+        self._server.server_close()  # joins the connections' threads
+        self._thread.join(10)
+
+    def track(self, connection: socket.socket, live: bool) -> None:
+        with self._lock:
+            (self._connections.add if live else self._connections.discard)(connection)
+
+
+def _head(status: int, phrase: str, length: int, content_range: str | None = None) -> bytes:
+    lines = [f"HTTP/1.1 {status} {phrase}", f"Content-Length: {length}",
+             "Content-Type: application/octet-stream", "Accept-Ranges: bytes"]
+    if content_range is not None:
+        lines.append(f"Content-Range: {content_range}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+class _RawTCPServer(socketserver.ThreadingTCPServer):
+    daemon_threads = False
+    block_on_close = True
+    raw: RawServer
+
+
+class _RawHandler(socketserver.StreamRequestHandler):
+    """One connection: its requests answered in turn until the client or the server closes it
+    (after a fault that ends the answer early)."""
+
+    server: _RawTCPServer
+
+    def handle(self) -> None:
+        raw = self.server.raw
+        raw.track(self.connection, True)
+        try:
+            while not raw.stopping.is_set():
+                request = self._request()
+                if request is None:
+                    return
+                answer = raw.answer(*request)
+                if answer is None:
+                    return
+                self.wfile.write(answer)
+                self.wfile.flush()
+                if raw.fault == "cut" and request[1].endswith(raw.only):
+                    return
+        except OSError:
+            return  # the client went, or the server is stopping
+        finally:
+            raw.track(self.connection, False)
+
+    def _request(self) -> tuple[str, str, dict[str, str]] | None:
+        line = self.rfile.readline().decode("latin-1")
+        if not line.strip():
+            return None
+        method, path, _ = line.split(" ", 2)
+        headers = {}
+        while (header := self.rfile.readline().decode("latin-1").strip()):
+            name, _, value = header.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return method, path, headers
