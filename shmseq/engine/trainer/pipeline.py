@@ -137,12 +137,25 @@ class Pipeline:
                 self.ring is None and not self.output.waiting and self.stream.peek() is not None):
             remaining = _remaining(deadline)
             if remaining is not None and remaining <= 0:
-                raise ShmSeqError(f"the workers did not start within timeout={timeout} s: "
-                                  f"{self.pool.which_not_started(mapped=up_front)}")
+                raise ShmSeqError(self._not_started(timeout, up_front))
             self._step(timeout=remaining)
         if up_front:
             assert self.ring is not None  # made up front
             self.ring.wait_reserved()
+
+    def _not_started(self, timeout: float | None, up_front: bool) -> str:
+        """Why ``start()`` gave up: the workers that did not start, or, once every one has, that
+        no first batch was built yet (the ring is sized by the first one), and who builds the
+        first: a slow first batch (a shard fetched over a slow link, a slow decode) otherwise
+        read as a list of nobody."""
+        assert self.pool is not None  # made before the workers are waited for
+        late = self.pool.which_not_started(mapped=up_front)
+        if late:
+            return f"the workers did not start within timeout={timeout} s: {late}"
+        return (f"the workers did not start within timeout={timeout} s: each started, but none "
+                "has built its first batch yet, which the ring is sized by; the first, "
+                f"{self.stream.name(0)}, is with {self.pool.holder_of(0)}: a first batch that "
+                "takes longer needs a longer timeout=")
 
     def _control(self) -> Control:
         spec = self.spec
