@@ -11,13 +11,16 @@ import json
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from shmseq._apps.report import with_spread
 
 from .runner import LIMIT, Run
-from .systems import ABOUT, TORCH_SYSTEMS
+from .systems import ABOUT, NUM_WORKERS, TORCH_SYSTEMS
 from .workloads import WORKLOADS
+
+if TYPE_CHECKING:  # matplotlib is optional: imported where a chart is drawn
+    from matplotlib.figure import Figure
 
 COLUMNS = """\
 What the columns mean:
@@ -254,12 +257,23 @@ def write_json(path: Path, runs: list[Run], cells: list[Cell], info: dict, setti
 
 
 def write_chart(path: Path, cells: list[Cell]) -> bool:
-    """GB/s per workload and system, the limit marked; False where matplotlib is missing."""
+    """``chart_figure`` written to ``path``; False where matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
         return False
     matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure = chart_figure(cells)
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    return True
+
+
+def chart_figure(cells: list[Cell]) -> Figure:
+    """GB/s per workload and system, the limit marked, min-max bars only where a cell has two
+    or more runs, and a title that says which (needs matplotlib, with a backend chosen)."""
     from matplotlib import pyplot
 
     workloads = list(dict.fromkeys(c.workload for c in cells))
@@ -271,9 +285,7 @@ def write_chart(path: Path, cells: list[Cell]) -> bool:
         xs = [w + (i - (len(systems) - 1) / 2) * width for w in range(len(workloads))]
         found = [get.get((wl, system)) for wl in workloads]
         ys = [c.gb_per_s if c else 0 for c in found]
-        spread = [[c.gb_per_s - c.gb_per_s_spread[0] if c else 0 for c in found],
-                  [c.gb_per_s_spread[1] - c.gb_per_s if c else 0 for c in found]]
-        axes.bar(xs, ys, width, yerr=spread, capsize=2, label=system)
+        axes.bar(xs, ys, width, yerr=_spread_bars(found), capsize=2, label=system)
     label = "limit (no transport)"
     for w, workload in enumerate(workloads):
         if (workload, LIMIT) in get:
@@ -283,9 +295,26 @@ def write_chart(path: Path, cells: list[Cell]) -> bool:
     axes.set_xticks(range(len(workloads)), workloads)
     axes.set_yscale("log")
     axes.set_ylabel("GB/s delivered (log scale)")
-    axes.set_title("Batches delivered to the consumer, 2 workers (median, min-max)")
+    axes.set_title(f"Batches delivered to the consumer, {NUM_WORKERS} workers "
+                   f"({_what_bars_show(cells)})")
     axes.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1))
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    pyplot.close(figure)
-    return True
+    return figure
+
+
+def _spread_bars(found: list[Cell | None]) -> list[list[float]] | None:
+    """A system's min-max bars, below and above each median; None where no cell of it has
+    two runs: one run has no spread, and a bar of zero would claim one."""
+    if not any(c is not None and c.runs > 1 for c in found):
+        return None
+    return [[c.gb_per_s - c.gb_per_s_spread[0] if c else 0 for c in found],
+            [c.gb_per_s_spread[1] - c.gb_per_s if c else 0 for c in found]]
+
+
+def _what_bars_show(cells: list[Cell]) -> str:
+    """What the chart's figures are: one run's, or medians of how many runs, with bars."""
+    counts = sorted({c.runs for c in cells})
+    if counts[-1] == 1:
+        return "one run each: no spread"
+    runs = str(counts[0]) if len(counts) == 1 else f"{counts[0]} to {counts[-1]}"
+    return f"median of {runs} runs, bars: min-max"
