@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # matplotlib is optional: imported where a chart is drawn
 COLUMNS = """\
 What the columns mean:
 - GB/s, batches/s: what the consumer received, every batch checked; median of the repeats
-  (min-max).
+  (min-max); a single run has no spread.
 - consumer CPU µs/batch: CPU time of the training process per batch, all its threads (so it
   includes building the batches for shmseq-thread and serial): what a loader takes from your
   training step.
