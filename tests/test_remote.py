@@ -3,7 +3,9 @@ Range, moto's S3): ranges and whole objects come back as stored, transient failu
 a reset connection, a timeout) are retried and counted, the others raised at once naming the URL,
 and a ShardSequence over either delivers every sample once, its workers' reads counted in
 ``seq.stats``. Nothing leaks (conftest; the fixtures check threads)."""
+import json
 import os
+import re
 import sys
 import threading
 import time
@@ -11,12 +13,13 @@ import time
 import pytest
 
 import shard_data as sd
-from servers import s3, server, serving  # noqa: F401 - fixtures
-from shmseq import remote
+import shmseq.shards
+from servers import RawServer, s3, server, serving  # noqa: F401 - fixtures
+from shmseq import ShmSeqError, remote
 from shmseq.remote import Counters, RemotePolicy
 from shmseq.shards import ShardError, ShardIndex, ShardReader, ShardSequence
 
-QUICK = RemotePolicy(attempts=3, backoff=0.01)  # retries 5 to 20 ms apart
+QUICK = RemotePolicy(attempts=3, timeout=2, backoff=0.01)  # retries 5 to 20 ms apart
 DATA = bytes(range(256)) * 40  # 10,240 bytes
 
 
@@ -174,7 +177,7 @@ def test_an_unreachable_server_is_named_with_its_url_and_the_cause(server, tmp_p
     with pytest.raises(ConnectionError) as info:
         remote.read_range(url, 0, 10, counters=counters, policy=QUICK)
     message = str(info.value)
-    assert f"the server of {url} could not be reached" in message, message
+    assert message.startswith(f"{url}: the server could not be reached"), message
     assert "ConnectionRefusedError" in message and "3 attempts" in message, message
     assert counters.snapshot()["requests"] == 3
 
@@ -186,7 +189,7 @@ def test_a_server_slower_than_the_timeout_raises_a_timeout_naming_the_url(store)
     policy = RemotePolicy(attempts=2, timeout=0.2, backoff=0.01)
     with pytest.raises(TimeoutError) as info:
         remote.read_range(url, 0, 10, storage_options=options, counters=counters, policy=policy)
-    assert str(info.value).startswith(f"{url}: no answer within 0.2 s (2 attempts)")
+    assert str(info.value).startswith(f"{url}: no answer within 0.2 s (2 attempts in ")
     assert counters.snapshot()["requests"] == 2 and counters.snapshot()["retries"] == 1
 
 
@@ -262,3 +265,223 @@ def test_the_policy_names_a_wrong_argument():
         RemotePolicy(max_backoff=-1)
     with pytest.raises(TypeError, match="remote must be a shmseq.remote.RemotePolicy or None"):
         ShardSequence([], sd.decode, remote={"attempts": 3})
+    with pytest.raises(ValueError, match="deadline must be a number of seconds > 0, or None for "
+                                         "no deadline, got 0"):
+        RemotePolicy(deadline=0)
+
+
+# -- what a server that stalls or answers wrongly is reported as -----------------------------------
+
+
+def faulty(folder, fault: str, only: str = ""):
+    """A ``RawServer`` of ``folder`` answering the paths that end with ``only`` with ``fault``."""
+    return serving(lambda _: RawServer(folder, fault, only))
+
+
+@pytest.mark.parametrize("policy", [None, RemotePolicy(attempts=3, timeout=0.25, backoff=0.01)],
+                         ids=["default", "given"])
+def test_a_server_that_stalls_before_the_first_batch_is_named_before_the_timeout(tmp_path, policy):
+    """A server that accepts the connection and never answers: a worker fetching a shard of the
+    first batch gives up within a third of the sequence's timeout (the default policy's deadline;
+    the given policy fits in it), naming the shard's URL once, the attempts and the time. It
+    was "the workers did not start within timeout=...: " naming nobody, the default policy's
+    5 attempts of 30 s outlasting the sequence's timeout. A ShardError, not the sequence's own
+    timeout, is what shows it came first."""
+    sd.write(tmp_path / "shards", 50, 12)
+    with faulty(tmp_path, "stall", only=".tar") as stalled:
+        seq = ShardSequence(f"{stalled.url}/shards/shards.json", sd.decode, batch_size=8, seed=1,
+                            num_workers=2, out_type="null", timeout=4.5, remote=policy,
+                            cache_dir=tmp_path / "cache")
+        with pytest.raises(ShardError) as info:
+            with seq.start():
+                next(iter(seq))
+    message = str(info.value)
+    assert re.match(rf"shard {stalled.url}/shards/train-\d+\.tar: ", message), message
+    assert message.count(stalled.url) == 1, message
+    said = (r"no answer \(1 attempt in \d+\.\d s, ended by RemotePolicy\(deadline=1\.5\)\)"
+            if policy is None else r"no answer within 0\.25 s \(3 attempts in \d+\.\d s\)")
+    assert re.search(said, message), message
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["in place", "through the cache"])
+def test_a_server_that_stalls_mid_epoch_is_named_before_the_batch_times_out(tmp_path, cached):
+    """train-003.tar stalls, the shards before it are served: the worker's read gives up at its
+    deadline and the batch fails naming the shard and "no answer" (it was a BatchTimeout naming
+    the batch alone, the default policy outlasting the timeout). Through the cache, the
+    prefetcher's fetch stalls first, and a worker waits for it, then fetches the shard itself
+    (a failed prefetch is left to the workers from then on)."""
+    sd.write(tmp_path / "shards", 50, 12)
+    taken = []
+    reading = ({"cache": True, "cache_dir": str(tmp_path / "cache")} if cached else
+               {"shuffle_window": 1})
+    with faulty(tmp_path, "stall", only="train-003.tar") as stalled:
+        seq = ShardSequence(f"{stalled.url}/shards/shards.json", sd.decode, batch_size=8,
+                            shuffle=False, num_workers=2, out_type="null", timeout=4.5, **reading)
+        with pytest.raises(ShardError) as info:
+            with seq.start():
+                for batch in seq:
+                    taken += sd.consistent(batch)
+                    del batch  # info's traceback holds this frame: it must not hold a batch
+    assert taken == list(range(32))  # batch 4 reads samples 36-39 from train-003.tar
+    message = str(info.value)
+    assert message.startswith(f"shard {stalled.url}/shards/train-003.tar: "), message
+    assert "no answer (1 attempt in " in message and message.count(stalled.url) == 1, message
+
+
+def test_a_given_policy_that_outlasts_the_sequence_timeout_is_refused(tmp_path):
+    """Its worst case (5 attempts of 30 s and their back-offs: 157.5 s) past a third of the
+    sequence's timeout would let the batch time out before the remote error could name the
+    URL: refused, saying what fits. The default policy is given that deadline instead; without
+    a timeout, any policy goes."""
+    sd.write(tmp_path / "shards", 50, 12)
+    index = str(tmp_path / "shards" / "shards.json")
+    given = RemotePolicy()
+    assert given.worst_case() == 157.5 and RemotePolicy(deadline=9).worst_case() == 9
+    assert RemotePolicy(timeout=None).worst_case() is None
+    with pytest.raises(ValueError) as info:
+        ShardSequence(index, sd.decode, remote=given, timeout=3, out_type="null")
+    message = str(info.value)
+    assert message.startswith(f"remote={given!r} may wait up to 157.5 s for one request"), message
+    assert "longer than 1 s, a third of the sequence's timeout=3 s" in message, message
+    assert "Give the policy deadline=1 " in message and "(at least 472.5 s)" in message, message
+    fits = RemotePolicy(attempts=2, timeout=0.4, backoff=0.1)
+    for policy, timeout, used in [(fits, 3, fits), (None, 3, RemotePolicy(deadline=1)),
+                                  (given, None, given)]:
+        seq = ShardSequence(index, sd.decode, remote=policy, timeout=timeout, out_type="null")
+        assert seq.worker.reader.policy == used
+
+
+def test_a_first_batch_slower_than_the_timeout_names_the_batch_and_its_worker(tmp_path):
+    """Each request is answered within its deadline (0.5 s of 1.5), but the one batch reads 13
+    shards: start() gives up after its timeout saying that the worker started and which batch
+    it is building (it said "did not start within timeout=...: " and nothing more)."""
+    sd.write(tmp_path / "shards", 50, 4)
+    with serving(lambda servers: servers.FileServer(tmp_path, delay=0.5)) as slow:
+        seq = ShardSequence(f"{slow.url}/shards/shards.json", sd.decode, batch_size=50,
+                            num_workers=1, out_type="null", timeout=4.5, cache_dir=tmp_path / "c")
+        with pytest.raises(ShmSeqError, match=r"did not start within timeout=4\.5 s: each started, "
+                                              r"but none has built its first batch yet, which the "
+                                              r"ring is sized by; the first, batch 0 of epoch 0, is "
+                                              r"with worker 0 \(pid \d+\): a first batch "
+                                              r"that takes longer needs a longer timeout="):
+            seq.start()
+
+
+def test_a_body_cut_short_is_retried_and_said_so_with_its_counts(tmp_path):
+    """The connection closes halfway through the body: a transient failure, retried, and then
+    not "the server could not be reached" but how many of the bytes came."""
+    (tmp_path / "data.bin").write_bytes(DATA)
+    counters = Counters()
+    with faulty(tmp_path, "cut") as cut:
+        url = f"{cut.url}/data.bin"
+        with pytest.raises(ConnectionError) as info:
+            remote.read_range(url, 100, 1100, counters=counters, policy=QUICK)
+    message = str(info.value)
+    assert message.startswith(f"{url}: the server cut its answer short: the connection closed "
+                              "after 500 of the 1,000 bytes of its answer's body (3 attempts in "), message
+    assert "could not be reached" not in message and counters.snapshot()["retries"] == 2
+
+
+def test_bytes_after_a_body_are_counted_never_quoted(tmp_path):
+    """A server that sends 1 KiB more than its Content-Length: aiohttp's own error quotes those
+    bytes; the message says how many were asked for and that more came."""
+    (tmp_path / "data.bin").write_bytes(DATA)
+    with faulty(tmp_path, "extra") as extra:
+        url = f"{extra.url}/data.bin"
+        with pytest.raises(OSError) as info:
+            remote.read_range(url, 100, 1100, policy=QUICK)
+    message = str(info.value)
+    assert message.startswith(f"{url}: asked for bytes 100-1100 (1,000 bytes), the server sent "
+                              "more than its answer announced"), message
+    assert "\\x" not in message and "abcdef" not in message and len(message) < 400, message
+
+
+def test_a_server_that_ignores_range_serves_a_whole_object_and_refuses_a_part(tmp_path):
+    """A 200 with the whole object answers a fetch (the cache's way) but not a range from the
+    middle: said once, not taken for an object that ends early."""
+    (tmp_path / "data.bin").write_bytes(DATA)
+    with faulty(tmp_path, "whole") as whole:
+        url = f"{whole.url}/data.bin"
+        assert remote.fetch(url, tmp_path / "copy.bin", policy=QUICK) == len(DATA)
+        with pytest.raises(OSError) as info:
+            remote.read_range(url, 5000, 20_000, policy=QUICK)
+    assert str(info.value) == (f"{url}: asked for bytes 5000-20000, the server answered 200 with "
+                               "the whole object (10,240 bytes): it ignores Range requests; serve "
+                               "the shards from one that honours them (any object store or web "
+                               "server does)")
+
+
+SAID = {"whole": r"asked for bytes \d+-\d+, the server answered 200 with the whole object "
+                 r"\([\d,]+ bytes\): it ignores Range requests",
+        "short": r"asked for bytes \d+-\d+ \([\d,]+ bytes\) of an object of [\d,]+ bytes, the "
+                 r"server sent only [\d,]+: it answers ranges short",
+        "extra": r"asked for bytes \d+-\d+ \([\d,]+ bytes\), the server sent more than its "
+                 r"answer announced: bytes past the end of its body",
+        "cut": r"the server cut its answer short: the connection closed after [\d,]+ of the "
+               r"[\d,]+ bytes of its answer's body \(3 attempts in \d+\.\d s\)"}
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["in place", "cached"])
+@pytest.mark.parametrize("fault", list(SAID))
+def test_what_a_faulty_server_sent_is_said_once_through_a_sequence(tmp_path, fault, cached):
+    """What the user gets from the loop: the shard reader names the shard, the remote layer what
+    came, once each (a server ignoring Range was "url: OSError: url: ..." inside "shard url:",
+    a short answer "the shard ends at byte S, before the sample ... ends (byte E)" with S past
+    E, and bytes after a body a kilobyte of them). A whole object is all a cached shard needs."""
+    sd.write(tmp_path / "shards", 50, 12)
+    options = {"cache_dir": tmp_path / "cache"} if cached else {"shuffle_window": 1}
+    with faulty(tmp_path, fault, only=".tar") as served:
+        seq = ShardSequence(f"{served.url}/shards/shards.json", sd.decode, batch_size=8, seed=1,
+                            num_workers=1, out_type="null", timeout=20, remote=QUICK, **options)
+        if fault == "whole" and cached:
+            with seq.start():
+                assert sorted(n for batch in seq for n in sd.consistent(batch)) == list(range(50))
+            return
+        with pytest.raises(ShardError) as info:
+            with seq.start():
+                for _ in seq:
+                    pass
+    message = str(info.value)
+    assert re.match(rf"shard {served.url}/shards/train-\d+\.tar: ", message), message
+    assert re.search(SAID[fault], message) and message.count(served.url) == 1, message
+    assert "\\x" not in message and len(message) < 600, message
+
+
+@pytest.mark.parametrize("local", ["absolute", "file"])
+def test_a_remote_index_naming_local_files_is_refused(server, tmp_path, local):
+    """An index from a server must not make the reader read (and cache) this machine's files:
+    an absolute path or a file:// URL in it is refused, naming the index and the entry; a
+    relative entry stays relative to the index's URL."""
+    written = sd.write(tmp_path / "local", 20, 10)
+    with open(tmp_path / "local" / "shards.json") as file:
+        saved = json.load(file)
+    named = written.shards[1].url if local == "absolute" else f"file://{written.shards[1].url}"
+    saved["shards"][0]["url"] = "../local/train-000.tar"
+    saved["shards"][1]["url"] = named
+    (tmp_path / "served").mkdir()
+    (tmp_path / "served" / "shards.json").write_text(json.dumps(saved))
+    url = f"{server.url}/served/shards.json"
+    with pytest.raises(ValueError) as info:
+        ShardIndex.load(url)
+    assert str(info.value).startswith(f"the index {url} names a local file for shard 1: "
+                                      f"{named!r}"), info.value
+    with pytest.raises(ValueError, match="names a local file for shard 1"):
+        ShardSequence(url, sd.decode, out_type="null")
+    saved["shards"][1]["url"] = "../local/train-001.tar"
+    (tmp_path / "served" / "shards.json").write_text(json.dumps(saved))
+    assert [shard.url for shard in ShardIndex.load(url).shards] == [
+        f"{server.url}/served/../local/train-{n:03d}.tar" for n in range(2)]
+
+
+def test_writing_and_a_remote_scan_show_labelled_progress(server, tmp_path, capsys, monkeypatch):
+    """write_shards' bar and the scan's are labelled; a remote scan (a request for each header)
+    shows beside its bar the samples found in the shard it reads."""
+    tqdm = pytest.importorskip("tqdm")
+    monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # no monitor thread left behind
+    shmseq.shards.write_shards(sd.samples(30), str(tmp_path / "shards" / "t-%03d.tar"),
+                               samples_per_shard=10, progress=True)
+    monkeypatch.setattr(shmseq.shards, "POSTFIX_S", 0)  # each sample found is shown
+    ShardIndex.scan([f"{server.url}/shards/t-{n:03d}.tar" for n in range(3)], progress=True)
+    shown = capsys.readouterr().err
+    assert "writing shards" in shown and "scanning shards" in shown and "3/3" in shown, shown
+    assert "t-002.tar: 10 samples" in shown, shown

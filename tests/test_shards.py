@@ -489,7 +489,8 @@ def test_a_server_that_cannot_be_reached_is_named_with_its_url_and_the_cause(ser
     server.stop()
     message = str(read_first_sample_of_shard(index, 1))
     assert message.startswith(f"shard {index.shards[1].url}: ") and "missing" not in message
-    assert f"the server of {index.shards[1].url} could not be reached" in message, message
+    assert "the server could not be reached" in message, message
+    assert message.count(index.shards[1].url) == 1, message  # named once
     assert "ConnectionRefusedError" in message, message
 
 
