@@ -16,13 +16,24 @@ files. Who does what:
 * ``RankBoard``: each local rank's progress, which eviction waits for.
 * ``Ledger``: what the cache holds, in a file every process maps.
 
-Its folder, ``<cache_dir>/<job>/<index digest>/``::
+Its folder, ``<cache_dir>/shmseq-cache-<uid>/<job>/<digest of the data>/``, this user's alone
+(made 0700, its files 0600, nothing followed through a link, nothing of another user's
+trusted: ``shmseq.cache_files``)::
 
     ledger     one record per shard: absent, being fetched (its bytes reserved) or cached, the
-               epoch it is kept for, its bytes; changed only under the file's flock
+               epoch it is kept for, its bytes, the run that checked it and the version of
+               its object; changed only under the file's flock
     shards/    the cached shards: ``<number>-<file name>``, renamed into place once whole
     locks/     a lock file per shard: whoever holds its flock is fetching that shard
     ranks/     a progress file per local rank, flocked by the rank for as long as it runs
+    budget     the cache's budget, read by other caches of the user's; each sequence using
+               the cache holds its shared flock
+    session    the node's run: a shard checked against its index in it is not checked again
+
+Checked: a shard's bytes reach a batch only once they matched its index's size and SHA-256:
+when fetched, and, for a shard a run before cached, once per run of the node's ranks (its
+object's version asked again first: a rewritten object is fetched again, then refused if it no
+longer matches its index; a damaged copy is fetched again, once, and said).
 
 Lock protocol: a process that needs a shard not cached takes the shard's lock (workers wait
 for it, the prefetcher skips a shard another process holds), looks again (the holder before it
@@ -45,11 +56,12 @@ the ranks to move on, and says why after half the sequence's timeout.
 
 The job: ``job=``, else ``SLURM_JOB_ID``, else ``TORCHELASTIC_RUN_ID`` (set by torchrun; not
 its "none"), else ``"default"``: two jobs on a node keep two caches, and a job resumed after a
-crash finds its shards again (each checked by size before it is read). ``torchrun
---standalone`` draws a new random id (a UUID) at every launch, so its caches are never found
-again: a cache starting removes those of drawn ids under its ``cache_dir`` that no live rank
-uses and whose ledger nobody changed for ``ABANDONED_AFTER_S`` (without it, every launch would
-leave up to half the disk behind).
+crash finds its shards again. ``torchrun --standalone`` draws a new random id (a UUID) at every
+launch, so its caches are never found again: a cache starting removes this user's caches that
+nothing uses and whose ledger nobody changed for ``ABANDONED_AFTER_S`` (drawn ids) or
+``FINISHED_AFTER_S`` (any other name): without it, every launch would leave up to half the disk
+behind. Budgets add up: a default one is drawn from the free space less what this user's other
+caches in use may still fill.
 """
 from __future__ import annotations
 
@@ -63,12 +75,15 @@ import re
 import shutil
 import threading
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, BinaryIO, Callable, Iterator
 
 import numpy as np
 
 from . import remote
+from .cache_files import (check_folder, file_digest, inside, open_private, open_private_file,
+                          private_folder, user_folder)
 from .remote import RemotePolicy
 
 if TYPE_CHECKING:
@@ -81,10 +96,12 @@ PREFETCH_POLL_S = 0.05      # how often the prefetcher looks again at what it co
 JOB_VARIABLES = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 DRAWN_JOB = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 ABANDONED_AFTER_S = 600     # a drawn job's cache with no live rank, its ledger untouched this long
+FINISHED_AFTER_S = 24 * 3600  # any other job's: kept a day for a resume, then removed
 ABSENT, FETCHING, CACHED = 0, 1, 2
 BUSY, FULL = "busy", "full"  # why a prefetch did not start: another process fetches it; no room
 LEDGER_RECORD = np.dtype([("state", "i1"), ("waiting", "i1"), ("tag", "<i4"), ("fetched", "<i4"),
-                          ("bytes", "<i8"), ("stamp", "<i8")])
+                          ("bytes", "<i8"), ("stamp", "<i8"), ("checked", "<i8"),
+                          ("version", "<i8")])
 _RANK_HEADER = 24           # a progress file: the consumer's epoch, its owner's pid, the epoch its
                             # batches in flight may reach (int64 each), then one byte per shard:
                             # 1 where the rank's batches left in its epoch no longer read it
@@ -93,6 +110,16 @@ _RANK_HEADER = 24           # a progress file: the consumer's epoch, its owner's
 class ShardCacheFull(OSError):
     """A shard found no room in the cache for longer than the wait allows: the message says
     what holds the room and what to do."""
+
+
+class StaleShardError(ValueError):
+    """A shard fetched from its URL does not match its index's size or checksum: the object
+    was rewritten (or the index is another data set's); nothing of it reaches a batch."""
+
+
+class DamagedShardWarning(UserWarning):
+    """A cached shard no longer matched its index's checksum (a bit flipped on disk, a file
+    changed by hand): it was removed and fetched again."""
 
 
 # -- locks ----------------------------------------------------------------------------------------
@@ -113,7 +140,7 @@ os.register_at_fork(after_in_child=_let_go_after_fork)
 
 def _lock(path: str, *, exclusive: bool = True, wait: bool = True) -> int | None:
     """A descriptor of ``path`` holding its flock; None if ``wait`` is False and it is held."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = open_private(path, os.O_RDWR | os.O_CREAT)
     _held.add(fd)
     try:
         fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) |
@@ -132,9 +159,21 @@ def _unlock(fd: int) -> None:
     os.close(fd)  # the lock goes with the last descriptor of its open file
 
 
-def _is_held(path: str) -> bool:
-    """Whether a live process holds ``path``'s lock (a dead one's is released by the kernel)."""
-    fd = _lock(path, exclusive=False, wait=False)
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    """``path``'s flock, held for the block."""
+    fd = _lock(path)
+    assert fd is not None  # waited for
+    try:
+        yield
+    finally:
+        _unlock(fd)
+
+
+def _is_held(path: str, *, shared: bool = False) -> bool:
+    """Whether a live process holds ``path``'s lock (a dead one's is released by the kernel);
+    ``shared``: a shared hold counts too."""
+    fd = _lock(path, exclusive=shared, wait=False)
     if fd is not None:
         _unlock(fd)
     return fd is None
@@ -157,49 +196,103 @@ def job_name(job: str | None = None) -> str:
     return "default"
 
 
-def remove_abandoned(cache_dir: str) -> list[str]:
-    """Remove the caches under ``cache_dir`` of jobs named by a drawn id (see the module's
-    text) that nobody uses any more; the folders removed."""
+def remove_abandoned(root: str, keep: str | None = None) -> list[str]:
+    """Remove the caches in this user's folder ``root`` that nobody uses (no live rank, no
+    live sequence) and whose ledger nobody changed for ``ABANDONED_AFTER_S`` (a job named by a
+    drawn id, which no launch finds again) or ``FINISHED_AFTER_S`` (any other: time enough for
+    a resume); never ``keep``. The folders removed. Only real folders are looked into: a link
+    or a file in ``root`` is left alone."""
     removed = []
-    with contextlib.suppress(FileNotFoundError):
-        for job in os.listdir(cache_dir):
-            if not DRAWN_JOB.fullmatch(job):
-                continue
-            for digest in os.listdir(os.path.join(cache_dir, job)):
-                folder = os.path.join(cache_dir, job, digest)
-                if _abandoned(folder):
-                    shutil.rmtree(folder, ignore_errors=True)
-                    removed.append(folder)
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.join(cache_dir, job))  # if nothing is left in it
+    for job in _folders(root):
+        for folder in _folders(job.path):
+            if folder.path != keep and _abandoned(folder.path, DRAWN_JOB.fullmatch(job.name)):
+                shutil.rmtree(folder.path, ignore_errors=True)
+                removed.append(folder.path)
+        with contextlib.suppress(OSError):
+            os.rmdir(job.path)  # if nothing is left in it
     return removed
 
 
-def _abandoned(folder: str) -> bool:
-    """No rank holds its progress file, and its ledger is older than ``ABANDONED_AFTER_S``: a
-    job starting, not on the board yet, has just touched it (``prepare``)."""
+def _folders(path: str) -> list[os.DirEntry]:
+    """The folders in ``path``, links not followed (none where ``path`` is gone)."""
     try:
-        changed = os.stat(os.path.join(folder, "ledger")).st_mtime
-        ranks = os.listdir(os.path.join(folder, "ranks"))
+        with os.scandir(path) as entries:
+            return [entry for entry in entries if entry.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _abandoned(folder: str, drawn: object) -> bool:
+    """Unused, and its ledger older than a drawn job's or another job's age limit: a job
+    starting, not on the board yet, has just touched it (``prepare``)."""
+    try:
+        changed = os.lstat(os.path.join(folder, "ledger")).st_mtime
     except FileNotFoundError:
         return False
-    return (time.time() - changed > ABANDONED_AFTER_S
-            and not any(_is_held(os.path.join(folder, "ranks", rank)) for rank in ranks))
+    age = ABANDONED_AFTER_S if drawn else FINISHED_AFTER_S
+    return time.time() - changed > age and not _in_use(folder)
+
+
+def _in_use(folder: str) -> bool:
+    """A live sequence holds the cache (its budget file), or a live rank its progress file."""
+    ranks = os.path.join(folder, "ranks")
+    try:
+        names = [os.path.join(ranks, name) for name in os.listdir(ranks)]
+    except FileNotFoundError:
+        names = []
+    paths = [os.path.join(folder, "budget"), *names]
+    return any(os.path.lexists(path) and _is_held(path, shared=True) for path in paths)
+
+
+def _bytes_in(folder: str) -> int:
+    """What a cache's shards take on disk."""
+    try:
+        with os.scandir(os.path.join(folder, "shards")) as entries:
+            return sum(entry.stat(follow_symlinks=False).st_size for entry in entries)
+    except FileNotFoundError:
+        return 0
+
+
+def free_bytes(folder: str) -> int:
+    """What the file system of ``folder`` has free for this user."""
+    stats = os.statvfs(folder)
+    return stats.f_bavail * stats.f_frsize
 
 
 def default_cache_dir() -> str:
     """``$TMPDIR`` (a scheduler's node-local scratch) or else /var/tmp (on disk, where /tmp may
-    be memory), in a folder of this user's."""
-    return os.path.join(os.environ.get("TMPDIR") or "/var/tmp", f"shmseq-cache-{os.getuid()}")
+    be memory): the caches go into this user's folder in it (``shmseq.cache_files``)."""
+    return os.environ.get("TMPDIR") or "/var/tmp"
+
+
+def user_root(cache_dir: str | os.PathLike | None = None) -> str:
+    """This user's folder of caches under ``cache_dir`` (the path only: ``prepare`` makes it)."""
+    return os.path.join(os.path.abspath(os.fspath(cache_dir or default_cache_dir())),
+                        f"shmseq-cache-{os.getuid()}")
 
 
 def cache_folder(index: ShardIndex, cache_dir: str | os.PathLike | None = None,
-                 job: str | None = None) -> str:
-    """The folder of ``index``'s cache for ``job``: one per job and per data set."""
-    digest = hashlib.sha1("\n".join(f"{shard.url} {shard.end}" for shard in index.shards)
-                          .encode()).hexdigest()[:16]
+                 job: str | None = None, storage_options: dict | None = None) -> str:
+    """The folder of ``index``'s cache for ``job``: one per job and per data set, the data set
+    named by what its bytes are (each shard's URL, size and checksum) and where they come from
+    (an ``endpoint_url`` in ``storage_options``): another data set at the same URLs, or the
+    same keys behind another endpoint, gets a cache of its own."""
+    described = [_endpoint(storage_options)] + [
+        f"{shard.url} {shard.end} {shard.size} {shard.sha256}" for shard in index.shards]
+    digest = hashlib.sha256("\n".join(described).encode()).hexdigest()[:16]
     name = re.sub(r"[^A-Za-z0-9._-]", "_", job_name(job))
-    return os.path.join(os.fspath(cache_dir or default_cache_dir()), name, digest)
+    if name in (".", ".."):
+        raise ValueError(f"the job name {job_name(job)!r} (from job=, SLURM_JOB_ID or "
+                         "TORCHELASTIC_RUN_ID) would name a folder outside the cache's: pass "
+                         "job= with a name of letters, digits, '.', '_' or '-'")
+    return inside(inside(user_root(cache_dir), name), digest)
+
+
+def _endpoint(storage_options: dict | None) -> str:
+    """The endpoint the shards' URLs are resolved against, where the options name one."""
+    options = storage_options or {}
+    client = options.get("client_kwargs") or {}
+    return f"endpoint {options.get('endpoint_url') or client.get('endpoint_url') or ''}"
 
 
 # -- counts -------------------------------------------------------------------------------------
@@ -212,7 +305,7 @@ class CacheCounters(remote.Counters):
     the worker loop hands a worker's to the consumer with its batches."""
 
     FIELDS = ("shard_fetches", "shard_fetch_bytes", "shard_fetch_requests", "shard_refetches",
-              "shard_read_bytes", "shard_wait_s", "cache_peak_bytes")
+              "shard_repairs", "shard_read_bytes", "shard_wait_s", "cache_peak_bytes")
 
     def __reduce__(self) -> tuple:
         return CacheCounters, ()
@@ -243,17 +336,32 @@ class Ledger:
     def table(self) -> np.ndarray:
         """This process's mapping of the records (made on first use; a forked child's anew)."""
         if self._table is None or self._pid != os.getpid():
-            if not os.path.exists(self.path) or os.path.getsize(self.path) != self.nbytes:
+            if self._size() != self.nbytes:
                 with self._locked():  # the first process here makes it; a wrong size is remade
-                    if not os.path.exists(self.path) or os.path.getsize(self.path) != self.nbytes:
-                        empty = np.zeros(self.count, LEDGER_RECORD)
-                        empty["tag"] = empty["fetched"] = -1  # kept for, fetched for: none yet
-                        with open(self.path + ".new", "wb") as file:
-                            file.write(empty.tobytes())
-                        os.replace(self.path + ".new", self.path)
-            self._table = np.memmap(self.path, LEDGER_RECORD, "r+", shape=(self.count,))
+                    if self._size() != self.nbytes:
+                        self._make()
+            with open_private_file(self.path, "r+b") as file:
+                self._table = np.memmap(file, LEDGER_RECORD, "r+", shape=(self.count,))
             self._pid = os.getpid()
         return self._table
+
+    def _size(self) -> int | None:
+        try:
+            return os.lstat(self.path).st_size
+        except FileNotFoundError:
+            return None
+
+    def _make(self) -> None:
+        """An empty ledger, written under a new name and renamed into place (what stands at
+        the new name, a dead process's file or a link, is removed, never written through)."""
+        empty = np.zeros(self.count, LEDGER_RECORD)
+        empty["tag"] = empty["fetched"] = -1  # kept for, fetched for: none yet
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path + ".new")
+        fd = open_private(self.path + ".new", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        with os.fdopen(fd, "wb") as file:
+            file.write(empty.tobytes())
+        os.replace(self.path + ".new", self.path)
 
     @property
     def nbytes(self) -> int:
@@ -266,14 +374,8 @@ class Ledger:
         with self._locked():
             yield table
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        fd = _lock(self.path + ".lock")
-        assert fd is not None  # waited for
-        try:
-            yield
-        finally:
-            _unlock(fd)
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
+        return _locked(self.path + ".lock")
 
     def usage(self, table: np.ndarray) -> int:
         """Bytes the cache holds or has reserved."""
@@ -312,7 +414,7 @@ class RankBoard:
         return progress
 
     def _owner(self, rank: int) -> int | str:
-        with contextlib.suppress(OSError), open(self.path(rank), "rb") as file:
+        with contextlib.suppress(OSError), open_private_file(self.path(rank)) as file:
             return int(np.frombuffer(file.read(_RANK_HEADER), np.int64)[1])
         return "unknown"
 
@@ -324,7 +426,7 @@ class RankBoard:
                 path = os.path.join(self.folder, name)
                 if not _is_held(path):
                     continue
-                with contextlib.suppress(OSError), open(path, "rb") as file:
+                with open_private_file(path) as file:
                     data = file.read(_RANK_HEADER + self.count)
                     if len(data) == _RANK_HEADER + self.count:
                         epoch, _, ahead = np.frombuffer(data[:_RANK_HEADER], np.int64).tolist()
@@ -385,91 +487,197 @@ def evictable(table: np.ndarray, live: list[tuple[int, int, np.ndarray]], expect
 class ShardCache:
     """The node's cache of one index's shards for one job (see the module's text): ``open`` a
     shard (fetched first by the caller if it is not cached), ``prefetch`` one (the prefetcher's
-    way: it never waits), ``claim`` cached ones for a later epoch. Sent to every worker."""
+    way: it never waits), ``claim`` cached ones for a later epoch. Sent to every worker.
 
-    def __init__(self, index: ShardIndex, folder: str, budget: int | None = None, *,
+    Every shard is checked against its index's size and SHA-256 before its bytes reach a
+    batch: once fetched, and once per run of the node's ranks when a run before cached it
+    (``session``); so the index must have them (written by ``write_shards`` or scanned by
+    ``ShardIndex.scan``: index version 2)."""
+
+    def __init__(self, index: ShardIndex, cache_dir: str | os.PathLike | None = None,
+                 job: str | None = None, budget: int | None = None, *,
                  storage_options: dict | None = None, policy: RemotePolicy | None = None,
                  timeout: float | None = None) -> None:
+        unchecked = [shard.url for shard in index.shards if shard.sha256 is None or shard.size is None]
+        if unchecked:
+            raise ValueError(
+                f"the shard index has no size and checksum for {len(unchecked)} shards (the first: "
+                f"{unchecked[0]}), and the shard cache checks every shard against them: scan the "
+                "shards again (ShardIndex.scan(urls).save('shards.json'), which reads each once), "
+                "or read them in place with cache=False")
         self.index = index
-        self.folder = folder
+        self.folder = cache_folder(index, cache_dir, job, storage_options)
+        self.root = os.path.dirname(os.path.dirname(self.folder))
         self.budget = budget
         self.budget_given = budget is not None
         self.storage_options = storage_options
         self.policy = policy
         self.timeout = timeout  # a reader waits for room half of it, then says why
         self.counters = CacheCounters()
-        self.ledger = Ledger(os.path.join(folder, "ledger"), len(index.shards))
-        self.board = RankBoard(os.path.join(folder, "ranks"), len(index.shards))
+        self.ledger = Ledger(os.path.join(self.folder, "ledger"), len(index.shards))
+        self.board = RankBoard(os.path.join(self.folder, "ranks"), len(index.shards))
         self.estimates = estimated_bytes(index)
+        self.session = 0  # the node's run: a cached shard checked in it is not checked again
+        self._holding: int | None = None  # the budget file's shared lock, while prepared
+        self._unreachable = False  # a version could not be asked: none is asked again here
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_holding": None}
 
     def path(self, number: int) -> str:
         name = os.path.basename(self.index.shards[number].url.rstrip("/")) or "shard"
-        return os.path.join(self.folder, "shards", f"{number:06d}-{name}")
+        return os.path.join(self.folder, "shards", f"{number:06d}-{re.sub(r'[^A-Za-z0-9._-]', '_', name)}")
 
     def _lock_path(self, number: int | np.integer) -> str:
         return os.path.join(self.folder, "locks", f"{number:06d}")
 
     # -- start: the folder, what a run before left, the budget ----------------------------------
     def prepare(self) -> int:
-        """Make the folder, keep what an earlier run of the job cached (checked by size), drop
-        what it left half-done, remove the caches of launches nobody will resume, and settle
-        the budget (default: the whole data set, at most half of the free space); raises if the
-        file system cannot hold it. The bytes cached."""
-        for part in ("shards", "locks", "ranks"):
-            os.makedirs(os.path.join(self.folder, part), exist_ok=True)
+        """Make the folders (this user's, 0700, checked: ``shmseq.cache_files``), keep what an
+        earlier run of the job cached (each shard checked against its index once in this run),
+        drop what it left half-done, remove the caches nobody uses any more, and settle the
+        budget (default: the whole data set, at most half of what the file system has free
+        beside what this user's other live caches may still take); raises if it cannot hold
+        it. The bytes cached. ``release()`` ends it."""
+        user_folder(os.path.dirname(self.root))  # cache_dir checked, this user's folder made
+        private_folder(os.path.dirname(self.folder))  # the job's
+        for folder in (self.folder, *(os.path.join(self.folder, part) for part in
+                                      ("shards", "locks", "ranks"))):
+            private_folder(folder)
         with self.ledger.changing() as table:
+            self.session = self._join_session()
             self._reconcile(table)
             cached = self.ledger.usage(table)
-        os.utime(self.ledger.path)  # in use: see remove_abandoned
-        remove_abandoned(os.path.dirname(os.path.dirname(self.folder)))
-        stats = os.statvfs(self.folder)
-        available = stats.f_bavail * stats.f_frsize + cached
-        if self.budget is None:
+        os.utime(self.ledger.path, follow_symlinks=False)  # in use: see remove_abandoned
+        with _locked(os.path.join(self.root, "budgets.lock")):
+            remove_abandoned(self.root, keep=self.folder)
+            self._settle_budget(cached)
+        return cached
+
+    def count_held(self) -> None:
+        """Count what the cache holds now in ``cache_peak_bytes`` (a warm run fetches nothing,
+        yet holds the data set): after a start, whose stats begin anew."""
+        self.counters.peak(self.ledger.usage(self.ledger.table()))
+
+    def _join_session(self) -> int:
+        """The node's run, which marks a shard checked in it (under the ledger's lock): the
+        first sequence to use the cache draws it, those that join while it is in use read it,
+        and from here this one is in use too (its budget file's shared lock, to ``release()``)."""
+        first = not _in_use(self.folder)
+        self.release()
+        self._holding = _lock(os.path.join(self.folder, "budget"), exclusive=False)
+        fd = open_private(os.path.join(self.folder, "session"), os.O_RDWR | os.O_CREAT)
+        with os.fdopen(fd, "r+b") as file:
+            known = file.read(8)
+            if not first and len(known) == 8:
+                return int(np.frombuffer(known, np.int64)[0])
+            session = time.time_ns()
+            file.seek(0)
+            file.write(np.int64(session).tobytes())
+            file.truncate()
+        return session
+
+    def _settle_budget(self, cached: int) -> None:
+        """The budget, given or drawn from the free space less what this user's other live
+        caches on the file system may still fill, written where those others read it."""
+        free = free_bytes(self.folder)
+        others = [(folder, budget - used) for folder, budget, used in self._other_caches()]
+        promised = sum(max(left, 0) for _, left in others)
+        available = max(free - promised, 0) + cached
+        if self.budget is None or not self.budget_given:
             self.budget = int(min(self.estimates.sum(), available // 2))
         elif self.budget > available:
             raise ValueError(
                 f"cache_bytes={self.budget:,} is more than the file system of the shard cache "
-                f"{self.folder} can give: {available - cached:,} bytes free, and {cached:,} cached "
-                "already. Free space there, lower cache_bytes, or choose another cache_dir")
-        return cached
+                f"{self.folder} can give: {free:,} bytes free, {cached:,} cached here already, and "
+                f"{promised:,} promised to this user's other caches that are in use "
+                f"({self.holders()}). Free space there, lower cache_bytes, or choose another "
+                "cache_dir")
+        fd = open_private(os.path.join(self.folder, "budget"), os.O_RDWR | os.O_CREAT)
+        with os.fdopen(fd, "r+b") as file:
+            file.write(np.int64(self.budget).tobytes())
+            file.truncate()
+
+    def _other_caches(self) -> list[tuple[str, int, int]]:
+        """(folder, budget, bytes held) of this user's other caches in use on this file system."""
+        found = []
+        for job in _folders(self.root):
+            for folder in _folders(job.path):
+                if folder.path == self.folder or not _in_use(folder.path):
+                    continue
+                with contextlib.suppress(OSError, ValueError), \
+                        open_private_file(os.path.join(folder.path, "budget")) as file:
+                    budget = int(np.frombuffer(file.read(8), np.int64)[0])
+                    found.append((folder.path, budget, _bytes_in(folder.path)))
+        return found
+
+    def holders(self) -> str:
+        """What this user's caches on the file system hold, the largest first, for messages."""
+        held = []
+        for job in _folders(self.root):
+            for folder in _folders(job.path):
+                age = time.time() - os.lstat(folder.path).st_mtime
+                state = "in use" if _in_use(folder.path) else f"unused for {age / 3600:.1f} h"
+                held.append((_bytes_in(folder.path), f"{folder.path}: {_bytes_in(folder.path):,} "
+                                                     f"bytes, {state}"))
+        return "; ".join(text for _, text in sorted(held, reverse=True)) or "none"
+
+    def release(self) -> None:
+        """This sequence no longer uses the cache: its budget stops counting against others'."""
+        if self._holding is not None:
+            _unlock(self._holding)
+            self._holding = None
 
     def _reconcile(self, table: np.ndarray) -> None:
-        """The ledger made true to the files: a cached shard whose file is gone, or of another
-        size than recorded, or too short for its samples, is dropped; a file the ledger does not
-        know (its fetcher died between the rename and the record) is kept if its samples fit;
-        what dead fetchers left (reservations, waits, partial files) goes."""
+        """The ledger made true to the files: a cached shard whose file is gone or of another
+        size than its index says is dropped; a file the ledger does not know (its fetcher died
+        between the rename and the record) is kept only if its checksum is the index's; what
+        dead fetchers left (reservations, waits, partial files) goes. A link or a file of
+        another user's among the shards is refused (``UnsafeCacheError``)."""
         folder = os.path.join(self.folder, "shards")
-        sizes, parts = {}, []
+        found, parts = set(), []
         for name in os.listdir(folder):
-            found = re.match(r"\.?(\d{6})-", name)
-            if found is None:
+            numbered = re.match(r"\.?(\d{6})-", name)
+            path = os.path.join(folder, name)
+            if numbered is None or int(numbered[1]) >= len(self.index.shards):
                 continue
             if name.endswith(".part"):
-                parts.append((int(found[1]), os.path.join(folder, name)))
-            elif os.path.join(folder, name) == self.path(int(found[1])):
-                sizes[int(found[1])] = os.path.getsize(os.path.join(folder, name))
+                parts.append((int(numbered[1]), path))
+            elif path == self.path(int(numbered[1])):
+                found.add(int(numbered[1]))
         self._forget_the_dead(table)
-        state, kept = table["state"], table["bytes"]
-        for number in set(sizes) | set(np.flatnonzero(state == CACHED).tolist()):
-            size = sizes.get(number)
+        state = table["state"]
+        for number in found | set(np.flatnonzero(state == CACHED).tolist()):
             if state[number] == FETCHING:
                 continue  # its fetcher is alive: the file is an old one it will replace
-            if size is not None and size >= self.index.shards[number].end and (
-                    state[number] != CACHED or kept[number] == size):
+            if number in found and self._whole(number) and (
+                    state[number] == CACHED or self._verified(number)):
                 if state[number] != CACHED:  # adopted, kept for no epoch in particular
-                    table[number] = (CACHED, 0, -1, -1, size, time.time_ns())
+                    table[number] = (CACHED, 0, -1, -1, self.index.shards[number].size,
+                                     time.time_ns(), 0, 0)
             else:
-                state[number], kept[number] = ABSENT, 0
-                if size is not None:
+                state[number], table["bytes"][number] = ABSENT, 0
+                if number in found:
                     os.unlink(self.path(number))
         for number, path in parts:
             if not _is_held(self._lock_path(number)):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
 
+    def _whole(self, number: int) -> bool:
+        """The cached file is this user's, unlinked, and of its index's size."""
+        with open_private_file(self.path(number)) as file:
+            return os.fstat(file.fileno()).st_size == self.index.shards[number].size
+
+    def _verified(self, number: int) -> bool:
+        """The cached file's checksum is its index's."""
+        with open_private_file(self.path(number)) as file:
+            return file_digest(file)[1] == self.index.shards[number].sha256
+
     # -- readers ----------------------------------------------------------------------------------
     def open(self, number: int, counters: remote.Counters) -> BinaryIO:
-        """Shard ``number`` as a local file. Not cached yet: fetched by this caller under the
+        """Shard ``number`` as a local file, checked against its index. Not cached yet (or
+        not checked in this run, or damaged): checked, or fetched, by this caller under the
         shard's lock (or, if another process is fetching it, once that one is done); its
         requests counted in ``counters``."""
         file = self._open_cached(number)
@@ -482,27 +690,80 @@ class ShardCache:
             if file is None:
                 self._wait_for_room(number)
                 self._fetch_reserved(number, None, counters)
-                file = open(self.path(number), "rb")
+                file = open_private_file(self.path(number))
         finally:
             _unlock(fd)
         self.counters.add(shard_wait_s=time.perf_counter() - began)
         return file
 
     def _open_cached(self, number: int, repair: bool = False) -> BinaryIO | None:
-        """The cached file, if it is there and holds the index's samples. ``repair`` (under the
-        shard's lock): one too short is removed, to be fetched again."""
+        """The cached file, if it is there and checked against its index in this run.
+        ``repair`` (under the shard's lock): one not checked yet is checked now, and one that
+        does not match is removed, said (``DamagedShardWarning``) and counted, to be fetched
+        again."""
         try:
-            file = open(self.path(number), "rb")
+            file = open_private_file(self.path(number))
         except FileNotFoundError:
             return None
-        if os.fstat(file.fileno()).st_size >= self.index.shards[number].end:
+        table = self.ledger.table()
+        if table["state"][number] == CACHED and table["checked"][number] == self.session and \
+                os.fstat(file.fileno()).st_size == self.index.shards[number].size:
+            return file
+        if not repair or table["state"][number] == FETCHING:
+            file.close()
+            return None
+        version = self._version_if_known(number)
+        if table["version"][number] not in (0, version or table["version"][number]):
+            file.close()  # rewritten at its source: fetched again, and checked then
+            self._drop(number)
+            return None
+        size, sha256 = file_digest(file)
+        shard = self.index.shards[number]
+        if size == shard.size and sha256 == shard.sha256:
+            with self.ledger.changing() as table:
+                if table["state"][number] == CACHED:
+                    table["checked"][number] = self.session
+                    table["version"][number] = version or table["version"][number]
             return file
         file.close()
-        if repair:
-            with self.ledger.changing() as table:
-                os.unlink(self.path(number))
-                table["state"][number], table["bytes"][number] = ABSENT, 0
+        self._drop(number)
+        self.counters.add(shard_repairs=1)
+        warnings.warn(DamagedShardWarning(
+            f"the cached copy {self.path(number)} of shard {shard.url} did not match its index "
+            f"({size:,} bytes, SHA-256 {sha256[:16]}..., where the index says {shard.size:,} "
+            f"bytes, {shard.sha256}): removed, and the shard is fetched again"), stacklevel=2)
         return None
+
+    def _drop(self, number: int) -> None:
+        """Remove a cached shard that cannot be trusted (its shard's lock held)."""
+        with self.ledger.changing() as table:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path(number))
+            table["state"][number], table["bytes"][number] = ABSENT, 0
+
+    def _version_if_known(self, number: int) -> int | None:
+        """The shard's version, or None where its store cannot be asked (down, stalling): a
+        cached copy that matches its index is then used as it is, said once per process, and
+        no other shard's version is asked in this process (each ask may take a third of the
+        sequence's timeout)."""
+        if self._unreachable:
+            return None
+        try:
+            return self._version(number, remote.Counters())
+        except OSError as exc:
+            self._unreachable = True
+            warnings.warn(f"could not ask whether shard {self.index.shards[number].url} changed "
+                          f"since it was cached ({exc}): cached shards that match their index "
+                          "are used as they are", RuntimeWarning, stacklevel=3)
+            return None
+
+    def _version(self, number: int, counters: remote.Counters,
+                 stop: threading.Event | None = None) -> int:
+        """The shard's object as its store names this content of it (``remote.version``: its
+        ETag, say), as a number for the ledger (never 0, which stands for none recorded)."""
+        named = remote.version(self.index.shards[number].url, storage_options=self.storage_options,
+                               counters=counters, policy=self.policy, stop=stop)
+        return int.from_bytes(hashlib.sha256(named.encode()).digest()[:8], "little", signed=True) or 1
 
     def _wait_for_lock(self, number: int) -> int:
         while (fd := _lock(self._lock_path(number), wait=False)) is None:
@@ -625,9 +886,11 @@ class ShardCache:
         """Fetch shard ``number`` (its lock held, its bytes reserved) and record it cached."""
         these = remote.Counters()  # this fetch's own, then added to the reader's
         try:
+            version = self._version(number, these, stop)  # asked first: a change while fetching shows
             size = remote.fetch(self.index.shards[number].url, self.path(number),
                                 storage_options=self.storage_options, counters=these,
                                 policy=self.policy, stop=stop)
+            self._check_fetched(number)
         except BaseException:
             with self.ledger.changing() as table:
                 table["state"][number], table["bytes"][number] = ABSENT, 0
@@ -635,12 +898,26 @@ class ShardCache:
         with self.ledger.changing() as table:
             tag = int(table["tag"][number]) if epoch is None else max(int(table["tag"][number]), epoch)
             again = int(table["fetched"][number] >= tag)
-            table[number] = (CACHED, 0, tag, tag, size, time.time_ns())
+            table[number] = (CACHED, 0, tag, tag, size, time.time_ns(), self.session, version)
             self.counters.peak(self.ledger.usage(table))  # more than reserved, if the estimate was short
         took = these.take()
         counters.add(**took)
         self.counters.add(shard_fetches=1, shard_fetch_bytes=size,
                           shard_fetch_requests=took["requests"], shard_refetches=again)
+
+    def _check_fetched(self, number: int) -> None:
+        """Refuse a fetched shard that is not what its index says (removed: no reader sees it,
+        since none trusts a shard the ledger does not record as checked)."""
+        shard = self.index.shards[number]
+        with open_private_file(self.path(number)) as file:
+            size, sha256 = file_digest(file)
+        if size != shard.size or sha256 != shard.sha256:
+            os.unlink(self.path(number))
+            raise StaleShardError(
+                f"shard {shard.url} no longer matches its index: {size:,} bytes with SHA-256 "
+                f"{sha256}, where the index says {shard.size:,} bytes, {shard.sha256}. The object "
+                "was rewritten since the index was made: scan the shards again "
+                "(ShardIndex.scan(urls).save(...)) and start from the new index")
 
     def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
         """(state, tag) of every shard, as the ledger has them now (the prefetcher's look)."""
@@ -649,6 +926,7 @@ class ShardCache:
 
     def remove(self) -> None:
         """Delete the cache's folder (no rank of the job may be running on it)."""
+        self.release()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -761,7 +1039,8 @@ class Prefetcher:
     the rank's progress, and fetches the shards its next batches read, in the order they first
     read them, ``FETCH_THREADS`` at a time, as far as the budget allows: the shards of this
     epoch first, then the next one's. A shard another process is fetching is skipped; one whose
-    fetch failed is left to the workers, who say why.
+    fetch failed is left to the workers for the rest of the run (they say why, and a stalling
+    server is not waited for again on their behalf).
 
     Made before the workers start (it joins the rank board: their first fetches are then
     kept for the right epoch), ``start()`` after; ``close()`` stops the fetches started (their
@@ -782,7 +1061,7 @@ class Prefetcher:
         self._stopping = False
         self._stop = threading.Event()  # set by close(): the fetches in flight end early
         self._fetching: dict[tuple[int, int], Future] = {}  # (shard, epoch) -> its fetch
-        self._failed: set[tuple[int, int]] = set()
+        self._failed: set[int] = set()  # shards whose fetch failed: the workers' from then on
         self._depth = depth
         plan.refresh()
         self._progress = cache.board.join(plan.rank, epoch, self._ahead(epoch, position),
@@ -835,7 +1114,7 @@ class Prefetcher:
             if future.done():
                 del self._fetching[key]
                 if future.exception() is not None:
-                    self._failed.add(key)
+                    self._failed.add(key[0])
         shards, epochs = self.uses.upcoming(epoch, position)
         state, tags = self.cache.snapshot()
         cached = state[shards] == CACHED
@@ -844,12 +1123,16 @@ class Prefetcher:
         fetching = {number for number, _ in self._fetching}
         for at in np.flatnonzero(~cached):
             key = number, wanted = int(shards[at]), int(epochs[at])
-            if number in fetching or key in self._failed:
+            if number in fetching or number in self._failed:
                 continue
             if len(self._fetching) >= FETCH_THREADS:
                 stop = at
                 break
-            started = self.cache.prefetch(number, wanted, self.counters, self._stop)
+            try:
+                started = self.cache.prefetch(number, wanted, self.counters, self._stop)
+            except Exception:  # noqa: BLE001 - left to the workers, whose batch says why
+                self._failed.add(number)
+                continue
             if started is BUSY and state[number] == FETCHING:  # its room is reserved
                 waiting = True
                 continue

@@ -43,6 +43,7 @@ import posixpath
 import sys
 import tarfile
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, cast
@@ -50,13 +51,14 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protoco
 import numpy as np
 
 from . import remote
+from .cache_files import UnsafeCacheError, file_digest
 from .checks import check_bool, check_int
 from .engine.common.ragged import Ragged
 from .engine.trainer.plan import EpochPlan
 from .engine.trainer.stats import LoaderStats
-from .remote import RemotePolicy, is_remote
+from .remote import RemotePolicy, fit_to_timeout, is_remote
 from .sequence import ShmSequence
-from .shard_cache import Prefetcher, ShardCache, cache_folder, check_room
+from .shard_cache import Prefetcher, ShardCache, check_room
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
@@ -64,11 +66,13 @@ if TYPE_CHECKING:
 
     from .engine.common.layout import SlotAllocator
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2     # written; 1 (no shard sizes or checksums) is read too
+READ_VERSIONS = (1, 2)
 _BLOCK = 512
 ON_ERROR = ("raise", "skip")
 SHUFFLE_WINDOW = 1000  # samples: the default of local shards, read where their samples lie
 SHUFFLE_SHARDS = 8     # shards: the default of remote ones, read from the node's shard cache
+POSTFIX_S = 0.1        # how often a scan's bar shows the samples found in a remote shard
 
 
 class ShardError(ValueError):
@@ -90,10 +94,14 @@ def open_url(url: str, storage_options: dict | None = None) -> IO[bytes]:
 
 @dataclass(frozen=True)
 class Shard:
-    """One tar file: where each of its samples begins, and where the last one ends."""
+    """One tar file: where each of its samples begins, where the last one ends, and, in an
+    index written or scanned since version 2, the whole file's size and SHA-256 (a shard cache
+    checks every copy against them)."""
     url: str
     offsets: np.ndarray  # int64: the byte offset of each sample's first member header
     end: int             # the byte offset just past the last sample's last member
+    size: int | None = None    # the whole file's bytes (a tar writer's tail included)
+    sha256: str | None = None  # the whole file's, in hex
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -130,12 +138,13 @@ class ShardIndex:
     def scan(cls, urls: Iterable[str], storage_options: dict | None = None,
              progress: bool | None = None) -> "ShardIndex":
         """Read the member headers of each shard (its data is skipped where the file seeks).
-        ``progress``: a bar on stderr, shard by shard (None: where stderr is a terminal and
+        ``progress``: a bar on stderr, shard by shard, and beside it the samples found so far
+        in a remote shard (a request for each header) (None: where stderr is a terminal and
         tqdm is installed)."""
         shards = []
-        with _progress(progress, _length(urls), "shards") as bar:
+        with _progress(progress, _length(urls), "shards", "scanning shards") as bar:
             for url in urls:
-                shards.append(_scan_shard(url, storage_options))
+                shards.append(_scan_shard(url, storage_options, _samples_found(bar, url)))
                 bar.update(1)
         return cls(shards)
 
@@ -145,20 +154,38 @@ class ShardIndex:
         to the index's own location."""
         with open_url(url, storage_options) as file:
             saved = json.load(file)
-        if saved.get("version") != INDEX_VERSION:
+        if saved.get("version") not in READ_VERSIONS:
             raise ValueError(f"{url} is not a shard index of version {INDEX_VERSION} "
                              f"(it says version {saved.get('version')!r}): scan the shards again")
+        if is_remote(url):
+            _refuse_local_entries(url, saved["shards"])
         base = url.rsplit("/", 1)[0] if "/" in url else "."
         return cls(Shard(_joined(base, entry["url"]), np.asarray(entry["offsets"], np.int64),
-                         int(entry["end"])) for entry in saved["shards"])
+                         int(entry["end"]), entry.get("size"), entry.get("sha256"))
+                   for entry in saved["shards"])
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the index as JSON; shard paths under its folder are kept relative to it."""
         folder = os.path.dirname(os.path.abspath(path))
         entries = [{"url": _relative(shard.url, folder), "offsets": shard.offsets.tolist(),
-                    "end": shard.end} for shard in self.shards]
+                    "end": shard.end, "size": shard.size, "sha256": shard.sha256}
+                   for shard in self.shards]
         with open(path, "w") as file:
             json.dump({"version": INDEX_VERSION, "shards": entries}, file)
+
+
+def _refuse_local_entries(url: str, entries: list[dict]) -> None:
+    """An index read from a server names its shards by URL, or relative to itself: one naming
+    local files would have the reader read this machine's files, and copy them into the shard
+    cache, on a server's say-so."""
+    for number, entry in enumerate(entries):
+        shard = str(entry["url"])
+        if shard.lower().startswith("file:") or os.path.isabs(shard):
+            raise ValueError(
+                f"the index {url} names a local file for shard {number}: {shard!r}; an index "
+                "read from a server may name shards by URL or by a path relative to itself, "
+                "not on this machine's disk: fix the index, or keep it beside local shards and "
+                "load it from there")
 
 
 def _joined(base: str, url: str) -> str:
@@ -174,7 +201,9 @@ def _relative(url: str, folder: str) -> str:
     return os.path.relpath(path, folder) if path.startswith(folder + os.sep) else path
 
 
-def _scan_shard(url: str, storage_options: dict | None) -> Shard:
+def _scan_shard(url: str, storage_options: dict | None,
+                found: Callable[[int], None] | None = None) -> Shard:
+    """The shard's index entry, from its member headers; ``found(count)`` hears of each sample."""
     offsets, key, end = [], None, 0
     try:
         with open_url(url, storage_options) as file, tarfile.open(fileobj=file, mode="r:") as tar:
@@ -185,10 +214,14 @@ def _scan_shard(url: str, storage_options: dict | None) -> Shard:
                 if member_key != key:
                     offsets.append(member.offset)
                     key = member_key
+                    if found is not None:
+                        found(len(offsets))
                 end = member.offset_data + -(-member.size // _BLOCK) * _BLOCK
+            size, sha256 = file_digest(file)
     except (OSError, tarfile.TarError) as exc:
-        raise ShardError(f"cannot index shard {url}: {type(exc).__name__}: {exc}") from exc
-    return Shard(url, np.asarray(offsets, np.int64), end)
+        raise ShardError(f"cannot index shard {url}: {type(exc).__name__}: "
+                         f"{remote.reason(exc, url)}") from exc
+    return Shard(url, np.asarray(offsets, np.int64), end, size, sha256)
 
 
 def write_shards(samples: Iterable[dict], pattern: str, *, samples_per_shard: int = 1000,
@@ -210,7 +243,7 @@ def write_shards(samples: Iterable[dict], pattern: str, *, samples_per_shard: in
     check_int("processes", processes, 1, optional=True)
     parallel = (_parallel(processes, len(samples), samples_per_shard)
                 if isinstance(samples, collections.abc.Sequence) else 1)
-    with _progress(progress, _length(samples), "samples") as bar:
+    with _progress(progress, _length(samples), "samples", "writing shards") as bar:
         if parallel > 1:
             assert isinstance(samples, collections.abc.Sequence)  # parallel: a sequence
             shards = _write_in_processes(samples, pattern, samples_per_shard, parallel, bar)
@@ -278,20 +311,43 @@ def _write_in_processes(samples: collections.abc.Sequence, pattern: str, samples
 
 
 class _Bar(Protocol):
-    """A progress bar, as tqdm's: ``update(count)`` more done."""
+    """A progress bar, as tqdm's: ``update(count)`` more done, and a word beside it."""
 
     def update(self, count: int, /) -> object:
         """``count`` more done."""
+
+    def set_postfix_str(self, text: str, /) -> object:
+        """``text`` shown after the bar, at once."""
 
 
 class _NoBar:
     def update(self, count: int) -> None:
         pass
 
+    def set_postfix_str(self, text: str) -> None:
+        pass
+
+
+def _samples_found(bar: _Bar, url: str) -> Callable[[int], None] | None:
+    """What shows the samples found so far in a remote shard beside the bar, at most every
+    ``POSTFIX_S``: its headers are a request each, so a shard can take minutes, which a bar
+    counting whole shards would show as nothing. None where that is not wanted (local shards
+    are scanned in a blink; no bar)."""
+    if isinstance(bar, _NoBar) or not is_remote(url):
+        return None
+    name, shown = posixpath.basename(url), [0.0]
+
+    def found(count: int) -> None:
+        if time.monotonic() - shown[0] >= POSTFIX_S:
+            bar.set_postfix_str(f"{name}: {count} samples")
+            shown[0] = time.monotonic()
+    return found
+
 
 @contextlib.contextmanager
-def _progress(wanted: bool | None, total: int | None, unit: str) -> Iterator[_Bar]:
-    """A tqdm bar on stderr (``wanted`` None: where stderr is a terminal and tqdm is there)."""
+def _progress(wanted: bool | None, total: int | None, unit: str, label: str) -> Iterator[_Bar]:
+    """A tqdm bar on stderr, ``label`` before it (``wanted`` None: where stderr is a terminal
+    and tqdm is there)."""
     if wanted is None:
         wanted = sys.stderr.isatty() and importlib.util.find_spec("tqdm") is not None
     if not wanted:
@@ -302,7 +358,7 @@ def _progress(wanted: bool | None, total: int | None, unit: str) -> Iterator[_Ba
     except ImportError:
         raise ImportError("progress=True shows a bar with tqdm: pip install tqdm, or pass "
                           "progress=False") from None
-    with tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True) as bar:
+    with tqdm(total=total, unit=unit, desc=label, file=sys.stderr, dynamic_ncols=True) as bar:
         yield bar
 
 
@@ -321,7 +377,9 @@ def _write_shard(path: str, samples: list[dict]) -> Shard:
                 info.size, info.mode, info.mtime = len(data), 0o444, 0
                 tar.addfile(info, io.BytesIO(data))
         end = tar.offset
-    return Shard(path, np.asarray(offsets, np.int64), end)
+    with open(path, "rb") as written:
+        size, sha256 = file_digest(written)
+    return Shard(path, np.asarray(offsets, np.int64), end, size, sha256)
 
 
 class image_folder_samples(collections.abc.Sequence):
@@ -490,10 +548,12 @@ class ShardReader:
             return read(number, begin, end)
         except FileNotFoundError as exc:
             raise ShardError(f"shard {url} is missing ({exc.strerror})") from exc
+        except UnsafeCacheError:
+            raise  # the cache's folder, not the shard: no sample is to blame, none is skipped
         except OSError as exc:
             getattr(self._local, "files", {}).pop(number, None)
             raise ShardError(f"shard {url}: reading bytes {begin}-{end} failed: "
-                             f"{type(exc).__name__}: {exc}") from exc
+                             f"{type(exc).__name__}: {remote.reason(exc, url)}") from exc
 
     def _local_read(self, number: int, begin: int, end: int) -> bytes:
         file = self._file(number)
@@ -795,8 +855,11 @@ class ShardSequence(ShmSequence):
             ``'skip'`` the sample with a ``SkippedSamplesWarning``, counted in ``stats``.
         storage_options: passed to fsspec for URLs (credentials, ...).
         remote: a ``shmseq.remote.RemotePolicy``: the timeout of each remote request and the
-            retries of transient failures (default ``RemotePolicy()``: 30 s, 5 attempts);
-            ``stats`` counts the requests, bytes, retries and time spent waiting on them.
+            retries of transient failures (default ``RemotePolicy()``: 30 s, 5 attempts, with a
+            ``deadline`` of a third of ``timeout``, so that a server that stalls is named before
+            a batch times out; one given whose ``worst_case()`` is longer is refused: see
+            ``remote.fit_to_timeout``); ``stats`` counts the requests, bytes, retries and time
+            spent waiting on them.
         options: ``ShmSequence``'s (``batch_size``, ``num_workers``, ``seed``, ``rank``, ...).
             Every rank gets as many batches: ``last_batch='discard'`` cuts the epoch to a
             multiple of the world size, otherwise it is padded with its first samples.
@@ -834,16 +897,18 @@ class ShardSequence(ShmSequence):
                 raise ValueError(f"{', '.join(given)} set the shard cache, which is off for these "
                                  f"shards ({'a window of samples' if far else 'local files'}): "
                                  "pass cache=True to read them through it")
-        self.cache = ShardCache(index, cache_folder(index, cache_dir, job), cache_bytes,
-                                storage_options=storage_options, policy=remote) if cache else None
+        self.cache = ShardCache(index, cache_dir, job, cache_bytes, storage_options=storage_options,
+                                policy=remote) if cache else None
         worker = ShardWorker(index, decode, on_error=on_error, storage_options=storage_options,
                              remote=remote, cache=self.cache)
         self._prefetcher: weakref.finalize | None = None
         if cache and options.get("buffer") is None:
             options["buffer"] = CACHED_RING_SLOTS
         super().__init__(worker, len(index), **options)
+        policy = fit_to_timeout(remote, self.timeout)  # a stalled server named before the timeout
+        self.worker.reader.policy = policy
         if self.cache is not None:
-            self.cache.timeout = self.timeout
+            self.cache.timeout, self.cache.policy = self.timeout, policy
 
     def _make_plan(self, dset_size: ArrayLike, batch_size: int, shuffle: bool, last_batch: str,
                    rank: int | None, world_size: int | None) -> ShardPlan:
@@ -870,12 +935,16 @@ class ShardSequence(ShmSequence):
         # closed by finish(), or with the sequence if nobody references it any more
         self._prefetcher = weakref.finalize(self, prefetcher.close)
         prefetcher.start()
+        self.cache.count_held()
         return self
 
     def start_test(self, test_mode: str = "default") -> Self:
-        if self.cache is not None:
-            self._prepare_cache()
-        return super().start_test(test_mode)
+        if self.cache is None:
+            return super().start_test(test_mode)
+        self._prepare_cache()
+        super().start_test(test_mode)
+        self.cache.count_held()
+        return self
 
     def _prepare_cache(self) -> int:
         """The cache's folder and budget, its room checked; how many batches may be in flight."""
@@ -908,6 +977,7 @@ class ShardSequence(ShmSequence):
             closer()
         if self.cache is not None:
             self._stats.add_counts(self.worker.pop_counts())
+            self.cache.release()
         self.worker.reader.close()  # the files read in this process, by num_workers=0 or threads
 
     def state_dict(self) -> dict:

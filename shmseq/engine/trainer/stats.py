@@ -159,6 +159,7 @@ class LoaderStats:
     shard_fetch_bytes: int = 0    # their bytes
     shard_fetch_requests: int = 0  # the requests those fetches took
     shard_refetches: int = 0      # shards fetched again for an epoch they were fetched for
+    shard_repairs: int = 0        # cached shards that no longer matched their index, fetched again
     shard_read_bytes: int = 0     # bytes of the samples read from cached shards
     shard_wait_s: float = 0.0     # time workers waited for a shard not cached yet, summed
     cache_peak_bytes: int = 0     # the most the node's cache held, as this rank's fetches saw it
@@ -272,7 +273,7 @@ class LoaderStats:
                 "shard_fetches": self.shard_fetches,
                 "shard_fetch_bytes": self.shard_fetch_bytes,
                 "shard_fetch_requests": self.shard_fetch_requests,
-                "shard_refetches": self.shard_refetches,
+                "shard_refetches": self.shard_refetches, "shard_repairs": self.shard_repairs,
                 "shard_read_bytes": self.shard_read_bytes, "shard_wait_s": self.shard_wait_s,
                 "cache_peak_bytes": self.cache_peak_bytes,
                 "worker_private_bytes": self.worker_private_bytes,
