@@ -554,10 +554,14 @@ class ShardCache:
             self._settle_budget(cached)
         return cached
 
+    def held_bytes(self) -> int:
+        """What the cache holds now (its shards, and the bytes reserved for those being fetched)."""
+        return self.ledger.usage(self.ledger.table())
+
     def count_held(self) -> None:
         """Count what the cache holds now in ``cache_peak_bytes`` (a warm run fetches nothing,
         yet holds the data set): after a start, whose stats begin anew."""
-        self.counters.peak(self.ledger.usage(self.ledger.table()))
+        self.counters.peak(self.held_bytes())
 
     def _join_session(self) -> int:
         """The node's run, which marks a shard checked in it (under the ledger's lock): the

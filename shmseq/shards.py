@@ -137,8 +137,9 @@ class ShardIndex:
     @classmethod
     def scan(cls, urls: Iterable[str], storage_options: dict | None = None,
              progress: bool | None = None) -> "ShardIndex":
-        """Read the member headers of each shard (its data is skipped where the file seeks).
-        ``progress``: a bar on stderr, shard by shard, and beside it the samples found so far
+        """Read the member headers of each shard (its data is skipped where the file seeks),
+        then the whole shard once, for its size and SHA-256 (which a shard cache checks every
+        copy against). ``progress``: a bar on stderr, shard by shard, and beside it the samples found so far
         in a remote shard (a request for each header) (None: where stderr is a terminal and
         tqdm is installed)."""
         shards = []

@@ -333,6 +333,7 @@ def test_a_warm_rerun_counts_what_the_cache_holds(web, data, cache_dir, used_onc
         epoch_of(seq)
     held = sum(shard.size for shard in seq.cache.index.shards)
     assert seq.stats.cache_peak_bytes >= held and seq.stats.shard_fetches == 0
+    assert seq.cache.held_bytes() == held
 
 
 # -- a cache_dir shared with other users -----------------------------------------------------------
