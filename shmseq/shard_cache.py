@@ -687,18 +687,45 @@ class ShardCache:
         file = self._open_cached(number)
         if file is not None:
             return file
-        began = time.perf_counter()
+        began, since = time.perf_counter(), time.time_ns()
         fd = self._wait_for_lock(number)
         try:
+            self._raise_failure_since(number, since)
             file = self._open_cached(number, repair=True)
             if file is None:
                 self._wait_for_room(number)
-                self._fetch_reserved(number, None, counters)
+                try:
+                    self._fetch_reserved(number, None, counters)
+                except OSError as failure:
+                    self._record_failure(number, failure)
+                    raise
                 file = open_private_file(self.path(number))
         finally:
             _unlock(fd)
         self.counters.add(shard_wait_s=time.perf_counter() - began)
         return file
+
+    def _failure_path(self, number: int) -> str:
+        return os.path.join(self.folder, "locks", f"{number:06d}.failed")
+
+    def _raise_failure_since(self, number: int, since: int) -> None:
+        """Raise what failed another reader's fetch of the shard while this one waited for
+        it (its lock held): each waiter trying again in turn would wait as long again, and a
+        stalling server would outlast the batch's timeout before anyone said why. (A failed
+        prefetch is not recorded: the reader who needs the shard tries it once itself.)"""
+        try:
+            with open_private_file(self._failure_path(number)) as file:
+                if os.fstat(file.fileno()).st_mtime_ns >= since:
+                    raise OSError(f"{file.read().decode(errors='replace')} (another reader's "
+                                  "fetch of it, which this one waited for)")
+        except FileNotFoundError:
+            pass
+
+    def _record_failure(self, number: int, failure: OSError) -> None:
+        """What failed a reader's fetch, for those waiting for its lock (``_raise_failure_since``)."""
+        fd = open_private(self._failure_path(number), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        with os.fdopen(fd, "wb") as file:
+            file.write(remote.reason(failure, self.index.shards[number].url).encode())
 
     def _open_cached(self, number: int, repair: bool = False) -> BinaryIO | None:
         """The cached file, if it is there and checked against its index in this run.

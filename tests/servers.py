@@ -144,6 +144,8 @@ def _head(status: int, phrase: str, length: int, content_range: str | None = Non
 class _RawTCPServer(socketserver.ThreadingTCPServer):
     daemon_threads = False
     block_on_close = True
+    request_queue_size = 128  # socketserver's 5 drops connections of a burst: a client then
+    # waits a second or more to try again, which a test of deadlines reads as a stall
     raw: RawServer
 
 

@@ -312,18 +312,20 @@ def test_a_server_that_stalls_mid_epoch_is_named_before_the_batch_times_out(tmp_
     (a failed prefetch is left to the workers from then on)."""
     sd.write(tmp_path / "shards", 50, 12)
     taken = []
-    reading = ({"cache": True, "cache_dir": str(tmp_path / "cache")} if cached else
-               {"shuffle_window": 1})
+    # through the cache, a batch may wait for two fetches of the stalled shard (the prefetcher's,
+    # then its worker's own), and its other shard's fetch, 4 at once, may wait a moment for a core
+    reading = ({"cache": True, "cache_dir": str(tmp_path / "cache"), "timeout": 15} if cached else
+               {"shuffle_window": 1, "timeout": 4.5})
     with faulty(tmp_path, "stall", only="train-003.tar") as stalled:
         seq = ShardSequence(f"{stalled.url}/shards/shards.json", sd.decode, batch_size=8,
-                            shuffle=False, num_workers=2, out_type="null", timeout=4.5, **reading)
+                            shuffle=False, num_workers=2, out_type="null", **reading)
         with pytest.raises(ShardError) as info:
             with seq.start():
                 for batch in seq:
                     taken += sd.consistent(batch)
                     del batch  # info's traceback holds this frame: it must not hold a batch
-    assert taken == list(range(32))  # batch 4 reads samples 36-39 from train-003.tar
     message = str(info.value)
+    assert taken == list(range(32)), message  # batch 4 reads samples 36-39 from train-003.tar
     assert message.startswith(f"shard {stalled.url}/shards/train-003.tar: "), message
     assert "no answer (1 attempt in " in message and message.count(stalled.url) == 1, message
 
