@@ -10,7 +10,7 @@ share of every epoch: as many batches as every other rank (padded by wrapping, o
 counts would leave one rank alone in a collective: the process group's timeout turns that hang
 into an error, and the ranks also compare their step counts after every epoch.
 
-Remote shards (a URL) are read through the node's shard cache (``shmseq.shard_cache``): every
+Remote shards (a URL) are read through the node's shard cache (``shmseq.shards.cache``): every
 shard fetched whole, once for all the node's ranks and their workers, into ``--cache-dir``, in a
 folder named after torchrun's run id (``TORCHELASTIC_RUN_ID``: the same for every rank it starts;
 with ``--standalone`` a new one at every launch, so a relaunched run fetches its shards again

@@ -11,9 +11,9 @@ Where to look:
   ``wire.py``, ``layout.py`` (the bytes of a slot), ``segments.py``, ``ragged.py``, ``errors.py``.
 * the front ends, here: ``sequence.py`` (``ShmSequence``, its epochs), ``compat.py`` (MDNC's
   names), ``dataloader.py`` (sample-level ``DataLoader``), ``torch.py`` (torch's DataLoader),
-  ``transformers.py``; and the data sources and stages: ``shards.py`` (tar shards streamed by
-  member offset), ``remote.py``, ``shard_cache.py``, ``vision.py``, ``decode.py`` (JPEG decode
-  in the trainer).
+  ``transformers.py``; and the data sources and stages: ``shards/`` (tar shards streamed by
+  member offset, and the node's shard cache: its ``__init__`` lists its stages), ``remote.py``,
+  ``vision.py``, ``decode.py`` (JPEG decode in the trainer).
 * the applications: ``bench/`` and ``demo/`` (``python -m shmseq.bench``, ``-m shmseq.demo``).
 """
 from .compat import MPSequence, MSequence, MTSequence

@@ -17,10 +17,9 @@ import shutil
 import numpy as np
 import pytest
 
-from shmseq import shard_cache
-from shmseq.cache_files import UnsafeCacheError
-from shmseq.shard_cache import (DamagedShardWarning, ShardCache, StaleShardError, cache_folder,
-                                 user_root)
+from shmseq.shards import cache as shard_cache
+from shmseq.shards import DamagedShardWarning, ShardCache, StaleShardError, UnsafeCacheError
+from shmseq.shards.place import cache_folder, user_root
 from shmseq.shards import ShardIndex, ShardSequence, write_shards
 from servers import server, web  # noqa: F401 - the server fixtures
 from test_shard_cache import (COUNT, PER_SHARD, SHARDS, cache_dir, data, epoch_of,  # noqa: F401

@@ -482,7 +482,7 @@ def test_writing_and_a_remote_scan_show_labelled_progress(server, tmp_path, caps
     monkeypatch.setattr(tqdm.tqdm, "monitor_interval", 0)  # no monitor thread left behind
     shmseq.shards.write_shards(sd.samples(30), str(tmp_path / "shards" / "t-%03d.tar"),
                                samples_per_shard=10, progress=True)
-    monkeypatch.setattr(shmseq.shards, "POSTFIX_S", 0)  # each sample found is shown
+    monkeypatch.setattr(shmseq.shards.progress, "POSTFIX_S", 0)  # each sample found is shown
     ShardIndex.scan([f"{server.url}/shards/t-{n:03d}.tar" for n in range(3)], progress=True)
     shown = capsys.readouterr().err
     assert "writing shards" in shown and "scanning shards" in shown and "3/3" in shown, shown

@@ -209,8 +209,8 @@ class RecordedFile:
 
 def test_a_resumed_run_reads_no_byte_of_the_samples_it_had_delivered(index_file, monkeypatch):
     reads = []
-    opened = shmseq.shards.open_url
-    monkeypatch.setattr(shmseq.shards, "open_url",
+    opened = shmseq.shards.reader.open_url  # what the reader opens local shards with
+    monkeypatch.setattr(shmseq.shards.reader, "open_url",
                         lambda url, options=None: RecordedFile(opened(url, options), url, reads))
     with make(index_file, num_workers=0).start() as first:
         delivered = flat(take(first, 5))  # 40 samples: a shard and part of another

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Callable, ContextManager, Iterator
 import numpy as np
 
 from shmseq import remote
-from shmseq.shard_cache import FETCH_THREADS, estimated_bytes, room_needed
+from shmseq.shards.cache import estimated_bytes
+from shmseq.shards.prefetch import FETCH_THREADS, room_needed
 from shmseq.shards import SHUFFLE_SHARDS, ShardIndex, batches_in_flight
 
 from . import memory, systems

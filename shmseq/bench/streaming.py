@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import numpy as np
 
@@ -54,8 +54,18 @@ from .runner import LIMIT, Run, timed_run
 from .shard_data import largest_sample
 from .workloads import BatchMismatch, ImageBatches, _head, _tail
 
-if TYPE_CHECKING:
-    from .remote_streaming import Report
+
+class RemotePart(Protocol):
+    """What a mode reading remote shards adds to the report (``remote_streaming.Report`` is
+    one): notes above the table, its columns, lines of what it shows."""
+
+    columns: str
+
+    def notes(self, cells: list[Cell]) -> list[str | None]:
+        """Paragraphs above the table (None: left out)."""
+
+    def highlights(self, runs: list[Run], cells: list[Cell]) -> list[str]:
+        """Lines of "What it shows"."""
 
 SEED = 0
 SHMSEQ, TORCH = "shmseq-shards", "torch-shards"
@@ -515,9 +525,9 @@ def highlights(runs: list[Run], cells: list[Cell], workloads: dict[str, ShardWor
 
 def markdown(runs: list[Run], workloads: dict[str, ShardWorkload], info: dict, settings: dict,
              data: list[str], load: list[str], command: str, warning: str | None = None,
-             remote: Report | None = None) -> str:
+             remote: RemotePart | None = None) -> str:
     """The table with its machine and load (a ``warning`` if it was busy), the data, the
-    columns, what it shows, the command; ``remote`` (``remote_streaming.Report``) adds the
+    columns, what it shows, the command; ``remote`` (a ``RemotePart``) adds the
     remote mode's notes, columns and lines."""
     cells = cells_of(runs, workloads)
     head = (f"{machine_line(info)} {systems.NUM_WORKERS} workers and {settings['buffer']} "

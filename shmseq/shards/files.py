@@ -10,7 +10,7 @@ where a file is expected is never followed; names from the outside (a job's name
 their folder. ``cache_dir`` itself may be shared (/tmp, /dev/shm): it must belong to this user
 or to root, and if others may write to it, carry the sticky bit (so that nobody else can
 rename or remove what is ours in it). What is in a file is checked by its reader: a shard
-against its index's checksum (``shmseq.shard_cache``)."""
+against its index's checksum (``shmseq.shards.cache``)."""
 from __future__ import annotations
 
 import errno

@@ -1,0 +1,588 @@
+"""The node's cache of remote shards: each shard fetched whole, once per node, into a folder on
+local disk that every worker and every local rank of the job reads by offset.
+
+Read where it lies, a remote sample costs a request, and a shuffled batch jumps between shards:
+16.6x read amplification and 191 images/s over HTTP with 30 ms per request, against 43,730 from
+local disk (issue #29). So a ``ShardSequence`` over remote shards fetches them whole, ahead of
+need, in the order its plan reads them, and its workers read the local copies as they read local
+files. Who does what:
+
+* ``ShardCache``, in every process that reads (workers, and the consumer's prefetcher):
+  ``open(number)`` is the cached shard as a local file; one that is not cached yet is fetched
+  by the caller itself, under the shard's lock, so that nothing waits on the prefetcher's pace.
+* ``Prefetcher``, a thread (and ``FETCH_THREADS`` fetching threads) in each rank's consumer
+  process: it follows the consumer (``ShardPlan.on_release``), fetches the shards the rank's
+  next batches read in the order they first read them, and publishes the rank's progress.
+* ``RankBoard``: each local rank's progress, which eviction waits for.
+* ``Ledger``: what the cache holds, in a file every process maps.
+
+Its folder, ``<cache_dir>/shmseq-cache-<uid>/<job>/<digest of the data>/``, this user's alone
+(made 0700, its files 0600, nothing followed through a link, nothing of another user's
+trusted: ``shmseq.cache_files``)::
+
+    ledger     one record per shard: absent, being fetched (its bytes reserved) or cached, the
+               epoch it is kept for, its bytes, the run that checked it and the version of
+               its object; changed only under the file's flock
+    shards/    the cached shards: ``<number>-<file name>``, renamed into place once whole
+    locks/     a lock file per shard: whoever holds its flock is fetching that shard
+    ranks/     a progress file per local rank, flocked by the rank for as long as it runs
+    budget     the cache's budget, read by other caches of the user's; each sequence using
+               the cache holds its shared flock
+    session    the node's run: a shard checked against its index in it is not checked again
+
+Checked: a shard's bytes reach a batch only once they matched its index's size and SHA-256:
+when fetched, and, for a shard a run before cached, once per run of the node's ranks (its
+object's version asked again first: a rewritten object is fetched again, then refused if it no
+longer matches its index; a damaged copy is fetched again, once, and said).
+
+Lock protocol: a process that needs a shard not cached takes the shard's lock (workers wait
+for it, the prefetcher skips a shard another process holds), looks again (the holder before it
+may have fetched it), reserves its bytes in the ledger, and fetches it (``shmseq.remote.fetch``:
+in ranges, each retried, under a temporary name renamed into place): one download per shard
+per node. Locks are ``fcntl.flock`` on files,
+released by the kernel when their process dies, so a crashed process leaves no lock behind;
+a forked child lets go of its parent's (``os.register_at_fork``).
+
+Eviction: only to make room, and only of a shard that no local rank needs any more in the
+epoch it was fetched or claimed for (the ledger's ``tag``): every rank's consumer is past that
+epoch, or in it and past the last batch that reads the shard (the plan says which batches read
+which shard; each rank publishes, for its epoch, the shards its remaining batches no longer
+read). A rank whose progress file nobody holds (finished, or dead) counts for nothing; with
+torchrun's ``LOCAL_WORLD_SIZE`` set, nothing is evicted until that many ranks are there. A
+shard cached from an earlier epoch is claimed for the next one as the prefetcher reaches it,
+in order and only as far as it could fetch, so that what is kept is always what the ranks read
+next. Prefetches leave room for a worker waiting for one; a worker that finds no room waits for
+the ranks to move on, and says why after half the sequence's timeout.
+
+The job: ``job=``, else ``SLURM_JOB_ID``, else ``TORCHELASTIC_RUN_ID`` (set by torchrun; not
+its "none"), else ``"default"``: two jobs on a node keep two caches, and a job resumed after a
+crash finds its shards again. ``torchrun --standalone`` draws a new random id (a UUID) at every
+launch, so its caches are never found again: a cache starting removes this user's caches that
+nothing uses and whose ledger nobody changed for ``ABANDONED_AFTER_S`` (drawn ids) or
+``FINISHED_AFTER_S`` (any other name): without it, every launch would leave up to half the disk
+behind. Budgets add up: a default one is drawn from the free space less what this user's other
+caches in use may still fill.
+
+"""
+from __future__ import annotations
+
+import collections
+import collections.abc
+import contextlib
+import functools
+import hashlib
+import os
+import re
+import shutil
+import threading
+import time
+import warnings
+from typing import TYPE_CHECKING, BinaryIO, Callable
+
+import numpy as np
+from .. import remote
+from ..remote import RemotePolicy
+from .files import file_digest, open_private, open_private_file, private_folder, user_folder
+from .ledger import ABSENT, CACHED, FETCHING, WAIT_POLL_S, Ledger, RankBoard, evictable
+from .locks import is_held, lock, locked, unlock
+from .place import cache_folder, caches_in_use, free_bytes, holders, in_use, remove_abandoned
+
+if TYPE_CHECKING:
+    from .index import ShardIndex
+
+
+TAR_TAIL = 11 * 1024        # what a tar writer adds after the last member: 2 zero blocks, padding
+BUSY, FULL = "busy", "full"  # why a prefetch did not start: another process fetches it; no room
+
+
+class ShardCacheFull(OSError):
+    """A shard found no room in the cache for longer than the wait allows: the message says
+    what holds the room and what to do."""
+
+
+class StaleShardError(ValueError):
+    """A shard fetched from its URL does not match its index's size or checksum: the object
+    was rewritten (or the index is another data set's); nothing of it reaches a batch."""
+
+
+class DamagedShardWarning(UserWarning):
+    """A cached shard no longer matched its index's checksum (a bit flipped on disk, a file
+    changed by hand): it was removed and fetched again."""
+
+
+class CacheCounters(remote.Counters):
+    """What a process's cache calls did, until taken (``take``): shards fetched, their bytes
+    and requests, shards fetched again for an epoch they had been fetched for already (evicted
+    while still needed: 0 by design, counted as a check), bytes of samples read from cached
+    shards, seconds readers waited for a shard, and the most the node's cache held (reserved
+    bytes included). A copy sent to another process starts at zero: each counts its own, and
+    the worker loop hands a worker's to the consumer with its batches."""
+
+    FIELDS = ("shard_fetches", "shard_fetch_bytes", "shard_fetch_requests", "shard_refetches",
+              "shard_repairs", "shard_read_bytes", "shard_wait_s", "cache_peak_bytes")
+
+    def __reduce__(self) -> tuple:
+        return CacheCounters, ()
+
+    def peak(self, cache_bytes: int) -> None:
+        with self._lock:
+            self._counts["cache_peak_bytes"] = max(self._counts["cache_peak_bytes"], cache_bytes)
+
+
+class ShardCache:
+    """The node's cache of one index's shards for one job (see the module's text): ``open`` a
+    shard (fetched first by the caller if it is not cached), ``prefetch`` one (the prefetcher's
+    way: it never waits), ``claim`` cached ones for a later epoch. Sent to every worker.
+
+    Every shard is checked against its index's size and SHA-256 before its bytes reach a
+    batch: once fetched, and once per run of the node's ranks when a run before cached it
+    (``session``); so the index must have them (written by ``write_shards`` or scanned by
+    ``ShardIndex.scan``: index version 2)."""
+
+    def __init__(self, index: ShardIndex, cache_dir: str | os.PathLike | None = None,
+                 job: str | None = None, budget: int | None = None, *,
+                 storage_options: dict | None = None, policy: RemotePolicy | None = None,
+                 timeout: float | None = None) -> None:
+        unchecked = [shard.url for shard in index.shards if shard.sha256 is None or shard.size is None]
+        if unchecked:
+            raise ValueError(
+                f"the shard index has no size and checksum for {len(unchecked)} shards (the first: "
+                f"{unchecked[0]}), and the shard cache checks every shard against them: scan the "
+                "shards again (ShardIndex.scan(urls).save('shards.json'), which reads each once), "
+                "or read them in place with cache=False")
+        self.index = index
+        self.folder = cache_folder(index, cache_dir, job, storage_options)
+        self.root = os.path.dirname(os.path.dirname(self.folder))
+        self.budget = budget
+        self.budget_given = budget is not None
+        self.storage_options = storage_options
+        self.policy = policy
+        self.timeout = timeout  # a reader waits for room half of it, then says why
+        self.counters = CacheCounters()
+        self.ledger = Ledger(os.path.join(self.folder, "ledger"), len(index.shards))
+        self.board = RankBoard(os.path.join(self.folder, "ranks"), len(index.shards))
+        self.estimates = estimated_bytes(index)
+        self.session = 0  # the node's run: a cached shard checked in it is not checked again
+        self._holding: int | None = None  # the budget file's shared lock, while prepared
+        self._unreachable = False  # a version could not be asked: none is asked again here
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_holding": None}
+
+    def path(self, number: int) -> str:
+        name = os.path.basename(self.index.shards[number].url.rstrip("/")) or "shard"
+        return os.path.join(self.folder, "shards", f"{number:06d}-{re.sub(r'[^A-Za-z0-9._-]', '_', name)}")
+
+    def _lock_path(self, number: int | np.integer) -> str:
+        return os.path.join(self.folder, "locks", f"{number:06d}")
+
+    # -- start: the folder, what a run before left, the budget ----------------------------------
+    def prepare(self) -> int:
+        """Make the folders (this user's, 0700, checked: ``shmseq.cache_files``), keep what an
+        earlier run of the job cached (each shard checked against its index once in this run),
+        drop what it left half-done, remove the caches nobody uses any more, and settle the
+        budget (default: the whole data set, at most half of what the file system has free
+        beside what this user's other live caches may still take); raises if it cannot hold
+        it. The bytes cached. ``release()`` ends it."""
+        user_folder(os.path.dirname(self.root))  # cache_dir checked, this user's folder made
+        private_folder(os.path.dirname(self.folder))  # the job's
+        for folder in (self.folder, *(os.path.join(self.folder, part) for part in
+                                      ("shards", "locks", "ranks"))):
+            private_folder(folder)
+        with self.ledger.changing() as table:
+            self.session = self._join_session()
+            self._reconcile(table)
+            cached = self.ledger.usage(table)
+        os.utime(self.ledger.path, follow_symlinks=False)  # in use: see remove_abandoned
+        with locked(os.path.join(self.root, "budgets.lock")):
+            remove_abandoned(self.root, keep=self.folder)
+            self._settle_budget(cached)
+        return cached
+
+    def held_bytes(self) -> int:
+        """What the cache holds now (its shards, and the bytes reserved for those being fetched)."""
+        return self.ledger.usage(self.ledger.table())
+
+    def count_held(self) -> None:
+        """Count what the cache holds now in ``cache_peak_bytes`` (a warm run fetches nothing,
+        yet holds the data set): after a start, whose stats begin anew."""
+        self.counters.peak(self.held_bytes())
+
+    def _join_session(self) -> int:
+        """The node's run, which marks a shard checked in it (under the ledger's lock): the
+        first sequence to use the cache draws it, those that join while it is in use read it,
+        and from here this one is in use too (its budget file's shared lock, to ``release()``)."""
+        first = not in_use(self.folder)
+        self.release()
+        self._holding = lock(os.path.join(self.folder, "budget"), exclusive=False)
+        fd = open_private(os.path.join(self.folder, "session"), os.O_RDWR | os.O_CREAT)
+        with os.fdopen(fd, "r+b") as file:
+            known = file.read(8)
+            if not first and len(known) == 8:
+                return int(np.frombuffer(known, np.int64)[0])
+            session = time.time_ns()
+            file.seek(0)
+            file.write(np.int64(session).tobytes())
+            file.truncate()
+        return session
+
+    def _settle_budget(self, cached: int) -> None:
+        """The budget, given or drawn from the free space less what this user's other live
+        caches on the file system may still fill, written where those others read it."""
+        free = free_bytes(self.folder)
+        others = [(folder, budget - used) for folder, budget, used in
+                  caches_in_use(self.root, besides=self.folder)]
+        promised = sum(max(left, 0) for _, left in others)
+        available = max(free - promised, 0) + cached
+        if self.budget is None or not self.budget_given:
+            self.budget = int(min(self.estimates.sum(), available // 2))
+        elif self.budget > available:
+            raise ValueError(
+                f"cache_bytes={self.budget:,} is more than the file system of the shard cache "
+                f"{self.folder} can give: {free:,} bytes free, {cached:,} cached here already, and "
+                f"{promised:,} promised to this user's other caches that are in use "
+                f"({holders(self.root)}). Free space there, lower cache_bytes, or choose another "
+                "cache_dir")
+        fd = open_private(os.path.join(self.folder, "budget"), os.O_RDWR | os.O_CREAT)
+        with os.fdopen(fd, "r+b") as file:
+            file.write(np.int64(self.budget).tobytes())
+            file.truncate()
+
+    def release(self) -> None:
+        """This sequence no longer uses the cache: its budget stops counting against others'."""
+        if self._holding is not None:
+            unlock(self._holding)
+            self._holding = None
+
+    def _reconcile(self, table: np.ndarray) -> None:
+        """The ledger made true to the files: a cached shard whose file is gone or of another
+        size than its index says is dropped; a file the ledger does not know (its fetcher died
+        between the rename and the record) is kept only if its checksum is the index's; what
+        dead fetchers left (reservations, waits, partial files) goes. A link or a file of
+        another user's among the shards is refused (``UnsafeCacheError``)."""
+        folder = os.path.join(self.folder, "shards")
+        found, parts = set(), []
+        for name in os.listdir(folder):
+            numbered = re.match(r"\.?(\d{6})-", name)
+            path = os.path.join(folder, name)
+            if numbered is None or int(numbered[1]) >= len(self.index.shards):
+                continue
+            if name.endswith(".part"):
+                parts.append((int(numbered[1]), path))
+            elif path == self.path(int(numbered[1])):
+                found.add(int(numbered[1]))
+        self._forget_the_dead(table)
+        state = table["state"]
+        for number in found | set(np.flatnonzero(state == CACHED).tolist()):
+            if state[number] == FETCHING:
+                continue  # its fetcher is alive: the file is an old one it will replace
+            if number in found and self._whole(number) and (
+                    state[number] == CACHED or self._verified(number)):
+                if state[number] != CACHED:  # adopted, kept for no epoch in particular
+                    table[number] = (CACHED, 0, -1, -1, self.index.shards[number].size,
+                                     time.time_ns(), 0, 0)
+            else:
+                state[number], table["bytes"][number] = ABSENT, 0
+                if number in found:
+                    os.unlink(self.path(number))
+        for number, path in parts:
+            if not is_held(self._lock_path(number)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+    def _whole(self, number: int) -> bool:
+        """The cached file is this user's, unlinked, and of its index's size."""
+        with open_private_file(self.path(number)) as file:
+            return os.fstat(file.fileno()).st_size == self.index.shards[number].size
+
+    def _verified(self, number: int) -> bool:
+        """The cached file's checksum is its index's."""
+        with open_private_file(self.path(number)) as file:
+            return file_digest(file)[1] == self.index.shards[number].sha256
+
+    # -- readers ----------------------------------------------------------------------------------
+    def open(self, number: int, counters: remote.Counters) -> BinaryIO:
+        """Shard ``number`` as a local file, checked against its index. Not cached yet (or
+        not checked in this run, or damaged): checked, or fetched, by this caller under the
+        shard's lock (or, if another process is fetching it, once that one is done); its
+        requests counted in ``counters``."""
+        file = self._open_cached(number)
+        if file is not None:
+            return file
+        began, since = time.perf_counter(), time.time_ns()
+        fd = self._wait_for_lock(number)
+        try:
+            self._raise_failure_since(number, since)
+            file = self._open_cached(number, repair=True)
+            if file is None:
+                self._wait_for_room(number)
+                try:
+                    self._fetch_reserved(number, None, counters)
+                except OSError as failure:
+                    self._record_failure(number, failure)
+                    raise
+                file = open_private_file(self.path(number))
+        finally:
+            unlock(fd)
+        self.counters.add(shard_wait_s=time.perf_counter() - began)
+        return file
+
+    def _failure_path(self, number: int) -> str:
+        return os.path.join(self.folder, "locks", f"{number:06d}.failed")
+
+    def _raise_failure_since(self, number: int, since: int) -> None:
+        """Raise what failed another reader's fetch of the shard while this one waited for
+        it (its lock held): each waiter trying again in turn would wait as long again, and a
+        stalling server would outlast the batch's timeout before anyone said why. (A failed
+        prefetch is not recorded: the reader who needs the shard tries it once itself.)"""
+        try:
+            with open_private_file(self._failure_path(number)) as file:
+                if os.fstat(file.fileno()).st_mtime_ns >= since:
+                    raise OSError(f"{file.read().decode(errors='replace')} (another reader's "
+                                  "fetch of it, which this one waited for)")
+        except FileNotFoundError:
+            pass
+
+    def _record_failure(self, number: int, failure: OSError) -> None:
+        """What failed a reader's fetch, for those waiting for its lock (``_raise_failure_since``)."""
+        fd = open_private(self._failure_path(number), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        with os.fdopen(fd, "wb") as file:
+            file.write(remote.reason(failure, self.index.shards[number].url).encode())
+
+    def _open_cached(self, number: int, repair: bool = False) -> BinaryIO | None:
+        """The cached file, if it is there and checked against its index in this run.
+        ``repair`` (under the shard's lock): one not checked yet is checked now, and one that
+        does not match is removed, said (``DamagedShardWarning``) and counted, to be fetched
+        again."""
+        try:
+            file = open_private_file(self.path(number))
+        except FileNotFoundError:
+            return None
+        table = self.ledger.table()
+        if table["state"][number] == CACHED and table["checked"][number] == self.session and \
+                os.fstat(file.fileno()).st_size == self.index.shards[number].size:
+            return file
+        if not repair or table["state"][number] == FETCHING:
+            file.close()
+            return None
+        version = self._version_if_known(number)
+        if table["version"][number] not in (0, version or table["version"][number]):
+            file.close()  # rewritten at its source: fetched again, and checked then
+            self._drop(number)
+            return None
+        size, sha256 = file_digest(file)
+        shard = self.index.shards[number]
+        if size == shard.size and sha256 == shard.sha256:
+            with self.ledger.changing() as table:
+                if table["state"][number] == CACHED:
+                    table["checked"][number] = self.session
+                    table["version"][number] = version or table["version"][number]
+            return file
+        file.close()
+        self._drop(number)
+        self.counters.add(shard_repairs=1)
+        warnings.warn(DamagedShardWarning(
+            f"the cached copy {self.path(number)} of shard {shard.url} did not match its index "
+            f"({size:,} bytes, SHA-256 {sha256[:16]}..., where the index says {shard.size:,} "
+            f"bytes, {shard.sha256}): removed, and the shard is fetched again"), stacklevel=2)
+        return None
+
+    def _drop(self, number: int) -> None:
+        """Remove a cached shard that cannot be trusted (its shard's lock held)."""
+        with self.ledger.changing() as table:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path(number))
+            table["state"][number], table["bytes"][number] = ABSENT, 0
+
+    def _version_if_known(self, number: int) -> int | None:
+        """The shard's version, or None where its store cannot be asked (down, stalling): a
+        cached copy that matches its index is then used as it is, said once per process, and
+        no other shard's version is asked in this process (each ask may take a third of the
+        sequence's timeout)."""
+        if self._unreachable:
+            return None
+        try:
+            return self._version(number, remote.Counters())
+        except OSError as exc:
+            self._unreachable = True
+            warnings.warn(f"could not ask whether shard {self.index.shards[number].url} changed "
+                          f"since it was cached ({exc}): cached shards that match their index "
+                          "are used as they are", RuntimeWarning, stacklevel=3)
+            return None
+
+    def _version(self, number: int, counters: remote.Counters,
+                 stop: threading.Event | None = None) -> int:
+        """The shard's object as its store names this content of it (``remote.version``: its
+        ETag, say), as a number for the ledger (never 0, which stands for none recorded)."""
+        named = remote.version(self.index.shards[number].url, storage_options=self.storage_options,
+                               counters=counters, policy=self.policy, stop=stop)
+        return int.from_bytes(hashlib.sha256(named.encode()).digest()[:8], "little", signed=True) or 1
+
+    def _wait_for_lock(self, number: int) -> int:
+        while (fd := lock(self._lock_path(number), wait=False)) is None:
+            time.sleep(WAIT_POLL_S)  # another process fetches it: polled, so a thread can stop
+        return fd
+
+    def _wait_for_room(self, number: int) -> None:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout / 2
+        while not self._reserve(number, None, demand=True):
+            if deadline is not None and time.monotonic() > deadline:
+                with self.ledger.changing() as table:
+                    table["waiting"][number] = 0
+                raise ShardCacheFull(self._no_room(number))
+            time.sleep(WAIT_POLL_S * 5)
+
+    def _no_room(self, number: int) -> str:
+        assert self.timeout is not None and self.budget is not None  # waited for: prepared
+        table = self.ledger.table()
+        cached = table["state"] == CACHED
+        kept = collections.Counter(table["tag"][cached].tolist())
+        ranks = "; ".join(f"epoch {epoch}, done with {int((done != 0).sum())} shards of it"
+                          for epoch, _, done in self.board.live())
+        return (f"no room in the shard cache {self.folder} for shard "
+                f"{self.index.shards[number].url} ({self.estimates[number]:,} bytes) for "
+                f"{self.timeout / 2:g} s: its budget of {self.budget:,} bytes holds "
+                f"{int(cached.sum())} shards ({self.ledger.usage(table):,} bytes with those being "
+                f"fetched) kept for epochs {dict(sorted(kept.items()))}, which the node's ranks "
+                f"({ranks or 'none'}) still need. Ranks far apart need more room: raise "
+                "cache_bytes, or lower shuffle_shards")
+
+    # -- the prefetcher ---------------------------------------------------------------------------
+    def prefetch(self, number: int, epoch: int, counters: remote.Counters,
+                 stop: threading.Event) -> Callable[[], None] | str:
+        """The fetch of shard ``number`` for ``epoch``, ready to run (its lock held, its bytes
+        reserved; ``stop`` ends it early, see ``remote.fetch``); or BUSY (another process
+        fetches it) or FULL (no room now, without taking a waiting reader's or evicting what a
+        rank still needs)."""
+        fd = lock(self._lock_path(number), wait=False)
+        if fd is None:
+            return BUSY
+        try:
+            file = self._open_cached(number, repair=True)
+            if file is not None:  # fetched meanwhile
+                file.close()
+                self.claim(np.array([number]), np.array([epoch]))
+                unlock(fd)
+                return BUSY
+            if not self._reserve(number, epoch, demand=False):
+                unlock(fd)
+                return FULL
+        except BaseException:
+            unlock(fd)
+            raise
+        return functools.partial(self._fetch_holding, fd, number, epoch, counters, stop)
+
+    def _fetch_holding(self, fd: int, number: int, epoch: int, counters: remote.Counters,
+                       stop: threading.Event) -> None:
+        try:
+            self._fetch_reserved(number, epoch, counters, stop)
+        finally:
+            unlock(fd)
+
+    def claim(self, numbers: np.ndarray, epochs: np.ndarray) -> None:
+        """Keep these cached shards for these epochs (a shard kept for an earlier one)."""
+        if not len(numbers):
+            return
+        with self.ledger.changing() as table:
+            cached = table["state"][numbers] == CACHED
+            table["tag"][numbers[cached]] = np.maximum(table["tag"][numbers[cached]], epochs[cached])
+
+    # -- room ---------------------------------------------------------------------------------------
+    def _reserve(self, number: int, epoch: int | None, demand: bool) -> bool:
+        """Reserve shard ``number``'s bytes, evicting what no rank needs if that makes room. A
+        prefetch also leaves room for the readers waiting and for one more shard; a reader that
+        finds none is marked waiting. ``epoch`` None (a reader's: it does not know the epoch of
+        its batch): the latest epoch any rank's batches in flight may reach."""
+        size = int(self.estimates[number])
+        assert self.budget is not None  # settled by prepare()
+        with self.ledger.changing() as table:
+            live = self.board.live()
+            need = size
+            if not demand and self.budget < self.estimates.sum():  # else all of it fits anyway
+                others = table["waiting"].astype(bool)
+                others[number] = False
+                need += int(self.estimates[others].sum()) + int(self.estimates.max())
+            if self.ledger.usage(table) + need > self.budget:
+                self._forget_the_dead(table)
+                self._evict(table, live, self.ledger.usage(table) + need - self.budget)
+            if self.ledger.usage(table) + need > self.budget:
+                table["waiting"][number] = demand
+                return False
+            tag = epoch if epoch is not None else max((ahead for _, ahead, _ in live), default=0)
+            table["state"][number], table["waiting"][number] = FETCHING, 0
+            table["tag"][number], table["bytes"][number] = tag, size
+            self.counters.peak(self.ledger.usage(table))
+        return True
+
+    def _evict(self, table: np.ndarray, live: list, wanted: int) -> None:
+        """Remove shards no rank needs, those kept for the oldest epoch and fetched first
+        first, until ``wanted`` bytes are free."""
+        free = np.flatnonzero(evictable(table, live, self.board.expected()))
+        for number in free[np.lexsort((table["stamp"][free], table["tag"][free]))]:
+            if wanted <= 0:
+                break
+            wanted -= int(table["bytes"][number])
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path(number))  # a reader that has it open reads on
+            table["state"][number], table["bytes"][number] = ABSENT, 0
+
+    def _forget_the_dead(self, table: np.ndarray) -> None:
+        """Reservations and waits of processes that died (their shard's lock is free)."""
+        for number in np.flatnonzero((table["state"] == FETCHING) | (table["waiting"] != 0)):
+            if not is_held(self._lock_path(number)):
+                table["waiting"][number] = 0
+                if table["state"][number] == FETCHING:
+                    table["state"][number], table["bytes"][number] = ABSENT, 0
+
+    def _fetch_reserved(self, number: int, epoch: int | None, counters: remote.Counters,
+                        stop: threading.Event | None = None) -> None:
+        """Fetch shard ``number`` (its lock held, its bytes reserved) and record it cached."""
+        these = remote.Counters()  # this fetch's own, then added to the reader's
+        try:
+            version = self._version(number, these, stop)  # asked first: a change while fetching shows
+            size = remote.fetch(self.index.shards[number].url, self.path(number),
+                                storage_options=self.storage_options, counters=these,
+                                policy=self.policy, stop=stop)
+            self._check_fetched(number)
+        except BaseException:
+            with self.ledger.changing() as table:
+                table["state"][number], table["bytes"][number] = ABSENT, 0
+            raise
+        with self.ledger.changing() as table:
+            tag = int(table["tag"][number]) if epoch is None else max(int(table["tag"][number]), epoch)
+            again = int(table["fetched"][number] >= tag)
+            table[number] = (CACHED, 0, tag, tag, size, time.time_ns(), self.session, version)
+            self.counters.peak(self.ledger.usage(table))  # more than reserved, if the estimate was short
+        took = these.take()
+        counters.add(**took)
+        self.counters.add(shard_fetches=1, shard_fetch_bytes=size,
+                          shard_fetch_requests=took["requests"], shard_refetches=again)
+
+    def _check_fetched(self, number: int) -> None:
+        """Refuse a fetched shard that is not what its index says (removed: no reader sees it,
+        since none trusts a shard the ledger does not record as checked)."""
+        shard = self.index.shards[number]
+        with open_private_file(self.path(number)) as file:
+            size, sha256 = file_digest(file)
+        if size != shard.size or sha256 != shard.sha256:
+            os.unlink(self.path(number))
+            raise StaleShardError(
+                f"shard {shard.url} no longer matches its index: {size:,} bytes with SHA-256 "
+                f"{sha256}, where the index says {shard.size:,} bytes, {shard.sha256}. The object "
+                "was rewritten since the index was made: scan the shards again "
+                "(ShardIndex.scan(urls).save(...)) and start from the new index")
+
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        """(state, tag) of every shard, as the ledger has them now (the prefetcher's look)."""
+        table = self.ledger.table()
+        return table["state"].copy(), table["tag"].copy()
+
+    def remove(self) -> None:
+        """Delete the cache's folder (no rank of the job may be running on it)."""
+        self.release()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def estimated_bytes(index: ShardIndex) -> np.ndarray:
+    """The most each shard of ``index`` takes in a cache: its samples and a tar writer's tail."""
+    return np.array([shard.end + TAR_TAIL for shard in index.shards], np.int64)

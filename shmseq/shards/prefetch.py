@@ -1,0 +1,248 @@
+"""This rank's side of a node's shard cache: which batches read which shard (``ShardUses``), the
+room a cache needs for the batches in flight (``check_room``), and the ``Prefetcher`` that
+fetches the shards the rank's next batches read, ahead of them.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+from .. import remote
+from .cache import BUSY, FULL, ShardCache, estimated_bytes
+from .index import ShardIndex
+from .ledger import CACHED, FETCHING
+from .plan import ShardPlan
+
+
+FETCH_THREADS = 4           # concurrent whole-shard fetches of one rank's prefetcher
+PREFETCH_POLL_S = 0.05      # how often the prefetcher looks again at what it could not start
+
+
+class ShardUses:
+    """For a rank's epoch, the first and last batch position that reads each shard (a shard
+    not read: first past the end, last -1), from the plan; the last two epochs asked are kept."""
+
+    def __init__(self, plan: ShardPlan, index: ShardIndex) -> None:
+        self.plan = plan
+        self.index = index
+        self._known: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def of(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        key = (self.plan.version, self.plan.rank, self.plan.world_size, epoch)
+        if key not in self._known:
+            if len(self._known) >= 2:
+                del self._known[next(iter(self._known))]
+            batches = self.plan.batches(epoch)  # pure: safe beside the dispatcher's plan.batch
+            count = len(self.index.shards)
+            first, last = np.full(count, len(batches), np.int64), np.full(count, -1, np.int64)
+            if batches:
+                ids = np.concatenate(batches)
+                positions = np.repeat(np.arange(len(batches)), [len(b) for b in batches])
+                shards = self.index.locate(ids)[0]
+                np.minimum.at(first, shards, positions)
+                np.maximum.at(last, shards, positions)
+            self._known[key] = first, last
+        return self._known[key]
+
+    def done(self, epoch: int, position: int) -> np.ndarray:
+        """1 for every shard the batches from ``position`` on no longer read."""
+        return (self.of(epoch)[1] < position).astype(np.uint8)
+
+    def upcoming(self, epoch: int, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """(shard, epoch) pairs the batches from ``position`` on read, in the order they first
+        read them: the shards being read first, then this epoch's next, then the next epoch's."""
+        first, last = self.of(epoch)
+        left = np.flatnonzero(last >= position)
+        now = left[np.argsort(np.maximum(first[left], position), kind="stable")]
+        first, last = self.of(epoch + 1)
+        used = np.flatnonzero(last >= 0)
+        then = used[np.argsort(first[used], kind="stable")]
+        return (np.concatenate([now, then]),
+                np.concatenate([np.full(len(now), epoch), np.full(len(then), epoch + 1)]))
+
+    def most_held(self, epoch: int, position: int, depth: int, sizes: np.ndarray) -> tuple[int, int]:
+        """(bytes, shards) the cache must hold at once at most, from ``position`` of ``epoch``
+        through the next epoch: a shard is held from ``depth`` batches before its first read
+        (the batches in flight read it) to its last, once per epoch (in one stretch where its
+        last read in this epoch and its first in the next are less than ``depth`` apart)."""
+        length = self.plan.length(epoch) - position
+        horizon = length + self.plan.length(epoch + 1)
+        (first, last), (then_first, then_last) = self.of(epoch), self.of(epoch + 1)
+        now, then = last >= position, then_last >= 0
+        begin, end = np.maximum(first - position, 0), last - position
+        then_begin, then_end = then_first + length, then_last + length
+        joined = now & then & (then_begin - end <= depth)
+        change = np.zeros(horizon + 1, np.int64)
+        count = np.zeros(horizon + 1, np.int64)
+        for held, start, stop in ((now, begin, np.where(joined, then_end, end)),
+                                  (then & ~joined, then_begin, then_end)):
+            low = np.clip(start[held] - depth + 1, 0, horizon)
+            high = np.clip(stop[held] + 1, 0, horizon)
+            for total, amount in ((change, sizes[held]), (count, np.ones(int(held.sum()), np.int64))):
+                np.add.at(total, low, amount)
+                np.add.at(total, high, -amount)
+        if not horizon:
+            return 0, 0
+        held_bytes = np.cumsum(change)[:horizon]
+        at = int(np.argmax(held_bytes))
+        return int(held_bytes[at]), int(np.cumsum(count)[at])
+
+
+def room_needed(index: ShardIndex, plan: ShardPlan, epoch: int, position: int,
+                depth: int) -> tuple[int, int, int]:
+    """(need, held, shards): the bytes a cache of ``index``'s shards needs from ``position`` of
+    ``epoch`` through the next epoch with ``depth`` batches in flight: the ``shards`` (``held``
+    bytes) that ``depth`` batches in a row read at most, and one more being fetched; or the
+    whole data set, where that is less."""
+    sizes = estimated_bytes(index)
+    held, shards = ShardUses(plan, index).most_held(epoch, position, depth, sizes)
+    return min(held + int(sizes.max()), int(sizes.sum())), held, shards
+
+
+def check_room(cache: ShardCache, plan: ShardPlan, epoch: int, position: int, depth: int,
+               arguments: str) -> None:
+    """Refuse a budget that cannot hold what ``depth`` batches in a row read, plus one shard
+    being fetched: the ranks would wait for room forever."""
+    assert cache.budget is not None  # settled by prepare()
+    need, held, shards = room_needed(cache.index, plan, epoch, position, depth)
+    if cache.budget < need:
+        given = "" if cache.budget_given else " (the default: half the free space there)"
+        raise ValueError(
+            f"cache_bytes={cache.budget:,}{given} is less than the shard cache needs: {need:,} bytes, "
+            f"the {shards} shards ({held:,} bytes) that {depth} batches in a row read at most "
+            f"({arguments}) and one more being fetched ({int(cache.estimates.max()):,} bytes). "
+            f"Pass cache_bytes >= {need:,}, or read fewer shards at once: a smaller "
+            "shuffle_shards, batch_size or buffer")
+
+
+class Prefetcher:
+    """In a rank's consumer process: follows the consumer (``ShardPlan.on_release``), publishes
+    the rank's progress, and fetches the shards its next batches read, in the order they first
+    read them, ``FETCH_THREADS`` at a time, as far as the budget allows: the shards of this
+    epoch first, then the next one's. A shard another process is fetching is skipped; one whose
+    fetch failed is left to the workers for the rest of the run (they say why, and a stalling
+    server is not waited for again on their behalf).
+
+    Made before the workers start (it joins the rank board: their first fetches are then
+    kept for the right epoch), ``start()`` after; ``close()`` stops the fetches started (their
+    requests cancelled: a slow or failing server does not hold up ``finish()``).
+    ``depth``: how many batches past the consumer's may be in flight (built by the workers);
+    ``counters``: where its fetches' remote requests are counted."""
+
+    def __init__(self, cache: ShardCache, plan: ShardPlan, epoch: int, position: int, depth: int,
+                 counters: remote.Counters) -> None:
+        self.cache = cache
+        self.counters = counters
+        self.uses = ShardUses(plan, cache.index)
+        self._plan = plan
+        self._owner = os.getpid()
+        self._place = (epoch, position)
+        self._moved = threading.Condition()
+        self._news = True         # the consumer moved, or a fetch ended: look again
+        self._stopping = False
+        self._stop = threading.Event()  # set by close(): the fetches in flight end early
+        self._fetching: dict[tuple[int, int], Future] = {}  # (shard, epoch) -> its fetch
+        self._failed: set[int] = set()  # shards whose fetch failed: the workers' from then on
+        self._depth = depth
+        plan.refresh()
+        self._progress = cache.board.join(plan.rank, epoch, self._ahead(epoch, position),
+                                          self.uses.done(epoch, position))
+        self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="shmseq-fetch")
+        self._thread = threading.Thread(target=self._run, name="shmseq-prefetch", daemon=True)
+
+    def start(self) -> "Prefetcher":
+        self._plan.on_release = self.moved
+        self._thread.start()
+        return self
+
+    def moved(self, epoch: int, position: int) -> None:
+        """The consumer has every batch of ``epoch`` before ``position`` (on its thread: the
+        epoch the batches to dispatch next may reach is published here, before they are)."""
+        self._progress.publish_ahead(self._ahead(epoch, position))
+        self._tell(place=(epoch, position))
+
+    def _fetch_ended(self, _: Future) -> None:
+        self._tell()
+
+    def _tell(self, place: tuple[int, int] | None = None) -> None:
+        with self._moved:
+            self._place = place or self._place
+            self._news = True
+            self._moved.notify()
+
+    def _run(self) -> None:
+        waiting = False
+        while True:
+            with self._moved:
+                while not (self._news or self._stopping):
+                    if not self._moved.wait(PREFETCH_POLL_S if waiting else None):
+                        break  # time to look again at what others were doing
+                if self._stopping:
+                    return
+                self._news, place = False, self._place
+            self._progress.publish(place[0], self.uses.done(*place))
+            waiting = self._fetch_ahead(*place)
+
+    def _ahead(self, epoch: int, position: int) -> int:
+        """The epoch the batches in flight may reach: ``depth`` batches past the consumer."""
+        return epoch + int(position + self._depth > self._plan.length(epoch))
+
+    def _fetch_ahead(self, epoch: int, position: int) -> bool:
+        """Start what can start, claim the cached shards before the first that cannot (no room
+        for it, or another process waits for room for it): what is kept is always what is read
+        next. True while something is left for others to finish (a fetch, room)."""
+        for key, future in list(self._fetching.items()):
+            if future.done():
+                del self._fetching[key]
+                if future.exception() is not None:
+                    self._failed.add(key[0])
+        shards, epochs = self.uses.upcoming(epoch, position)
+        state, tags = self.cache.snapshot()
+        cached = state[shards] == CACHED
+        stop: int | np.integer
+        stop, waiting = len(shards), False
+        fetching = {number for number, _ in self._fetching}
+        for at in np.flatnonzero(~cached):
+            key = number, wanted = int(shards[at]), int(epochs[at])
+            if number in fetching or number in self._failed:
+                continue
+            if len(self._fetching) >= FETCH_THREADS:
+                stop = at
+                break
+            try:
+                started = self.cache.prefetch(number, wanted, self.counters, self._stop)
+            except Exception:  # noqa: BLE001 - left to the workers, whose batch says why
+                self._failed.add(number)
+                continue
+            if started is BUSY and state[number] == FETCHING:  # its room is reserved
+                waiting = True
+                continue
+            if started is not BUSY and started is not FULL:
+                assert callable(started)  # a fetch, not one of the two words
+                self._fetching[key] = self._pool.submit(started)
+                self._fetching[key].add_done_callback(self._fetch_ended)
+                fetching.add(number)
+                continue
+            # no room, or its fetcher waits for room: what comes after it must not take the room
+            stop, waiting = at, True
+            break
+        claim = cached[:stop] & (tags[shards[:stop]] < epochs[:stop])
+        self.cache.claim(shards[:stop][claim], epochs[:stop][claim])
+        return waiting
+
+    def close(self) -> None:
+        """Stop the fetches in flight and leave the board."""
+        if os.getpid() != self._owner:
+            return  # a forked child's copy: the thread and the board are the parent's
+        self._stop.set()
+        with self._moved:
+            self._stopping = True
+            self._moved.notify()
+        if self._thread.ident is not None:
+            self._thread.join()
+        self._pool.shutdown(wait=True)
+        if self._plan.on_release == self.moved:
+            self._plan.on_release = None
+        self._progress.leave()

@@ -1,0 +1,176 @@
+"""Reading samples by global id: each sample's bytes at its offset, from local files, by range
+requests (``shmseq.remote``), or from a node's cache of whole shards (``ShardFiles``, which
+``shmseq.shards.cache.ShardCache`` is); runs of neighbours in one read.
+"""
+from __future__ import annotations
+
+import collections
+import collections.abc
+import os
+import threading
+from typing import Any, BinaryIO, IO, Iterator, Protocol
+
+import numpy as np
+from .. import remote
+from ..remote import RemotePolicy, is_remote
+from .files import UnsafeCacheError
+from .index import ShardIndex, open_url
+from .tar import ShardError, parse_members
+
+
+
+class ShardFiles(Protocol):
+    """A node's cache of whole shards, as a reader uses it (``shmseq.shards.cache.ShardCache``)."""
+
+    @property
+    def counters(self) -> remote.Counters:
+        """Where the reads from cached shards are counted (``shard_read_bytes``)."""
+
+    def open(self, number: int, counters: remote.Counters) -> BinaryIO:
+        """Shard ``number`` as a local file, fetched first if need be, by the reader's thread
+        (a worker's, or the consumer's with num_workers=0); its requests counted in ``counters``."""
+
+
+class ShardReader:
+    """Reads samples by global id. Local files are opened on first use and kept, the last
+    ``OPEN_FILES`` used in each thread (worker threads share a reader, never a file: a file's
+    position is not to be shared). Remote shards are read by range requests (``shmseq.remote``:
+    ``policy``'s timeout and retries), counted in ``counters``; or, with a ``cache``
+    (``shmseq.shards.cache``), from the node's local copies, fetched whole if they are not there
+    yet, and closed after each read: the space of a shard the cache evicts is freed once no
+    reader holds it open."""
+
+    OPEN_FILES = 8
+
+    def __init__(self, index: ShardIndex, storage_options: dict | None = None, *,
+                 policy: RemotePolicy | None = None, cache: ShardFiles | None = None) -> None:
+        if policy is not None and not isinstance(policy, RemotePolicy):
+            raise TypeError(f"remote must be a shmseq.remote.RemotePolicy or None, got {policy!r}")
+        self.index = index
+        self.storage_options = storage_options
+        self.policy = policy
+        self.cache = cache
+        self.counters = remote.Counters()
+        self._local = threading.local()
+        self._every_thread: list[collections.OrderedDict[int, IO[bytes]]] = []
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_local": None, "_every_thread": []}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _local=threading.local())
+
+    def _file(self, number: int) -> IO[bytes]:
+        files = getattr(self._local, "files", None)
+        if files is None:
+            files = self._local.files = collections.OrderedDict()
+            self._every_thread.append(files)
+        file = files.pop(number, None)
+        if file is None:
+            file = (self.cache.open(number, self.counters) if self.cache is not None else
+                    open_url(self.index.shards[number].url, self.storage_options))
+            if len(files) >= self.OPEN_FILES:
+                files.popitem(last=False)[1].close()
+        files[number] = file
+        return file
+
+    def read(self, ids: np.ndarray) -> list[dict]:
+        """The samples of ``ids``, in that order, each with ``__key__``, ``__url__``,
+        ``__offset__`` and its global ``__id__``. Samples next to each other in a shard are
+        read in one request."""
+        shards, ordinals = self.index.locate(np.asarray(ids, np.int64))
+        found: dict[tuple[int, int], dict] = {}
+        try:
+            for shard, run in _runs(sorted(set(zip(shards.tolist(), ordinals.tolist())))):
+                found.update(self._read_run(shard, run))
+        finally:
+            if self.cache is not None:
+                self._close_files(getattr(self._local, "files", {}))
+        return [found[pair] for pair in zip(shards.tolist(), ordinals.tolist())]
+
+    def _read_run(self, number: int, ordinals: list[int]) -> Iterator[tuple[tuple[int, int], dict]]:
+        shard = self.index.shards[number]
+        begin, end = shard.span(ordinals[0])[0], shard.span(ordinals[-1])[1]
+        data = memoryview(self._read(number, begin, end))
+        for ordinal in ordinals:
+            start, stop = shard.span(ordinal)
+            sample = parse_members(data[start - begin:stop - begin], shard.url, start)
+            sample.update(__url__=shard.url, __offset__=start,
+                          __id__=int(self.index.starts[number]) + ordinal)
+            yield (number, ordinal), sample
+
+    def _read(self, number: int, begin: int, end: int) -> bytes:
+        """Bytes ``begin`` to ``end`` of shard ``number``; a local file's size is checked first:
+        an index that runs past the end would otherwise size the read (and its memory)."""
+        url = self.index.shards[number].url
+        try:
+            read = self._remote_read if is_remote(url) and self.cache is None else self._local_read
+            return read(number, begin, end)
+        except FileNotFoundError as exc:
+            raise ShardError(f"shard {url} is missing ({exc.strerror})") from exc
+        except UnsafeCacheError:
+            raise  # the cache's folder, not the shard: no sample is to blame, none is skipped
+        except OSError as exc:
+            getattr(self._local, "files", {}).pop(number, None)
+            raise ShardError(f"shard {url}: reading bytes {begin}-{end} failed: "
+                             f"{type(exc).__name__}: {remote.reason(exc, url)}") from exc
+
+    def _local_read(self, number: int, begin: int, end: int) -> bytes:
+        file = self._file(number)
+        size = file.seek(0, os.SEEK_END)
+        if end > size:
+            raise self._past_the_end(number, begin, end, size)
+        file.seek(begin)
+        data = file.read(end - begin)
+        if len(data) < end - begin:  # the file was cut since it was opened
+            raise self._past_the_end(number, begin, end, begin + len(data))
+        if self.cache is not None:
+            self.cache.counters.add(shard_read_bytes=len(data))
+        return data
+
+    def _remote_read(self, number: int, begin: int, end: int) -> bytes:
+        """One range request; a shorter answer means the object ends first: its size is asked."""
+        url = self.index.shards[number].url
+        options: dict[str, Any] = {"storage_options": self.storage_options,
+                                   "counters": self.counters, "policy": self.policy}
+        data = remote.read_range(url, begin, end, **options)
+        if len(data) < end - begin:
+            raise self._past_the_end(number, begin, end, remote.size(url, **options))
+        return data
+
+    def _past_the_end(self, number: int, begin: int, end: int, size: int) -> ShardError:
+        """The error for a read of bytes ``begin`` to ``end`` of a shard of ``size`` bytes,
+        naming the first sample of the read that the shard ends in (or before)."""
+        return ShardError(f"shard {self.index.shards[number].url} ends at byte {size}, before "
+                          f"the sample at byte {self._sample_at(number, max(begin, size))} ends "
+                          f"(byte {end}): the shard is truncated, or its index is stale")
+
+    def _sample_at(self, number: int, byte: int) -> int:
+        offsets = self.index.shards[number].offsets
+        return int(offsets[max(np.searchsorted(offsets, byte, side="right") - 1, 0)])
+
+    def close(self) -> None:
+        """Close every thread's files (the workers have stopped); they reopen when read."""
+        for files in self._every_thread:
+            self._close_files(files)
+        self._every_thread.clear()
+        self._local = threading.local()
+
+    @staticmethod
+    def _close_files(files: dict[int, IO[bytes]]) -> None:
+        while files:
+            files.popitem()[1].close()
+
+
+def _runs(pairs: list[tuple[int, int]]) -> Iterator[tuple[int, list[int]]]:
+    """Sorted (shard, ordinal) pairs as runs of consecutive ordinals within one shard."""
+    run: list[int] = []
+    shard = -1  # the run's, once it has a first pair
+    for number, ordinal in pairs:
+        if run and (number != shard or ordinal != run[-1] + 1):
+            yield shard, run
+            run = []
+        shard = number
+        run.append(ordinal)
+    if run:
+        yield shard, run
