@@ -428,3 +428,21 @@ def test_a_state_says_how_the_shuffle_was_bounded(tmp_path, data, cache_dir):
     with pytest.raises(ValueError, match="state shuffle_window=None does not match this "
                                          "sequence's shuffle_window=1000"):
         make(index, cache_dir=None).load_state_dict(state)
+
+
+def test_a_ledger_record_moves_only_along_the_caches_moves():
+    """Every change of a shard's state goes through Ledger.move, which refuses a move the
+    cache never makes (a fetch recorded for a shard nobody reserved, say)."""
+    from shmseq.shards.ledger import ABSENT, CACHED, FETCHING, LEDGER_RECORD, MOVES, Ledger
+    table = np.zeros(1, LEDGER_RECORD)
+    for to in (FETCHING, CACHED, ABSENT, CACHED, ABSENT, FETCHING, ABSENT):
+        Ledger.move(table, 0, to, bytes=7)
+        assert table["state"][0] == to and table["bytes"][0] == 7
+    Ledger.move(table, 0, ABSENT, bytes=0)  # staying is no move
+    for start, to in [(ABSENT, ABSENT), (CACHED, FETCHING)]:
+        table["state"][0] = start
+        if (start, to) in MOVES or start == to:
+            continue
+        with pytest.raises(RuntimeError, match="cannot move from CACHED to FETCHING"):
+            Ledger.move(table, 0, to)
+        assert table["state"][0] == start

@@ -80,6 +80,7 @@ import warnings
 from typing import TYPE_CHECKING, BinaryIO, Callable
 
 import numpy as np
+
 from .. import remote
 from ..remote import RemotePolicy
 from .files import file_digest, open_private, open_private_file, private_folder, user_folder
@@ -279,10 +280,11 @@ class ShardCache:
             if number in found and self._whole(number) and (
                     state[number] == CACHED or self._verified(number)):
                 if state[number] != CACHED:  # adopted, kept for no epoch in particular
-                    table[number] = (CACHED, 0, -1, -1, self.index.shards[number].size,
-                                     time.time_ns(), 0, 0)
+                    size = self.index.shards[number].size or 0  # one: checked in __init__
+                    Ledger.move(table, number, CACHED, waiting=0, tag=-1, fetched=-1, bytes=size,
+                                stamp=time.time_ns(), checked=0, version=0)
             else:
-                state[number], table["bytes"][number] = ABSENT, 0
+                Ledger.move(table, number, ABSENT, bytes=0)
                 if number in found:
                     os.unlink(self.path(number))
         for number, path in parts:
@@ -392,7 +394,7 @@ class ShardCache:
         with self.ledger.changing() as table:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path(number))
-            table["state"][number], table["bytes"][number] = ABSENT, 0
+            Ledger.move(table, number, ABSENT, bytes=0)
 
     def _version_if_known(self, number: int) -> int | None:
         """The shard's version, or None where its store cannot be asked (down, stalling): a
@@ -509,8 +511,7 @@ class ShardCache:
                 table["waiting"][number] = demand
                 return False
             tag = epoch if epoch is not None else max((ahead for _, ahead, _ in live), default=0)
-            table["state"][number], table["waiting"][number] = FETCHING, 0
-            table["tag"][number], table["bytes"][number] = tag, size
+            Ledger.move(table, number, FETCHING, waiting=0, tag=tag, bytes=size)
             self.counters.peak(self.ledger.usage(table))
         return True
 
@@ -524,7 +525,7 @@ class ShardCache:
             wanted -= int(table["bytes"][number])
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path(number))  # a reader that has it open reads on
-            table["state"][number], table["bytes"][number] = ABSENT, 0
+            Ledger.move(table, number, ABSENT, bytes=0)
 
     def _forget_the_dead(self, table: np.ndarray) -> None:
         """Reservations and waits of processes that died (their shard's lock is free)."""
@@ -532,7 +533,7 @@ class ShardCache:
             if not is_held(self._lock_path(number)):
                 table["waiting"][number] = 0
                 if table["state"][number] == FETCHING:
-                    table["state"][number], table["bytes"][number] = ABSENT, 0
+                    Ledger.move(table, number, ABSENT, bytes=0)
 
     def _fetch_reserved(self, number: int, epoch: int | None, counters: remote.Counters,
                         stop: threading.Event | None = None) -> None:
@@ -546,12 +547,13 @@ class ShardCache:
             self._check_fetched(number)
         except BaseException:
             with self.ledger.changing() as table:
-                table["state"][number], table["bytes"][number] = ABSENT, 0
+                Ledger.move(table, number, ABSENT, bytes=0)
             raise
         with self.ledger.changing() as table:
             tag = int(table["tag"][number]) if epoch is None else max(int(table["tag"][number]), epoch)
             again = int(table["fetched"][number] >= tag)
-            table[number] = (CACHED, 0, tag, tag, size, time.time_ns(), self.session, version)
+            Ledger.move(table, number, CACHED, waiting=0, tag=tag, fetched=tag, bytes=size,
+                        stamp=time.time_ns(), checked=self.session, version=version)
             self.counters.peak(self.ledger.usage(table))  # more than reserved, if the estimate was short
         took = these.take()
         counters.add(**took)

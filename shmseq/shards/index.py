@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import IO, Callable, Iterable
 
 import numpy as np
+
 from .. import remote
 from ..remote import is_remote
 from .files import file_digest

@@ -4,17 +4,31 @@ and where its local ranks are (``RankBoard``: a progress file each), which evict
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 import time
 from typing import Iterator
 
 import numpy as np
+
 from .files import open_private, open_private_file
 from .locks import is_held, lock, locked, unlock
 
 
-ABSENT, FETCHING, CACHED = 0, 1, 2
+class ShardState(enum.IntEnum):
+    """Where a shard stands in a node's cache. Its record moves only along ``MOVES``
+    (``Ledger.move``), under the ledger's lock."""
+    ABSENT = 0    # not on disk, no bytes counted
+    FETCHING = 1  # a process holding the shard's lock fetches it: its bytes reserved
+    CACHED = 2    # on disk, whole (checked against the index before a reader trusts it)
 
+
+ABSENT, FETCHING, CACHED = ShardState
+MOVES = {(ABSENT, FETCHING): "its bytes reserved for a fetch",
+         (FETCHING, CACHED): "fetched, and checked against its index",
+         (FETCHING, ABSENT): "its fetch failed, or its fetcher died",
+         (CACHED, ABSENT): "evicted, or found damaged or rewritten",
+         (ABSENT, CACHED): "found whole on disk at start, and checked (adopted)"}
 
 LEDGER_RECORD = np.dtype([("state", "i1"), ("waiting", "i1"), ("tag", "<i4"), ("fetched", "<i4"),
                           ("bytes", "<i8"), ("stamp", "<i8"), ("checked", "<i8"),
@@ -84,6 +98,18 @@ class Ledger:
 
     def _locked(self) -> contextlib.AbstractContextManager[None]:
         return locked(self.path + ".lock")
+
+    @staticmethod
+    def move(table: np.ndarray, number: int | np.integer, to: ShardState, **fields: int) -> None:
+        """The one way a shard's record changes state (its ledger lock held): to ``to``, with
+        ``fields`` (``bytes=0``, ...) set; a move not in ``MOVES`` is a bug, raised."""
+        now = ShardState(int(table["state"][number]))
+        if now != to and (now, to) not in MOVES:
+            raise RuntimeError(f"shard {number} of the cache's ledger cannot move from "
+                               f"{now.name} to {to.name}: only {sorted((a.name, b.name) for a, b in MOVES)}")
+        table["state"][number] = to
+        for field, value in fields.items():
+            table[field][number] = value
 
     def usage(self, table: np.ndarray) -> int:
         """Bytes the cache holds or has reserved."""

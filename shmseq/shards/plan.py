@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
+
 from ..engine.trainer.plan import EpochPlan
 from .index import ShardIndex
 

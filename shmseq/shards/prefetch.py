@@ -9,6 +9,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
+
 from .. import remote
 from .cache import BUSY, FULL, ShardCache, estimated_bytes
 from .index import ShardIndex

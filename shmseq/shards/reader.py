@@ -11,6 +11,7 @@ import threading
 from typing import Any, BinaryIO, IO, Iterator, Protocol
 
 import numpy as np
+
 from .. import remote
 from ..remote import RemotePolicy, is_remote
 from .files import UnsafeCacheError

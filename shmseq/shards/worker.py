@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
+
 from ..engine.common.ragged import Ragged
 from ..remote import RemotePolicy
 from .index import ShardIndex

@@ -13,6 +13,7 @@ import tarfile
 from typing import Iterable
 
 import numpy as np
+
 from ..checks import check_int
 from .files import file_digest
 from .index import Shard, ShardIndex
