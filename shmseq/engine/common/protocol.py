@@ -132,7 +132,7 @@ class Failed(NamedTuple):
 
 
 class Ended(NamedTuple):
-    """The worker's stream has no batch ``number`` in this pass (``workers.StreamEnded``):
+    """The worker's stream has no batch ``number`` in this pass (``engine.worker.batch.StreamEnded``):
     ``slot`` is unused, and the worker gets no more tasks in the pass."""
     number: int
     slot: int | None
