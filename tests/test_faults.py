@@ -300,15 +300,22 @@ def test_a_worker_returning_none_is_told_so_with_its_batch():
     assert cause.batch_indices.tolist() == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("options", [{}, {"thread_type": "thread"}, {"num_workers": 0}])
-def test_a_dataset_of_samples_is_refused_naming_the_sample_level_loaders(options):
-    """Given the batch's index array, a dataset written for one index returns one sample: an
-    image of (3, 8, 8) and a label of (4,) for a batch of 16, which would travel as a batch."""
-    with make(SampleDataset(), dset_size=64, batch_size=16, **options).start() as seq:
+def first_batch_refusal(worker, options: dict) -> str:
+    """What the ``UnsupportedBatch`` of ``worker``'s first batch of 16 says ("" if none came)."""
+    message = ""
+    with make(worker, dset_size=64, batch_size=16, **options).start() as seq:
         try:
             next(iter(seq))
         except UnsupportedBatch as exc:  # not pytest.raises: its record would hold the frames
             message = str(exc)
+    return message
+
+
+@pytest.mark.parametrize("options", [{}, {"thread_type": "thread"}, {"num_workers": 0}])
+def test_a_dataset_of_samples_is_refused_naming_the_sample_level_loaders(options):
+    """Given the batch's index array, a dataset written for one index returns one sample: an
+    image of (3, 8, 8) and a label of (4,) for a batch of 16, which would travel as a batch."""
+    message = first_batch_refusal(SampleDataset(), options)
     assert "arrays of shapes (3, 8, 8), (4,) for the 16 sample indices" in message
     assert "shmseq.DataLoader" in message and "shmseq.torch.DataLoader" in message
 
@@ -318,12 +325,7 @@ def test_a_dataset_of_samples_with_a_label_per_index_is_refused(options):
     """Given the batch's index array, a dataset written for one index returns one image of
     (3, 8, 8) and ``indices % 10``: the labels' row per index must not let the image through
     as a batch."""
-    message = ""
-    with make(SampleWithLabels(), dset_size=64, batch_size=16, **options).start() as seq:
-        try:
-            next(iter(seq))
-        except UnsupportedBatch as exc:  # not pytest.raises: its record would hold the frames
-            message = str(exc)
+    message = first_batch_refusal(SampleWithLabels(), options)
     assert "arrays of shapes (3, 8, 8), (16,) for the 16 sample indices" in message
     assert "largest, (3, 8, 8), has no row per index" in message
     assert "shmseq.DataLoader" in message and "shmseq.torch.DataLoader" in message

@@ -293,17 +293,23 @@ def test_on_ring_keeps_a_tuned_loaders_bounds(prefetch_factor):
     accelerator.free_memory()
 
 
-def test_persistent_workers_are_not_replaced_after_one_died():
-    """As torch's: the pass goes on without the dead worker, and every later ``iter()`` says
-    why it cannot start another pass and what to do; ``close()`` stops the worker left."""
-    loader = DataLoader(data.KillsItself(12, at=5), batch_size=2, num_workers=2,
-                        persistent_workers=True)
+def errors_of_two_passes(loader) -> list[str]:
+    """What each of two passes over ``loader`` raised (a pass that ends well says nothing)."""
     messages = []
     for _ in range(2):
         try:
             list(loader)
         except RuntimeError as exc:
             messages.append(str(exc))
+    return messages
+
+
+def test_persistent_workers_are_not_replaced_after_one_died():
+    """As torch's: the pass goes on without the dead worker, and every later ``iter()`` says
+    why it cannot start another pass and what to do; ``close()`` stops the worker left."""
+    loader = DataLoader(data.KillsItself(12, at=5), batch_size=2, num_workers=2,
+                        persistent_workers=True)
+    messages = errors_of_two_passes(loader)
     assert "is killed by signal: Killed" in messages[0] and "the pass goes on" in messages[0]
     assert "persistent workers are not replaced" in messages[1]
     assert "make a new DataLoader, or pass worker_restarts=1" in messages[1]
@@ -317,12 +323,7 @@ def test_a_worker_dying_while_starting_is_not_answered_with_restarts():
     start that dies while starting): neither the death nor the next pass suggests it."""
     loader = DataLoader(data.Counting(12), batch_size=2, num_workers=1, persistent_workers=True,
                         worker_init_fn=data.exit_init)
-    messages = []
-    for _ in range(2):
-        try:
-            list(loader)
-        except RuntimeError as exc:
-            messages.append(str(exc))
+    messages = errors_of_two_passes(loader)
     loader.close()
     assert "exited with code 4 while starting" in messages[0]
     assert "persistent workers are not replaced" in messages[1]
