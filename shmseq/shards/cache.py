@@ -18,7 +18,7 @@ files. Who does what:
 
 Its folder, ``<cache_dir>/shmseq-cache-<uid>/<job>/<digest of the data>/``, this user's alone
 (made 0700, its files 0600, nothing followed through a link, nothing of another user's
-trusted: ``shmseq.cache_files``)::
+trusted: ``shmseq.shards.files``)::
 
     ledger     one record per shard: absent, being fetched (its bytes reserved) or cached, the
                epoch it is kept for, its bytes, the run that checked it and the version of
@@ -179,7 +179,7 @@ class ShardCache:
 
     # -- start: the folder, what a run before left, the budget ----------------------------------
     def prepare(self) -> int:
-        """Make the folders (this user's, 0700, checked: ``shmseq.cache_files``), keep what an
+        """Make the folders (this user's, 0700, checked: ``shmseq.shards.files``), keep what an
         earlier run of the job cached (each shard checked against its index once in this run),
         drop what it left half-done, remove the caches nobody uses any more, and settle the
         budget (default: the whole data set, at most half of what the file system has free
@@ -235,7 +235,7 @@ class ShardCache:
                   caches_in_use(self.root, besides=self.folder)]
         promised = sum(max(left, 0) for _, left in others)
         available = max(free - promised, 0) + cached
-        if self.budget is None or not self.budget_given:
+        if self.budget is None or not self.budget_given:  # drawn (anew at each start)
             self.budget = int(min(self.estimates.sum(), available // 2))
         elif self.budget > available:
             raise ValueError(
@@ -282,7 +282,7 @@ class ShardCache:
                 if state[number] != CACHED:  # adopted, kept for no epoch in particular
                     size = self.index.shards[number].size or 0  # one: checked in __init__
                     Ledger.move(table, number, CACHED, waiting=0, tag=-1, fetched=-1, bytes=size,
-                                stamp=time.time_ns(), checked=0, version=0)
+                                stamp=time.time_ns(), checked=self.session, version=0)
             else:
                 Ledger.move(table, number, ABSENT, bytes=0)
                 if number in found:
@@ -293,7 +293,7 @@ class ShardCache:
                     os.unlink(path)
 
     def _whole(self, number: int) -> bool:
-        """The cached file is this user's, unlinked, and of its index's size."""
+        """The cached file is this user's, not a link, and of its index's size."""
         with open_private_file(self.path(number)) as file:
             return os.fstat(file.fileno()).st_size == self.index.shards[number].size
 
@@ -315,7 +315,7 @@ class ShardCache:
         fd = self._wait_for_lock(number)
         try:
             self._raise_failure_since(number, since)
-            file = self._open_cached(number, repair=True)
+            file = self._open_cached(number, repair=True, counters=counters)
             if file is None:
                 self._wait_for_room(number)
                 try:
@@ -351,11 +351,12 @@ class ShardCache:
         with os.fdopen(fd, "wb") as file:
             file.write(remote.reason(failure, self.index.shards[number].url).encode())
 
-    def _open_cached(self, number: int, repair: bool = False) -> BinaryIO | None:
+    def _open_cached(self, number: int, repair: bool = False,
+                     counters: remote.Counters | None = None) -> BinaryIO | None:
         """The cached file, if it is there and checked against its index in this run.
-        ``repair`` (under the shard's lock): one not checked yet is checked now, and one that
-        does not match is removed, said (``DamagedShardWarning``) and counted, to be fetched
-        again."""
+        ``repair`` (under the shard's lock): one not checked yet is checked now (its version
+        asked, the request counted in ``counters``), and one that does not match is removed,
+        said (``DamagedShardWarning``) and counted, to be fetched again."""
         try:
             file = open_private_file(self.path(number))
         except FileNotFoundError:
@@ -367,8 +368,8 @@ class ShardCache:
         if not repair or table["state"][number] == FETCHING:
             file.close()
             return None
-        version = self._version_if_known(number)
-        if table["version"][number] not in (0, version or table["version"][number]):
+        recorded, version = int(table["version"][number]), self._version_if_known(number, counters)
+        if recorded and version is not None and version != recorded:
             file.close()  # rewritten at its source: fetched again, and checked then
             self._drop(number)
             return None
@@ -378,7 +379,8 @@ class ShardCache:
             with self.ledger.changing() as table:
                 if table["state"][number] == CACHED:
                     table["checked"][number] = self.session
-                    table["version"][number] = version or table["version"][number]
+                    if version is not None:
+                        table["version"][number] = version
             return file
         file.close()
         self._drop(number)
@@ -396,7 +398,7 @@ class ShardCache:
                 os.unlink(self.path(number))
             Ledger.move(table, number, ABSENT, bytes=0)
 
-    def _version_if_known(self, number: int) -> int | None:
+    def _version_if_known(self, number: int, counters: remote.Counters | None) -> int | None:
         """The shard's version, or None where its store cannot be asked (down, stalling): a
         cached copy that matches its index is then used as it is, said once per process, and
         no other shard's version is asked in this process (each ask may take a third of the
@@ -404,7 +406,7 @@ class ShardCache:
         if self._unreachable:
             return None
         try:
-            return self._version(number, remote.Counters())
+            return self._version(number, counters or remote.Counters())
         except OSError as exc:
             self._unreachable = True
             warnings.warn(f"could not ask whether shard {self.index.shards[number].url} changed "
@@ -460,7 +462,7 @@ class ShardCache:
         if fd is None:
             return BUSY
         try:
-            file = self._open_cached(number, repair=True)
+            file = self._open_cached(number, repair=True, counters=counters)
             if file is not None:  # fetched meanwhile
                 file.close()
                 self.claim(np.array([number]), np.array([epoch]))

@@ -6,11 +6,11 @@ anyway); other users are not. So the cache lives in a folder of the user's own,
 ``<cache_dir>/shmseq-cache-<uid>``, made 0700, and every folder under it 0700 and every file
 0600; a folder or file is refused (``UnsafeCacheError``) when it is a symbolic link, is owned by
 another user, or is writable by others; files are opened with ``O_NOFOLLOW``, so a link planted
-where a file is expected is never followed; names from the outside (a job's name) cannot leave
-their folder. ``cache_dir`` itself may be shared (/tmp, /dev/shm): it must belong to this user
-or to root, and if others may write to it, carry the sticky bit (so that nobody else can
-rename or remove what is ours in it). What is in a file is checked by its reader: a shard
-against its index's checksum (``shmseq.shards.cache``)."""
+where a file is expected is never followed (names from the outside, a job's, are kept inside
+their folder by ``shmseq.shards.place``). ``cache_dir`` itself may be shared (/tmp, /dev/shm):
+it must belong to this user or to root, and if others may write to it, carry the sticky bit
+(so that nobody else can rename or remove what is ours in it). What is in a file is checked
+by its reader: a shard against its index's checksum (``shmseq.shards.cache``)."""
 from __future__ import annotations
 
 import errno
@@ -59,10 +59,15 @@ def check_shared(path: str) -> None:
                             "without the sticky bit, so they could replace this user's folder in it")
 
 
+def user_folder_name() -> str:
+    """The name of this user's folder in a ``cache_dir``."""
+    return USER_FOLDER.format(uid=os.getuid())
+
+
 def user_folder(cache_dir: str) -> str:
     """This user's folder under ``cache_dir``, made if missing, checked (``private_folder``)."""
     check_shared(cache_dir)
-    return private_folder(os.path.join(cache_dir, USER_FOLDER.format(uid=os.getuid())))
+    return private_folder(os.path.join(cache_dir, user_folder_name()))
 
 
 def private_folder(path: str) -> str:
@@ -118,14 +123,6 @@ def open_private_file(path: str, mode: str = "rb") -> BinaryIO:
     """``open_private`` as a Python file object: ``"rb"``, or ``"r+b"`` to change it in place."""
     flags = os.O_RDWR if "+" in mode else os.O_RDONLY
     return cast(BinaryIO, os.fdopen(open_private(path, flags), mode))
-
-
-def inside(folder: str, name: str) -> str:
-    """``folder/name`` for a ``name`` from outside (a job's): one part, not ``.`` or ``..``."""
-    if not name or name in (".", "..") or "/" in name or "\0" in name:
-        raise ValueError(f"{name!r} cannot name a folder inside {folder}: give a name without "
-                         "'/' that is not '.' or '..'")
-    return os.path.join(folder, name)
 
 
 def file_digest(file: IO[bytes]) -> tuple[int, str]:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .files import inside, open_private_file
+from .files import open_private_file, user_folder_name
 from .locks import is_held
 
 if TYPE_CHECKING:
@@ -108,14 +108,14 @@ def free_bytes(folder: str) -> int:
 
 def default_cache_dir() -> str:
     """``$TMPDIR`` (a scheduler's node-local scratch) or else /var/tmp (on disk, where /tmp may
-    be memory): the caches go into this user's folder in it (``shmseq.cache_files``)."""
+    be memory): the caches go into this user's folder in it (``shmseq.shards.files``)."""
     return os.environ.get("TMPDIR") or "/var/tmp"
 
 
 def user_root(cache_dir: str | os.PathLike | None = None) -> str:
     """This user's folder of caches under ``cache_dir`` (the path only: ``prepare`` makes it)."""
     return os.path.join(os.path.abspath(os.fspath(cache_dir or default_cache_dir())),
-                        f"shmseq-cache-{os.getuid()}")
+                        user_folder_name())
 
 
 def cache_folder(index: ShardIndex, cache_dir: str | os.PathLike | None = None,
@@ -132,7 +132,7 @@ def cache_folder(index: ShardIndex, cache_dir: str | os.PathLike | None = None,
         raise ValueError(f"the job name {job_name(job)!r} (from job=, SLURM_JOB_ID or "
                          "TORCHELASTIC_RUN_ID) would name a folder outside the cache's: pass "
                          "job= with a name of letters, digits, '.', '_' or '-'")
-    return inside(inside(user_root(cache_dir), name), digest)
+    return os.path.join(user_root(cache_dir), name, digest)  # neither can leave its folder
 
 
 def _endpoint(storage_options: dict | None) -> str:
