@@ -1,129 +1,43 @@
-"""A batch <-> bytes in a slot, with zero-copy views on the way back.
+"""A batch -> bytes in a slot, written once, each array straight to its place.
 
-Slot format::
-
-    [0, 16)            header offset, header length (little-endian uint64)
-    [64, ...)          array payloads, each 64-byte aligned
-    [header offset..]  pickled skeleton: the batch's nesting (namedtuple types
-                       kept), with every array replaced by (dtype, shape, payload
-                       offset, the torch dtype its bits stand for if numpy lacks
-                       it), every ragged leaf by two such arrays (its values and
-                       int64 offsets, see ragged.py) and every small extra
-                       (number, string) kept as is
-
-Only the skeleton is pickled; payloads are written once, straight into the slot. Any other
+The batch's nesting becomes a pickled skeleton (the slot's format: ``slot``) and its arrays
+payloads; only the skeleton is pickled. Any other
 object in a batch (a mapping or list of another type, a dataclass, a sparse tensor, a masked
 array) is pickled into the skeleton whole, except the plain arrays and tensors inside it,
-which are placed in the slot as the others are and read back as views: nothing is refused.
+which are placed in the slot as the others are and read back as views (``unpack``): nothing
+is refused. Also here: ``map_arrays``, a function over every array of a batch.
+
+The names of ``slot`` and ``unpack`` stay importable from here, where they were first.
 """
 from __future__ import annotations
 
 import io
 import math
-import mmap
 import pickle
-import struct
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, NamedTuple, TypeGuard
+from typing import TYPE_CHECKING, Any, Callable, Iterable, TypeGuard
 
 import numpy as np
 
 from .errors import UnsupportedBatch
-from .ragged import ArrayOrTensor, Ragged, copied, is_jagged, is_tensor, make_leaf, map_ragged
+from .ragged import ArrayOrTensor, Ragged, is_jagged, is_tensor, map_ragged
+from .slot import (_ARRAY, _DICT, _EXTRA, _LIST, _NAMED, _PICKLED, _PREFIX, _RAGGED, _TUPLE, ALIGN,
+                   PAGE, PAYLOAD_START, SLOT_HEADROOM, SlotAllocator, SlotOverflow, align,
+                   outside_slot, place, slot_bytes_for, stack_into)
+from .unpack import BatchReader, Wrap, batch_reader, read_batch
 
 if TYPE_CHECKING:
     import torch
-    from numpy.typing import DTypeLike
 
-ALIGN = 64
-PAGE = 4096
-SLOT_HEADROOM = 1.25  # a slot sized by a batch holds one a quarter larger
-PAYLOAD_START = 64
-_PREFIX = struct.Struct("<QQ")
+__all__ = ["ALIGN", "PAGE", "PAYLOAD_START", "SLOT_HEADROOM", "BatchReader", "SlotAllocator",
+           "SlotOverflow", "Wrap", "align", "as_ndarray", "batch_reader", "encode_batch",
+           "iter_arrays", "map_arrays", "outside_slot", "packed_size", "place", "read_batch",
+           "slot_bytes_for", "stack_into", "tensor_bits", "write_batch"]
+
 _EXTRA_TYPES = (bool, int, float, complex, str, bytes, type(None), np.generic)
-
-# Skeleton tags.
-_ARRAY, _TUPLE, _LIST, _DICT, _EXTRA, _NAMED, _PICKLED, _RAGGED = range(8)
 _BITS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}  # carries a dtype numpy lacks
 
-
-class SlotOverflow(Exception):
-    """The batch needs ``needed`` bytes, more than the slot holds."""
-
-    def __init__(self, needed: int) -> None:
-        super().__init__(needed)
-        self.needed = needed
-
-
-def align(offset: int, to: int = ALIGN) -> int:
-    return -(-offset // to) * to
-
-
-def place(offset: int, nbytes: int) -> int:
-    """Where an array of ``nbytes`` goes at or after ``offset``: on a page boundary when it
-    fills a page or more, else on 64 bytes. Rows copied into an image batch 64 bytes into a
-    page ran 24 % slower than page-aligned (the destination a few bytes ahead of a page-aligned
-    source modulo 4 KiB, which the CPU takes for stores its loads must wait for)."""
-    return align(offset, PAGE if nbytes >= PAGE else ALIGN)
-
-
-class SlotAllocator:
-    """Hands out arrays that live inside a slot, for workers that fill batches in place.
-
-    A worker with a ``fill(indices, out)`` method calls ``out.empty(shape, dtype)``
-    for each array of its batch, writes into it (decodes an image straight into it,
-    say) and returns the nesting of those arrays. They are then already where the
-    consumer will read them, and nothing is copied. When the slot is full (or there is none
-    yet: the first batches), ``empty`` returns memory of its own (``outside_slot``) and the
-    batch is copied into its slot, or takes the overflow path.
-    """
-
-    def __init__(self, region: np.ndarray | None) -> None:
-        self.region = region
-        self.used = PAYLOAD_START
-        self.placed: dict[int, tuple[np.ndarray, int]] = {}  # id -> (array, offset in region)
-
-    def empty(self, shape: int | Iterable[int], dtype: DTypeLike) -> np.ndarray:
-        """An uninitialised C-contiguous array, inside the slot when it fits."""
-        dtype = np.dtype(dtype)
-        shape = tuple(shape) if np.iterable(shape) else (int(shape),)
-        nbytes = int(math.prod(shape)) * dtype.itemsize
-        offset = place(self.used, nbytes)
-        if self.region is None or offset + nbytes > len(self.region):
-            return outside_slot(shape, dtype, nbytes)
-        array = np.ndarray(shape, dtype, buffer=self.region, offset=offset)
-        self.placed[id(array)] = (array, offset)  # known in place without pointer arithmetic
-        self.used = offset + nbytes
-        return array
-
-    def zeros(self, shape: int | Iterable[int], dtype: DTypeLike) -> np.ndarray:
-        array = self.empty(shape, dtype)
-        array.fill(0)
-        return array
-
-
-def outside_slot(shape: tuple, dtype: np.dtype, nbytes: int) -> np.ndarray:
-    """An array of ``nbytes`` for a batch built outside its slot, given back to the system when
-    it dies: a page or more is a mapping of its own, since the heap of a worker keeps what it
-    freed (``worker.loop._keep_large_buffers``), and a batch built outside its slot once (the
-    first one, sizing the ring) would stay there for good."""
-    if nbytes < PAGE:
-        return np.empty(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, nbytes), dtype, math.prod(shape)).reshape(shape)
-
-
-def stack_into(arrays: list[np.ndarray], out: SlotAllocator) -> np.ndarray:
-    """The samples' arrays stacked along a new first axis, written straight into ``out``."""
-    shape, dtype = arrays[0].shape, arrays[0].dtype
-    batch = out.empty((len(arrays),) + shape, dtype)
-    for row, array in enumerate(arrays):
-        if array.shape != shape:
-            raise ValueError(f"sample {row} of the batch has shape {array.shape} but sample 0 has "
-                             f"{shape}: the default collation stacks samples of one shape; pad "
-                             "them, or pass your own batchify_fn (collate_fn)")
-        batch[row] = array
-    return batch
 
 
 @dataclass
@@ -337,32 +251,6 @@ class _SlotPickler(pickle.Pickler):
         return self.file.getvalue()
 
 
-class _SlotUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, region: np.ndarray, wrap: Wrap | None) -> None:
-        super().__init__(io.BytesIO(data))
-        self.region = region
-        self.wrap = wrap
-
-    def persistent_load(self, node: tuple) -> object:
-        _, dtype, shape, offset, torch_dtype = node
-        return _array_builder(np.dtype(dtype), shape, offset, torch_dtype, self.wrap)(self.region)
-
-    def load(self) -> object:
-        try:
-            return super().load()
-        finally:
-            _validate_sparse_tensors()
-
-
-def _validate_sparse_tensors() -> None:
-    """Check the sparse tensors just unpickled, as ``torch.load`` does: until then torch keeps
-    each in a list of its own, and with it the slot it views."""
-    validate = getattr(getattr(sys.modules.get("torch"), "_utils", None),
-                       "_validate_loaded_sparse_tensors", None)
-    if validate is not None:
-        validate()
-
-
 def _pack(batch: object, region: np.ndarray | None, start: int, placed: dict) -> _Packed:
     packer = _Packer(region, start, placed)
     try:
@@ -416,99 +304,6 @@ def encode_batch(batch: object) -> np.ndarray:
     return buffer
 
 
-class BatchReader(NamedTuple):
-    """How to read batches of one layout (one header): compiled once, used for every batch."""
-    build: Callable   # region -> the batch, its arrays views of region (made leaves)
-    arrays: int       # how many arrays a batch holds
-    nbytes: int       # their bytes
-
-
-Wrap = Callable[[np.dtype], "Callable | None"]  # dtype -> what wraps its views, or None
-_READERS: dict[tuple[bytes, Wrap | None], BatchReader] = {}
-_MOST_READERS = 256
-
-
-def batch_reader(region: np.ndarray, wrap: Wrap | None = None) -> BatchReader:
-    """The reader of the batch in ``region``: batches of one shape share a header, so the
-    header is unpickled and compiled once, not for every batch. ``wrap(dtype)`` says, once
-    per array of the layout, what its views become (a torch tensor, say); None: views."""
-    header_offset, header_length = _PREFIX.unpack_from(region, 0)  # type: ignore[arg-type]
-    key = (region[header_offset:header_offset + header_length].tobytes(), wrap)
-    reader = _READERS.get(key)
-    if reader is None:
-        if len(_READERS) >= _MOST_READERS:
-            _READERS.clear()
-        skeleton = pickle.loads(key[0])
-        arrays = _arrays_of(skeleton)
-        reader = _READERS[key] = BatchReader(_compile(skeleton, wrap), len(arrays),
-                                             sum(_nbytes(node) for node in arrays))
-    return reader
-
-
-def read_batch(region: np.ndarray, wrap: Wrap | None = None) -> object:
-    """The batch stored in ``region``, its arrays views of ``region`` (no copy), made leaves
-    by ``wrap`` when given (see ``batch_reader``)."""
-    return batch_reader(region, wrap).build(region)
-
-
-def _arrays_of(node: tuple) -> list[tuple]:
-    tag = node[0]
-    if tag == _ARRAY:
-        return [node]
-    if tag == _PICKLED:
-        return list(node[2])
-    if tag == _RAGGED:
-        return [node[1], node[2]]
-    if tag in (_TUPLE, _LIST, _NAMED):
-        return [leaf for child in node[2 if tag == _NAMED else 1] for leaf in _arrays_of(child)]
-    if tag == _DICT:
-        return [leaf for _, child in node[1] for leaf in _arrays_of(child)]
-    return []
-
-
-def _nbytes(node: tuple) -> int:
-    return int(np.prod(node[2], dtype=np.int64)) * np.dtype(node[1]).itemsize
-
-
-def _compile(node: tuple, wrap: Wrap | None) -> Callable[[np.ndarray], object]:
-    """A function ``region -> part of the batch`` for a skeleton node."""
-    tag = node[0]
-    if tag == _ARRAY:
-        return _array_builder(np.dtype(node[1]), node[2], node[3], node[4], wrap)
-    if tag in (_TUPLE, _LIST, _NAMED):
-        parts = [_compile(child, wrap) for child in node[2 if tag == _NAMED else 1]]
-        make = {_TUPLE: tuple, _LIST: list}.get(tag) or (lambda items: node[1](*items))
-        return lambda region: make([part(region) for part in parts])
-    if tag == _DICT:
-        items = [(key, _compile(child, wrap)) for key, child in node[1]]
-        return lambda region: {key: part(region) for key, part in items}
-    if tag == _PICKLED:
-        data = node[1]
-        return lambda region: _SlotUnpickler(data, region, wrap).load()
-    if tag == _RAGGED:  # offsets copied (a few bytes): a jagged tensor's clone() shares them
-        values, offsets = _compile(node[1], wrap), _compile(node[2], wrap)
-        return lambda region: make_leaf(values(region), copied(offsets(region)))
-    value = node[1]
-    return lambda region: value
-
-
-def _array_builder(dtype: np.dtype, shape: tuple, offset: int, torch_dtype: str | None,
-                   wrap: Wrap | None) -> Callable[[np.ndarray], object]:
-    ndarray = np.ndarray
-    if torch_dtype is not None:
-        return lambda region: _restored_tensor(ndarray(shape, dtype, region, offset), torch_dtype)
-    make = None if wrap is None else wrap(dtype)
-    if make is None:
-        return lambda region: ndarray(shape, dtype, region, offset)
-    return lambda region: make(ndarray(shape, dtype, region, offset))
-
-
-def _restored_tensor(bits: np.ndarray, torch_dtype: str) -> torch.Tensor:
-    """A tensor of a dtype numpy lacks, from its bits (a view of them: no copy)."""
-    import torch
-    return torch.from_numpy(bits).view(getattr(torch, torch_dtype))
-
-
 def _is_namedtuple(obj: object) -> bool:
     return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
 
@@ -537,8 +332,3 @@ def iter_arrays(batch: object, leaf_type: type | tuple[type, ...] = np.ndarray) 
     found: list = []
     map_arrays(batch, found.append, leaf_type)
     return found
-
-
-def slot_bytes_for(needed: int) -> int:
-    """A slot size for batches of about ``needed`` bytes: headroom, rounded to pages."""
-    return -(-int(needed * SLOT_HEADROOM) // PAGE) * PAGE
