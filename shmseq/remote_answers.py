@@ -1,0 +1,307 @@
+"""What a remote request's answer is (``shmseq.remote`` makes the requests): the bytes asked
+for, or a failure judged transient or not and worded for the user.
+
+An HTTP range is asked on fsspec's session and its answer checked against its status and
+Content-Range (``_http_range``): fsspec's ``cat_file`` hands back whatever body came. A failure
+is sorted by ``_judge`` and raised by ``_failure``, naming the URL once.
+
+Transient (retried): a connection refused, reset or dropped (a server restarting; refused is
+retried too, since a worker process that never reached the server yet cannot tell a restart
+from a wrong port), a body cut short (the connection closed before Content-Length bytes came),
+a timeout, HTTP 408, 429 and 5xx, S3's SlowDown, InternalError, ServiceUnavailable and
+RequestTimeout. Not transient (raised at once): a missing object (``FileNotFoundError``: 404,
+NoSuchKey), access denied (``PermissionError``: 401, 403, AccessDenied), an answer that is not
+the bytes asked for (HTTP checks the status and Content-Range: a Range ignored, a range
+answered short, more bytes than asked or than announced), any other answer. After the last
+attempt: ``TimeoutError``, ``ConnectionError`` or ``OSError``. Every error names the URL once,
+what happened (counts of bytes, never the bytes), the attempts and the time they took.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import functools
+import re
+from typing import TYPE_CHECKING, Any, Iterator
+
+from .remote_policy import RemotePolicy
+
+if TYPE_CHECKING:
+    from aiohttp import ClientResponse, ClientResponseError
+
+RETRIED_STATUS = frozenset({408, 429})  # and every 5xx
+RETRIED_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout",
+                           "Throttling", "ThrottlingException"})
+MISSING_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound", "404"})
+DENIED_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+                          "ExpiredToken", "AllAccessDisabled", "403"})
+TRANSIENT = ("busy", "timeout", "connection", "cut")
+MESSAGE_CHARS = 200  # of a library's error text quoted in a message: its first line, at most this
+
+
+class _BadAnswer(Exception):
+    """An answer that is not what was asked for, as ``_judge`` sorts it (``kind``). Its message
+    says what came, in counts (never the bytes), and not the URL, which ``_failure`` adds."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+async def _http_range(fs: Any, path: str, start: int, end: int) -> bytes:
+    """Bytes ``start`` to ``end`` over HTTP, on fsspec's session with its options, checked
+    against the answer's status and Content-Range: fsspec's ``cat_file`` hands back whatever
+    body came, so that a server that ignores Range, or answers a range short, would pass for
+    an object that ends early (and a shard reader then contradict itself)."""
+    from aiohttp import ClientResponseError
+    options = dict(fs.kwargs)
+    options["headers"] = {**options.get("headers", {}), "Range": f"bytes={start}-{end - 1}"}
+    session = await fs.set_session()
+    try:
+        async with session.get(getattr(fs, "encode_url", str)(path), **options) as answer:
+            if answer.status == 404:
+                raise FileNotFoundError(errno.ENOENT, "not found", path)
+            answer.raise_for_status()
+            body = await _body(answer)
+    except ClientResponseError as exc:
+        parsed = [link for link in _chain(exc) if isinstance(link, _parser_errors())]
+        if not parsed:
+            raise
+        raise _BadAnswer("failed", f"asked for bytes {start}-{end} ({end - start:,} bytes), the "
+                                   "server sent more than its answer announced: bytes past the "
+                                   "end of its body, which is not HTTP "
+                                   f"({_first_line(_parser_message(parsed[0]))}); check the "
+                                   "server, or a proxy before it") from exc
+    return _ranged(start, end, answer.status, answer.headers.get("Content-Range"), body)
+
+
+async def _body(answer: ClientResponse) -> bytes:
+    """The answer's body; one cut short (the connection closed before Content-Length bytes
+    came) is said so, with the counts."""
+    from aiohttp import ClientPayloadError
+    parts: list[bytes] = []
+    try:
+        async for part in answer.content.iter_any():
+            parts.append(part)
+    except ClientPayloadError as exc:
+        came, told = sum(map(len, parts)), answer.content_length
+        of = "" if told is None else f" of the {told:,}"
+        raise _BadAnswer("cut", f"the connection closed after {came:,}{of} bytes of its "
+                                "answer's body") from exc
+    return b"".join(parts)
+
+
+def _ranged(start: int, end: int, status: int, content_range: str | None, body: bytes) -> bytes:
+    """The bytes asked for, from an answer to ``Range: bytes=start-(end - 1)``: a 206 whose
+    Content-Range says it holds them, or as many as the object has; a 200 from the object's
+    start (a server that ignores Range) only where it holds the whole object, fewer bytes
+    than asked."""
+    asked = end - start
+    ignores = ("it ignores Range requests; serve the shards from one that honours them (any "
+               "object store or web server does)")
+    if status == 200:
+        if start == 0 and len(body) <= asked:
+            return body  # the whole object, which ends before ``end``
+        raise _BadAnswer("failed", f"asked for bytes {start}-{end}, the server answered 200 "
+                                   f"with the whole object ({len(body):,} bytes): {ignores}")
+    span = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", content_range or "")
+    if status != 206 or span is None or int(span[1]) != start or (
+            int(span[2]) + 1 - start != len(body)):
+        raise _BadAnswer("failed", f"asked for bytes {start}-{end} ({asked:,} bytes), the "
+                                   f"server answered {status} with {len(body):,} bytes and "
+                                   f"Content-Range {content_range or 'none'}: not the bytes "
+                                   "asked for; check the server, or a proxy before it")
+    total = None if span[3] == "*" else int(span[3])
+    if len(body) > asked:
+        raise _BadAnswer("failed", f"asked for bytes {start}-{end} ({asked:,} bytes), the "
+                                   f"server sent {len(body):,}: more than asked")
+    if len(body) < asked and (total is None or start + len(body) < total):
+        of = "" if total is None else f" of an object of {total:,} bytes"
+        raise _BadAnswer("failed", f"asked for bytes {start}-{end} ({asked:,} bytes){of}, the "
+                                   f"server sent only {len(body):,}: it answers ranges short; "
+                                   "serve the shards from one that answers them whole")
+    return body
+
+
+def _tries(attempts: int, spent: float, deadline: float | None, ended_by_deadline: bool) -> str:
+    """The attempts a failure took, for its message: how many and how long, and that the
+    deadline ended them; nothing for a single attempt that failed at once."""
+    if ended_by_deadline and deadline is not None:
+        return (f" ({attempts} attempt{'s' if attempts > 1 else ''} in {spent:.1f} s, ended by "
+                f"RemotePolicy(deadline={deadline:g}))")
+    return f" ({attempts} attempts in {spent:.1f} s)" if attempts > 1 else ""
+
+
+def _failure(url: str, kind: str, cause: str, tries: str, policy: RemotePolicy) -> OSError:
+    """The error to raise: the URL once, first (``reason`` takes it off for a caller that names
+    the object itself), then what happened, the attempts (``tries``) and what to do."""
+    if kind == "missing":
+        return FileNotFoundError(errno.ENOENT, cause, url)
+    if kind == "denied":
+        return PermissionError(errno.EACCES, f"access denied ({cause}): check the credentials "
+                               "given in storage_options", url)
+    if kind == "timeout" and "deadline" in tries:
+        return TimeoutError(f"{url}: no answer{tries}: check that the server is up and answering; "
+                            "if it is only slow, give it a longer deadline (a ShardSequence "
+                            "gives its requests a third of its timeout=)")
+    if kind == "timeout":
+        within = "" if policy.timeout is None else f" within {policy.timeout:g} s"
+        return TimeoutError(f"{url}: no answer{within}{tries}: check the server, or give a "
+                            "longer RemotePolicy(timeout=...)")
+    if kind == "connection":
+        return ConnectionError(f"{url}: the server could not be reached ({cause}){tries}: check "
+                               "that it is up and that the URL is right")
+    if kind == "cut":
+        return ConnectionError(f"{url}: the server cut its answer short: {cause}{tries}: check "
+                               "the server, or a proxy before it")
+    if kind == "busy":
+        return OSError(f"{url}: the server is overloaded or failing ({cause}){tries}: try again "
+                       "later, or allow more RemotePolicy(attempts=...)")
+    return OSError(f"{url}: {cause}{tries}")
+
+
+def reason(exc: BaseException, url: str) -> str:
+    """What ``exc`` says went wrong with ``url``, without the URL: for a caller whose own
+    message names it already ("shard URL: ..."), so that the user reads it once. This module's
+    errors lead with the URL, or carry it as their file name."""
+    if isinstance(exc, OSError) and exc.filename == url and exc.strerror:
+        return exc.strerror
+    text = str(exc)
+    return text.removeprefix(f"{url}: ")
+
+
+def _judge(exc: BaseException) -> tuple[str, str]:
+    """(kind, cause) of a failed request: ``missing``, ``denied``, ``range`` (nothing there),
+    ``busy``, ``timeout``, ``connection``, ``cut`` (the last four transient) or ``failed``.
+    This module's own finding (``_BadAnswer``) decides first, then an HTTP answer that is not
+    HTTP (aiohttp reports it as a 400 of its own, quoting the bytes), then an answer from the
+    server anywhere in the exception's chain; otherwise its types do (fsspec's HTTP file system
+    raises ``FileNotFoundError`` from any failure, a refused connection too). A cause quotes
+    the first line of a library's message at most, never a payload."""
+    chain = list(_chain(exc))
+    for link in chain:
+        if isinstance(link, _BadAnswer):
+            return link.kind, str(link)
+    for link in chain:
+        if isinstance(link, _parser_errors()):
+            return "failed", f"its answer is not HTTP ({_first_line(_parser_message(link))})"
+    for link in chain:
+        answer = _answer(link)
+        if answer is not None:
+            return answer
+    root = chain[-1]
+    cause = f"{type(root).__name__}: {_first_line(str(root))}" if str(root) else type(root).__name__
+    if any(_is_timeout(link) for link in chain):
+        return "timeout", cause
+    if any(isinstance(link, _payload_errors()) for link in chain):
+        return "cut", f"its answer's body ended early ({cause})"
+    if any(isinstance(link, _connection_errors()) for link in chain):
+        return "connection", cause
+    if isinstance(exc, FileNotFoundError):
+        return "missing", "not found"
+    if isinstance(exc, PermissionError):
+        return "denied", cause
+    return "failed", cause
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _answer(exc: BaseException) -> tuple[str, str] | None:
+    """(kind, cause) of an HTTP status (aiohttp's ``ClientResponseError``) or an S3 error code
+    (botocore's ``ClientError``) that ``exc`` carries; None for any other exception."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict) and "Error" in response:
+        code = str(response["Error"].get("Code", ""))
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        cause = f"{code} ({status}): {response['Error'].get('Message', '')}".rstrip(": ")
+        if code in MISSING_CODES:
+            return "missing", cause
+        if code in DENIED_CODES:
+            return "denied", cause
+        if code in RETRIED_CODES:
+            return "busy", cause
+        return _by_status(status, cause)
+    if isinstance(exc, _http_errors()):
+        return _by_status(exc.status, f"HTTP {exc.status} {exc.message}".rstrip())
+    return None
+
+
+def _by_status(status: int, cause: str) -> tuple[str, str]:
+    if status in (404, 410):
+        return "missing", cause
+    if status in (401, 403):
+        return "denied", cause
+    if status == 416:
+        return "range", cause
+    if status >= 500 or status in RETRIED_STATUS:
+        return "busy", cause
+    return "failed", cause
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """Python's, asyncio's, fsspec's, aiohttp's and botocore's timeouts."""
+    return isinstance(exc, (TimeoutError, asyncio.TimeoutError)) or "Timeout" in type(exc).__name__
+
+
+@functools.cache
+def _http_errors() -> tuple[type[ClientResponseError], ...]:
+    """An HTTP answer that is an error, as aiohttp raises it (fsspec's HTTP file system)."""
+    try:
+        from aiohttp import ClientResponseError
+    except ImportError:
+        return ()
+    return (ClientResponseError,)
+
+
+def _first_line(text: str) -> str:
+    """A library's message as a cause quotes it: the first line, at most ``MESSAGE_CHARS``."""
+    line = text.strip().split("\n", 1)[0].rstrip(":")
+    return line if len(line) <= MESSAGE_CHARS else line[:MESSAGE_CHARS - 3] + "..."
+
+
+def _parser_message(exc: BaseException) -> str:
+    """What aiohttp's parser says went wrong (its first line names it; the rest quotes bytes)."""
+    return str(getattr(exc, "message", "") or type(exc).__name__)
+
+
+@functools.cache
+def _parser_errors() -> tuple[type, ...]:
+    """An answer that is not HTTP, as aiohttp's parser finds it (bytes after a body, say)."""
+    try:
+        from aiohttp.http_exceptions import HttpProcessingError
+    except ImportError:
+        return ()
+    return (HttpProcessingError,)
+
+
+@functools.cache
+def _payload_errors() -> tuple[type, ...]:
+    """A body cut short, in aiohttp's and botocore's types."""
+    found: list[type] = []
+    with contextlib.suppress(ImportError):
+        import aiohttp
+        found.append(aiohttp.ClientPayloadError)
+    with contextlib.suppress(ImportError):
+        from botocore import exceptions
+        found += [exceptions.IncompleteReadError, exceptions.ResponseStreamingError]
+    return tuple(found)
+
+
+@functools.cache
+def _connection_errors() -> tuple[type, ...]:
+    """A connection refused, reset or dropped, in Python's, aiohttp's and botocore's types."""
+    found: list[type] = [ConnectionError]
+    with contextlib.suppress(ImportError):
+        import aiohttp
+        found.append(aiohttp.ClientConnectionError)
+    with contextlib.suppress(ImportError):
+        from botocore import exceptions
+        found += [exceptions.ConnectionError, exceptions.HTTPClientError]
+    return tuple(found)
