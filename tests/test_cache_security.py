@@ -17,7 +17,7 @@ import shutil
 import numpy as np
 import pytest
 
-from shmseq.shards import cache as shard_cache
+from shmseq.shards import store
 from shmseq.shards import DamagedShardWarning, ShardCache, StaleShardError, UnsafeCacheError
 from shmseq.shards.place import cache_folder, user_root
 from shmseq.shards import ShardIndex, ShardSequence, write_shards
@@ -293,7 +293,7 @@ def test_jobs_at_once_cannot_promise_more_than_the_disk_has(tmp_path, cache_dir,
     write_set(str(tmp_path))
     index = ShardIndex.load(str(tmp_path / "shards.json"))
     free = int(index.shards[0].size * SHARDS * 0.75)  # less than the data set
-    monkeypatch.setattr(shard_cache, "free_bytes", lambda folder: free)
+    monkeypatch.setattr(store, "free_bytes", lambda folder: free)
     caches = [ShardCache(index, cache_dir, f"job{n}") for n in range(3)]
     try:
         for cache in caches:
