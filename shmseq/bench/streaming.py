@@ -27,102 +27,46 @@ trainer's CPU a batch and an image, the first batch, the PSS of the trainer and 
 stage's to both) within each repeat, and each worker-decoding loader's rate
 over the limit: the same ``worker[ids]`` calls by 1 and by 2 processes with no transport
 (``limit_rate``).
+
+The workloads and the systems' names are ``streaming_workloads``'s, the report
+``streaming_report``'s; their names stay importable from here.
 """
 from __future__ import annotations
 
 import itertools
-import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Barrier
-from typing import Any, Callable, ContextManager, Iterator, Protocol
+from typing import Any, Callable, ContextManager, Iterator
 
 import numpy as np
 
-from shmseq._apps.report import with_spread
-from shmseq.decode import DecodeStage, encoded_sample
-from shmseq.engine.trainer.devices import cuda_available, torch_available
 from shmseq import ShmSequence
+from shmseq.decode import encoded_sample
+from shmseq.engine.trainer.devices import torch_available
 from shmseq.shards import ShardIndex, ShardPlan, ShardSequence, ShardWorker
 from shmseq.vision import IMAGENET_MEAN, IMAGENET_STD
 
 from . import limit, systems
-from .report import Cell, _fmt, drift_note, machine_line, of_limit, summarize, timing
 from .runner import LIMIT, Run, timed_run
 from .shard_data import largest_sample
-from .workloads import BatchMismatch, ImageBatches, _head, _tail
+from .streaming_report import (COLUMNS, LIMIT_COLUMN, REMOTE_COLUMNS, STAGE_ON_CPU, RemotePart,
+                               cells_of, highlights, images_per_s, images_rate, markdown, paired,
+                               ratios, shown, stage_note, table)
+from .streaming_report import _less_or_more, _present, _ratio  # noqa: F401 - remote_streaming's
+from .streaming_workloads import (QUICK_IMAGES, SEED, SHMSEQ, STAGE, STAGE_DEVICE, STREAM_WORKLOADS,
+                                  TORCH, Prepared, ShardWorkload, decode_stage, quick)
+from .workloads import BatchMismatch, _head, _tail
 
-
-class RemotePart(Protocol):
-    """What a mode reading remote shards adds to the report (``remote_streaming.Report`` is
-    one): notes above the table, its columns, lines of what it shows."""
-
-    columns: str
-
-    def notes(self, cells: list[Cell]) -> list[str | None]:
-        """Paragraphs above the table (None: left out)."""
-
-    def highlights(self, runs: list[Run], cells: list[Cell]) -> list[str]:
-        """Lines of "What it shows"."""
-
-SEED = 0
-SHMSEQ, TORCH = "shmseq-shards", "torch-shards"
-STAGE_DEVICE = "cuda" if cuda_available() else "cpu"
-STAGE = "shmseq-gpu-decode" if STAGE_DEVICE == "cuda" else "shmseq-trainer-decode"
-
-
-@dataclass(frozen=True)
-class ShardWorkload(ImageBatches):
-    """Batches of ``batch_size`` ``side`` x ``side`` x 3 uint8 images and int64 labels, from
-    ``images`` samples of ``kind`` (``jpeg`` or ``uint8``) in shards of ``samples_per_shard``,
-    their shuffle bounded by ``shuffle_window`` samples or else (given) ``shuffle_shards`` shards.
-    ``early_batches``: the batches after the first timed apart (``first N × steady``)."""
-
-    name: str
-    kind: str
-    batch_size: int = 64
-    images: int = 1024
-    samples_per_shard: int = 256
-    side: int = 224
-    shuffle_window: int = 1000
-    shuffle_shards: int | None = None
-    early_batches: int = 10
-
-    @property
-    def folder(self) -> str:
-        """The name of its shards' folder: what they were made with."""
-        return f"{self.kind}-{self.images}-{self.samples_per_shard}-{self.side}-{SEED}"
-
-    @property
-    def bounded(self) -> dict:
-        """How the shuffle is bounded, as ``ShardSequence`` takes it: one of the two."""
-        return ({"shuffle_shards": self.shuffle_shards} if self.shuffle_shards is not None
-                else {"shuffle_window": self.shuffle_window})
-
-    def plan(self, index: ShardIndex) -> ShardPlan:
-        """The epochs' batches, as both loaders take them."""
-        return ShardPlan(index, self.batch_size, **self.bounded, shuffle=True, seed=SEED,
-                         last_batch="discard")
-
-
-STREAM_WORKLOADS = {w.name: w for w in (ShardWorkload("shards-jpeg", "jpeg"),
-                                        ShardWorkload("shards-uint8", "uint8"))}
-QUICK_IMAGES = 256  # --quick: smaller sets (4 batches an epoch), made in a second or two
-
-
-def quick(workload: ShardWorkload) -> ShardWorkload:
-    return replace(workload, images=QUICK_IMAGES, samples_per_shard=QUICK_IMAGES // 4)
-
-
-@dataclass
-class Prepared:
-    """A workload's shards, as every run reads them."""
-
-    workload: ShardWorkload
-    index: ShardIndex
-    decode: Callable[[dict], object]
+__all__ = ["COLUMNS", "LIMIT_COLUMN", "NORMALIZED", "QUICK_IMAGES", "REMOTE_COLUMNS", "SEED",
+           "SHMSEQ", "STAGE", "STAGE_DEVICE", "STAGE_ON_CPU", "STREAM_SYSTEMS",
+           "STREAM_SYSTEM_NAMES", "STREAM_TORCH_SYSTEMS", "STREAM_WORKLOADS", "TORCH",
+           "EpochBatches", "Expected", "Prepared", "RemotePart", "ShardWorkload", "cells_of",
+           "checker", "cpu_out", "decode_stage", "highlights", "images_per_s", "images_rate",
+           "limit_rate", "markdown", "measurer", "paired", "quick", "ratios", "runs_on",
+           "shard_sequence", "shmseq_decode_stage", "shmseq_shards", "shown", "stage_checker",
+           "stage_note", "started", "table", "torch_shards"]
 
 
 # -- the loaders -------------------------------------------------------------------------------
@@ -169,11 +113,6 @@ def shmseq_shards(prepared: Prepared) -> ContextManager[Iterator]:
     default: crops of one size, batches of one size)."""
     return started(shard_sequence(prepared.index, prepared.workload, prepared.decode,
                                   out_type=cpu_out()))
-
-
-def decode_stage(side: int) -> DecodeStage:
-    """The stage the third system decodes with: CUDA's where there is one, else the CPU's."""
-    return DecodeStage(side, device=STAGE_DEVICE, seed=SEED)
 
 
 def shmseq_decode_stage(prepared: Prepared) -> ContextManager[Iterator]:
@@ -314,245 +253,3 @@ def measurer(prepared: dict[str, Prepared]) -> Callable[..., Run]:
                          checker(ready, name), seconds, warmup_seconds,
                          workload.early_batches)
     return measure
-
-
-# -- the report --------------------------------------------------------------------------------
-COLUMNS = """\
-What the columns mean:
-- images/s, batches/s: what the consumer received, every batch checked (its labels against the
-  plan; the raw images' marker bytes; the decode stage's images read whole, a mean per image
-  within the normalized range); median of the repeats (min-max).
-- trainer CPU µs/batch, µs/image: CPU time of the training process (all its threads) per batch
-  and per image: what the loader takes from your training step (for the decode stage, the
-  decode it runs there).
-- first batch s: from creating the loader (workers started) to the first batch in hand.
-- first N × steady: the rate over the N batches after the first, over the steady rate.
-- tree PSS MB: the proportional set size of the trainer and its workers together (a page they
-  share counted once), the largest of samples taken every 0.1 s while the loader warms up
-  (after the first N batches) and at the end of the timed window; median of the repeats
-  (min-max). With as many batches in flight, shmseq's
-  ring holds all its slots for the whole run, where torch's DataLoader holds the batches done
-  and not yet taken: fewer than its prefetch while the workers are the slower side."""
-LIMIT_COLUMN = """\
-- × limit: images/s over the limit's. The limit is the workers' own work: the same
-  ``worker[ids]`` calls (reading the samples at their offsets, decoding, stacking) on the same
-  batches, by 1 and by 2 processes in turn, with no transport, no consumer and no batch kept;
-  the faster of the two. Each system is timed in a window of its own: a ratio above 1.00
-  (marked †) says only that the machine ran faster in that window. The decode stage has none:
-  its workers decode nothing, so that limit does not bound it."""
-
-
-def shown(system: str) -> str:
-    """A system's name in the table; the decode stage's says where it decoded."""
-    return f"{system} (decoded on {STAGE_DEVICE})" if system == STAGE else system
-
-
-def cells_of(runs: list[Run], workloads: dict[str, ShardWorkload]) -> list[Cell]:
-    """``summarize``'s cells, the decode stage's without a ratio to a limit that is not its own."""
-    cells = summarize(runs, workloads)
-    for cell in cells:
-        if cell.system == STAGE:
-            cell.of_limit = None
-    return cells
-
-
-def images_per_s(cell: Cell, workload: ShardWorkload) -> tuple[float, tuple[float, float]]:
-    """The cell's images/s and their min-max."""
-    per_batch = workload.batch_size / (workload.batch_bytes / 1e9)  # images per GB
-    return cell.gb_per_s * per_batch, (cell.gb_per_s_spread[0] * per_batch,
-                                       cell.gb_per_s_spread[1] * per_batch)
-
-
-def images_rate(cell: Cell, workload: ShardWorkload) -> str:
-    """The cell's images/s, with their min-max over two or more runs."""
-    rate, spread = images_per_s(cell, workload)
-    return with_spread(rate, spread, ",.0f", cell.runs)
-
-
-def _per_image(cell: Cell, workload: ShardWorkload) -> float | None:
-    return None if cell.cpu_us_per_batch is None else cell.cpu_us_per_batch / workload.batch_size
-
-
-# a remote loader's columns: (heading, ``Cell`` field, format, unit)
-REMOTE_COLUMNS = (("requests/sample", "requests_per_sample", ".3f", 1),
-                  ("read amp.", "read_amplification", ".2f", 1),
-                  ("peak cache MB", "cache_peak_bytes", ",.0f", 1e6))
-
-
-def table(cells: list[Cell], workloads: dict[str, ShardWorkload]) -> str:
-    """The cells as a markdown table; the × limit column where the limit ran, the remote
-    columns where a remote loader did (blank for the others)."""
-    spread = " (min-max)" if any(c.runs > 1 for c in cells) else ""
-    early = sorted({w.early_batches for w in workloads.values()})
-    limit = any(c.system == LIMIT for c in cells)
-    remote = any(c.spreads for c in cells)
-    heads = ["workload", "system", f"images/s{spread}", "batches/s", "trainer CPU µs/batch",
-             "trainer CPU µs/image", "first batch s", f"first {'/'.join(map(str, early))} × steady",
-             *(["× limit"] * limit), "tree PSS MB",
-             *([heading for heading, *_ in REMOTE_COLUMNS] if remote else [])]
-    lines = [_row(heads), "| --- | --- |" + " ---: |" * (len(heads) - 2)]
-    for c in cells:
-        workload = workloads[c.workload]
-        lines.append(_row([c.workload, shown(c.system), images_rate(c, workload),
-                           f"{c.batches_per_s:.1f}", _fmt(c.cpu_us_per_batch, ',.0f'),
-                           _fmt(_per_image(c, workload), ',.1f'), _fmt(c.first_batch_s, '.3f'),
-                           _fmt(c.early_of_steady, '.2f'), *([of_limit(c.of_limit)] * limit),
-                           _pss(c), *([_remote_cell(c, *column[1:]) for column in REMOTE_COLUMNS]
-                                      if remote else [])]))
-    return "\n".join(lines)
-
-
-def _row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
-
-
-def _remote_cell(cell: Cell, name: str, spec: str, unit: float) -> str:
-    """A remote figure with its min-max; blank where the loader read no server."""
-    value = getattr(cell, name)
-    if value is None:
-        return ""
-    low, high = cell.spreads[name]
-    return with_spread(value / unit, (low / unit, high / unit), spec, cell.runs)
-
-
-def _pss(cell: Cell) -> str:
-    if cell.pss_bytes is None:
-        return "—"
-    assert cell.pss_spread is not None  # with the median
-    low, high = cell.pss_spread
-    return with_spread(cell.pss_bytes / 1e6, (low / 1e6, high / 1e6), ",.0f", cell.runs)
-
-
-def paired(runs: list[Run], workload: str, ours: str, theirs: str) -> list[tuple[Run, Run]]:
-    """(ours, theirs) on ``workload`` in every repeat where both ran (side by side)."""
-    by = {(r.system, r.repeat): r for r in runs if r.workload == workload}
-    repeats = sorted({repeat for _, repeat in by if (ours, repeat) in by and (theirs, repeat) in by})
-    return [(by[ours, r], by[theirs, r]) for r in repeats]
-
-
-def ratios(runs: list[Run], workload: str, ours: str = SHMSEQ,
-           theirs: str = TORCH) -> dict[str, list[float]] | None:
-    """``ours``' rate over ``theirs``', their CPU a batch over ours and ours' first batch over
-    theirs, repeat by repeat (the two were run side by side), and ours' tree PSS over theirs
-    where both were sampled; None unless both ran."""
-    pairs = paired(runs, workload, ours, theirs)
-    if not pairs:
-        return None
-    found = {"rate": [mine.batches_per_second / other.batches_per_second for mine, other in pairs],
-             "cpu": [_present(other.cpu_us_per_batch) / _present(mine.cpu_us_per_batch)
-                     for mine, other in pairs],
-             "first": [_present(mine.first_batch_seconds) / _present(other.first_batch_seconds)
-                       for mine, other in pairs]}
-    if all(mine.peak_pss_bytes and other.peak_pss_bytes for mine, other in pairs):
-        found["pss"] = [_present(mine.peak_pss_bytes) / _present(other.peak_pss_bytes)
-                        for mine, other in pairs]
-    return found
-
-
-def _present(figure: float | None) -> float:
-    """A figure the runs compared have: a loader's (the limit has none), a remote run's."""
-    assert figure is not None, "a figure the run has not"
-    return figure
-
-
-def _ratio(values: list[float]) -> str:
-    median = statistics.median(values)
-    return (f"{median:.2f}x" if len(values) < 2
-            else f"{median:.2f}x ({min(values):.2f}-{max(values):.2f})")
-
-
-def _less_or_more(less: list[float]) -> str:
-    """``Nx less`` where ours took less CPU than theirs (the median of ``less``), else ``Nx more``."""
-    if statistics.median(less) >= 1:
-        return f"{_ratio(less)} less"
-    return f"{_ratio([1 / value for value in less])} more"
-
-
-def _workers_line(runs: list[Run], get: dict[str, Cell], workload: ShardWorkload) -> str | None:
-    """Decoding in shmseq's workers against torch's, on one workload."""
-    found = ratios(runs, workload.name)
-    if found is None:
-        return None
-    ours, theirs = get[SHMSEQ], get[TORCH]
-    return (f"{workload.name}: {SHMSEQ} {images_per_s(ours, workload)[0]:,.0f} images/s, "
-            f"{_ratio(found['rate'])} torch's DataLoader over the same shards and decode "
-            f"({images_per_s(theirs, workload)[0]:,.0f} images/s), with "
-            f"{_less_or_more(found['cpu'])} trainer CPU a batch "
-            f"({ours.cpu_us_per_batch:,.0f} against {theirs.cpu_us_per_batch:,.0f} µs), its "
-            f"first batch in {_ratio(found['first'])} torch's time ({ours.first_batch_s:.3f} "
-            f"against {theirs.first_batch_s:.3f} s)"
-            + (f", {_ratio(found['pss'])} its process tree's PSS "
-               f"({_present(ours.pss_bytes) / 1e6:,.0f} against "
-               f"{_present(theirs.pss_bytes) / 1e6:,.0f} MB)"
-               if "pss" in found else "")
-            + "; ratios taken repeat by repeat, median (min-max)"
-            + "".join(f"; {c.system} at {c.of_limit:.2f}x the limit" for c in (ours, theirs)
-                      if c.of_limit is not None))
-
-
-STAGE_ON_CPU = (
-    "without CUDA the stage decodes with its CPU path, in the trainer's own threads (decoding, "
-    "cropping and normalizing to float), so its trainer CPU is the decode itself, "
-    "by design: the stage is meant for a GPU, whose nvJPEG takes the decode off the trainer's CPU "
-    "(a CUDA machine runs shmseq-gpu-decode); without one, decode in the workers")
-
-
-def _stage_line(runs: list[Run], get: dict[str, Cell], workload: ShardWorkload) -> str | None:
-    """The decode stage against each loader that decodes in its workers, on one workload."""
-    if STAGE not in get:
-        return None
-    stage = get[STAGE]
-    against = []
-    for other, called in ((TORCH, "torch's DataLoader"), (SHMSEQ, SHMSEQ)):
-        found = ratios(runs, workload.name, STAGE, other)
-        if found is not None:
-            against.append(f"{_ratio(found['rate'])} the images/s of {called} with "
-                           f"{_less_or_more(found['cpu'])} trainer CPU")
-    return (f"{workload.name}: {STAGE}, decoded on {STAGE_DEVICE} in the trainer's process, "
-            f"{images_per_s(stage, workload)[0]:,.0f} images/s, {_per_image(stage, workload):,.0f} "
-            "µs of trainer CPU an image" + "".join(f"; {line}" for line in against)
-            + ("; " + STAGE_ON_CPU if STAGE_DEVICE == "cpu" else ""))
-
-
-def highlights(runs: list[Run], cells: list[Cell], workloads: dict[str, ShardWorkload]) -> list[str]:
-    found = []
-    for name in dict.fromkeys(c.workload for c in cells):
-        get = {c.system: c for c in cells if c.workload == name}
-        found += [line for line in (_workers_line(runs, get, workloads[name]),
-                                    _stage_line(runs, get, workloads[name])) if line]
-    return found
-
-
-def markdown(runs: list[Run], workloads: dict[str, ShardWorkload], info: dict, settings: dict,
-             data: list[str], load: list[str], command: str, warning: str | None = None,
-             remote: RemotePart | None = None) -> str:
-    """The table with its machine and load (a ``warning`` if it was busy), the data, the
-    columns, what it shows, the command; ``remote`` (a ``RemotePart``) adds the
-    remote mode's notes, columns and lines."""
-    cells = cells_of(runs, workloads)
-    head = (f"{machine_line(info)} {systems.NUM_WORKERS} workers and {settings['buffer']} "
-            f"batches in flight for every loader; {timing(settings)}.")
-    shows = "\n".join(f"- {line}" for line in highlights(runs, cells, workloads)
-                      + (remote.highlights(runs, cells) if remote else []))
-    decoded = [workloads[c.workload] for c in cells if c.system == STAGE]
-    columns = COLUMNS + ("\n" + LIMIT_COLUMN if any(c.system == LIMIT for c in cells) else "")
-    parts = [head, "Load: " + "; ".join(load), warning, "Shards: " + "; ".join(data),
-             *(remote.notes(cells) if remote else []), table(cells, workloads),
-             drift_note(cells, lambda cell: f"{images_rate(cell, workloads[cell.workload])} images/s"),
-             stage_note(decoded[0].side) if decoded else None,
-             columns + ("\n" + remote.columns if remote else ""),
-             f"What it shows:\n{shows}" if shows else None, f"Reproduce: `{command}`"]
-    return "\n\n".join(part for part in parts if part) + "\n"
-
-
-def stage_note(side: int) -> str:
-    """What the decode stage's row is, and on which device it ran."""
-    where = ("torchcodec's batched nvJPEG decode on the GPU" if STAGE_DEVICE == "cuda" else
-             f"simplejpeg in {decode_stage(side).threads} threads of the trainer's process, no GPU here")
-    return (f"{STAGE}: the workers only read each JPEG's encoded bytes (`encoded_sample()`); "
-            f"a `DecodeStage` decodes every batch in the trainer ({where}), random-resized-crops "
-            f"it to {side}, flips and normalizes it into float32 (N, 3, {side}, {side}); "
-            f"{SHMSEQ} and torch's DataLoader deliver uint8 (N, {side}, {side}, 3) "
-            "crops, decoded in their workers. The stage is meant for GPUs"
-            + ("." if STAGE_DEVICE == "cuda" else
-               ": on this CPU-only machine it spends the trainer's own CPU on the decode, by design."))
