@@ -18,8 +18,8 @@ import pytest
 
 from shmseq._apps import load
 from shmseq._apps.report import machine
-from shmseq.bench import (autotune, limit, memory, remote_streaming, report, runner, streaming,
-                          systems)
+from shmseq.bench import (autotune, autotune_matrix, limit, memory, remote_streaming, report, runner,
+                          streaming, systems)
 from shmseq.bench.__main__ import ALL_SYSTEMS, main, parse_args
 from shmseq.bench.memory import pss_bytes, tree_pss_bytes
 from shmseq.bench.runner import LIMIT, Run, run_matrix
@@ -375,8 +375,8 @@ def test_the_autotune_mode_runs_each_workloads_settings_and_reports_them(monkeyp
     """End to end, with short sweeps and windows: every setting of each workload (its sweep,
     the static rules' picks, the self-tuned one where ShmSequence has it, else a line saying
     why not) has a row; the lines of what it shows and the JSON's runs say the same."""
-    monkeypatch.setattr(autotune, "WORKER_SWEEP", (1, 2))
-    monkeypatch.setattr(autotune, "RING_SWEEP", (2, 3))
+    monkeypatch.setattr(autotune_matrix, "WORKER_SWEEP", (1, 2))
+    monkeypatch.setattr(autotune_matrix, "RING_SWEEP", (2, 3))
     main(["--autotune", "--quick", "--workloads", "latency,ring-cifar", "--seconds", "0.1",
           "--settle", "0.3", "--out", str(tmp_path)])
     text = (tmp_path / "autotune.md").read_text()
@@ -420,10 +420,10 @@ def test_a_self_tuned_loader_is_timed_after_it_settles_and_its_workers_charted(m
             seq.stats.workers = 2
             yield batches
 
-    monkeypatch.setattr(autotune, "auto_refused", lambda: None)
-    monkeypatch.setattr(autotune, "loader", loader)
-    monkeypatch.setattr(autotune, "started", started)
-    monkeypatch.setattr(autotune, "WORKER_SWEEP", (1,))
+    monkeypatch.setattr(autotune_matrix, "auto_refused", lambda: None)
+    monkeypatch.setattr(autotune_matrix, "loader", loader)
+    monkeypatch.setattr(autotune_matrix, "started", started)
+    monkeypatch.setattr(autotune_matrix, "WORKER_SWEEP", (1,))
     main(["--autotune", "--quick", "--workloads", "latency", "--seconds", "0.1", "--settle",
           "1.1", "--out", str(tmp_path)])
     text = (tmp_path / "autotune.md").read_text()
@@ -481,7 +481,7 @@ def test_the_static_rules_pick_as_torch_and_grain_do(monkeypatch):
     """torch's default is num_workers=0; Grain's rule, as many workers as batches fit in the RAM
     budget (this machine's RAM here), at most cpu_count(); a fixed setting of W workers keeps
     2W + 2 slots."""
-    monkeypatch.setattr(autotune, "ram_mb", lambda: 1024)
+    monkeypatch.setattr(autotune_matrix, "ram_mb", lambda: 1024)
     monkeypatch.setattr(autotune.multiprocessing, "cpu_count", lambda: 16)
     assert autotune.grain_workers(38_535_168) == 16           # 27 batches of 36.75 MiB fit
     assert autotune.grain_workers(100 * 2**20) == 10
@@ -492,6 +492,6 @@ def test_the_static_rules_pick_as_torch_and_grain_do(monkeypatch):
         "num_workers=0": ["torch's default"],
         "num_workers=2, buffer=6": ["torch, 2 workers: prefetch_factor=2"],
         "num_workers=16, buffer=34": ["Grain's rule"]}
-    monkeypatch.setattr(autotune, "ram_mb", lambda: 10)
+    monkeypatch.setattr(autotune_matrix, "ram_mb", lambda: 10)
     picks = autotune.static_picks(autotune.AUTOTUNE_WORKLOADS["ring-imagenet256"])
     assert picks[autotune.Setting(0)] == ["torch's default", "Grain's rule"]
