@@ -48,15 +48,14 @@ from .streaming_report import _ratio, paired
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["AUTO", "AUTOTUNE_WORKLOADS", "COLUMNS", "EARLY_BATCHES", "GRAIN_RULE", "JPEGS",
-           "NEAR_BEST", "RING_SWEEP", "RING_WORKERS", "SETTLE_SECONDS", "STATIC_RULES", "TARGETS",
-           "TRACE_SECONDS", "WORKER_SWEEP", "CostlyWorker", "FreshArrays", "Matrix", "Setting",
-           "Trace", "TunedRun", "TunedWorkload", "auto_refused", "batches_rate", "best_swept",
-           "cores_sweep", "fewest_line", "fixed_default_ring", "grain_workers", "highlights",
-           "in_flight", "jpeg_pool", "loader", "markdown", "matrix", "ram_mb", "ring_slots",
-           "running", "self_tuned", "spend_cpu", "started", "static_line", "static_picks",
-           "sweep", "sweep_line", "table", "trainer", "traced", "tuned_line", "tuned_runs",
-           "write_chart"]
+__all__ = ["AUTO", "AUTOTUNE_WORKLOADS", "COLUMNS", "EARLY_BATCHES", "GRAIN_RULE", "JPEGS", "NEAR_BEST",
+           "RING_SWEEP", "RING_WORKERS", "SETTLE_SECONDS", "STATIC_RULES", "TARGETS", "TRACE_SECONDS",
+           "WORKER_SWEEP", "CostlyWorker", "FreshArrays", "Matrix", "Setting", "Trace", "TunedRun",
+           "TunedWorkload", "auto_refused", "batches_rate", "best_swept", "cores_sweep", "fewest_line",
+           "fixed_default_ring", "grain_workers", "highlights", "in_flight", "jpeg_pool", "loader",
+           "markdown", "matrix", "ram_mb", "ring_slots", "running", "self_tuned", "spend_cpu", "started",
+           "static_line", "static_picks", "sweep", "sweep_line", "table", "traced", "trainer", "tuned_line",
+           "tuned_runs", "write_chart"]
 
 NEAR_BEST = 0.98        # within 2 % of the best: enough workers to keep the ring full
 TARGETS = {"auto": 0.90, "ring": 0.95}  # of the rate of the sweep's best setting

@@ -1,11 +1,11 @@
 """A batch -> bytes in a slot, written once, each array straight to its place.
 
 The batch's nesting becomes a pickled skeleton (the slot's format: ``slot``) and its arrays
-payloads; only the skeleton is pickled. Any other
-object in a batch (a mapping or list of another type, a dataclass, a sparse tensor, a masked
-array) is pickled into the skeleton whole, except the plain arrays and tensors inside it,
-which are placed in the slot as the others are and read back as views (``unpack``): nothing
-is refused. Also here: ``map_arrays``, a function over every array of a batch.
+payloads; only the skeleton is pickled. Any other object in a batch (a mapping or list of
+another type, a dataclass, a sparse tensor, a masked array) is pickled into the skeleton whole,
+except the plain arrays and tensors inside it, which are placed in the slot as the others are
+and read back as views (``unpack``): nothing is refused. Also here: ``map_arrays``, a
+function over every array of a batch.
 
 The names of ``slot`` and ``unpack`` stay importable from here, where they were first.
 """
