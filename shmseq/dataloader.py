@@ -13,17 +13,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, ca
 import numpy as np
 
 from .checks import check_bool, check_int, check_num_workers
-from .engine.common.layout import SlotAllocator, as_ndarray, stack_into
-from .engine.common.ragged import is_tensor
-from .engine.trainer.plan import SamplerPlan
-from .engine.trainer.tuning import default_max_workers
+from .engine import SamplerPlan, SlotAllocator, as_ndarray, default_max_workers, is_tensor, stack_into
 from .samplers import BatchSampler, RandomSampler, SequentialSampler
-from .sequence import ShmSequence
+from .sequence import Batching, ShmSequence, Stage
 
 if TYPE_CHECKING:
-    from numpy.typing import ArrayLike
 
-    from .engine.common.protocol import Plan
+    from .engine import Plan
 
 
 def default_batchify(samples: list, out: SlotAllocator | None = None) -> object:
@@ -73,6 +69,18 @@ class SampleWorker:
         return default_batchify(samples, out)
 
 
+class SamplerStage(Stage):
+    """A loader's batches drawn from its batch sampler, when it has one."""
+
+    def __init__(self, batch_sampler: Iterable | None) -> None:
+        self.batch_sampler = batch_sampler
+
+    def plan(self, batching: Batching) -> Plan:
+        if self.batch_sampler is None:
+            return super().plan(batching)
+        return SamplerPlan(self.batch_sampler)
+
+
 class SampleLoader(ShmSequence):
     """A sequence over a dataset of samples: started by the first iteration, closed by
     ``close()``; its batches come from a batch sampler when one is given
@@ -85,12 +93,6 @@ class SampleLoader(ShmSequence):
     @property
     def dset_size(self) -> int:
         return len(self.dataset)
-
-    def _make_plan(self, dset_size: ArrayLike, batch_size: int, shuffle: bool, last_batch: str,
-                   rank: int | None, world_size: int | None) -> Plan:
-        if self.batch_sampler is None:
-            return super()._make_plan(dset_size, batch_size, shuffle, last_batch, rank, world_size)
-        return SamplerPlan(self.batch_sampler)
 
     def __iter__(self) -> Iterator[Any]:
         if self._runtime is None:
@@ -155,7 +157,8 @@ class DataLoader(SampleLoader):
                          thread_type="thread" if thread_pool else "proc", out_type=out_type,
                          start_method=start_method, timeout=timeout, pin_memory=pin_memory,
                          pin_device_id=pin_device_id, rank=rank, world_size=world_size,
-                         worker_init_fn=worker_init_fn, worker_restarts=worker_restarts)
+                         worker_init_fn=worker_init_fn, worker_restarts=worker_restarts,
+                         stage=SamplerStage(self.batch_sampler))
 
     @staticmethod
     def _check(batch_size: object, shuffle: object, num_workers: object, prefetch: object,

@@ -8,21 +8,16 @@ any thread.
 """
 from __future__ import annotations
 
-import multiprocessing
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, NamedTuple
 
 import numpy as np
 
-from .checks import (check_auto_bounds, check_bool, check_choice, check_int, check_num_workers,
-                     check_out_type, check_timeout, check_worker)
-from .engine.common.protocol import Plan
-from .engine.trainer.devices import Device, resolve_out_type
-from .engine.trainer.pipeline import Inline, Pipeline, PipelineSpec, closing_finalizer
-from .engine.trainer.plan import EpochPlan, as_index_array
-from .engine.trainer.stats import LoaderStats
-from .engine.trainer.tuning import START_WORKERS, default_max_workers
+from .checks import check_bool, check_choice, check_int, check_worker
+from .engine import (Device, EpochPlan, FrontEndHooks, Inline, LoaderStats, Pipeline,
+                     PipelineSpec, Plan, as_index_array, closing_finalizer)
+from .options import LoaderOptions
 
 if TYPE_CHECKING:
     from numpy.typing import ArrayLike
@@ -30,8 +25,55 @@ if TYPE_CHECKING:
 
 Runtime = Pipeline | Inline
 
-THREAD_TYPES = ("proc", "thread")
 TEST_MODES = ("default", "cpu", "numpy")
+SEQUENCE_HOOKS = FrontEndHooks(fresh_start="call start() on a new ShmSequence in the child")
+
+
+class Batching(NamedTuple):
+    """How a sequence's arguments cut the data set into batches: what a plan is made of."""
+    indices: np.ndarray
+    batch_size: int
+    shuffle: bool
+    seed: int
+    seed_given: bool      # False: drawn by this process, so that ranks agree on rank 0's
+    last_batch: str
+    rank: int | None
+    world_size: int | None
+
+
+class Stage:
+    """A loader's own part around a ``ShmSequence`` (``ShardSequence``'s: the node's shard cache
+    and this rank's prefetcher; a ``shmseq.DataLoader``'s: its batch sampler), given to the
+    sequence when it is made. The sequence calls each hook from the trainer's thread, at the
+    moment its name says; the defaults add nothing."""
+
+    def plan(self, batching: Batching) -> Plan:
+        """What draws every epoch's batches; the default: ``batching``'s seeded epochs."""
+        return EpochPlan(batching.indices, batching.batch_size, shuffle=batching.shuffle,
+                         seed=batching.seed, last_batch=batching.last_batch, rank=batching.rank,
+                         world_size=batching.world_size, seed_given=batching.seed_given)
+
+    def starting(self, sequence: ShmSequence, test: bool) -> None:
+        """Before the runtime starts (``start_test()``'s: ``test``), at the sequence's
+        ``resume_point``."""
+
+    def started(self) -> None:
+        """The runtime is up (its workers too)."""
+
+    def finished(self) -> None:
+        """The runtime was closed (its counters took the stage's ``counts()`` first)."""
+
+    def counts(self) -> dict[str, int | float]:
+        """What this process counted since the last call (added to ``stats``)."""
+        return {}
+
+    def saved(self, sequence: ShmSequence, state: dict) -> dict:
+        """``state`` (``ShmSequence.state_dict()``'s) with what the stage must resume."""
+        return state
+
+    def loading(self, sequence: ShmSequence, state: dict) -> dict:
+        """A saved state, before the sequence loads it (a stage may rewrite it)."""
+        return state
 
 
 class ShmSequence:
@@ -99,47 +141,24 @@ class ShmSequence:
                  worker_init_fn: Callable[[int], object] | None = None,
                  worker_restarts: int = 0, device: Callable[[], Device] | None = None,
                  max_workers: int | None = None, cpu_budget: float | None = None,
-                 memory_budget: int | None = None) -> None:
+                 memory_budget: int | None = None, stage: Stage | None = None) -> None:
         check_worker(worker)
         check_int("batch_size", batch_size, 1)
-        check_int("buffer", buffer, 1, optional=True)
-        check_num_workers(num_workers)
-        check_auto_bounds(num_workers, max_workers, cpu_budget, memory_budget, buffer)
-        check_int("num_converters", num_converters, 1, optional=True)
-        check_int("slot_bytes", slot_bytes, 1, optional=True)
         check_int("seed", seed, 0, optional=True)
-        check_int("pin_device_id", pin_device_id, 0)
-        check_int("worker_restarts", worker_restarts, 0)
         check_bool("shuffle", shuffle)
-        check_bool("pin_memory", pin_memory, optional=True)
-        if worker_restarts and thread_type == "thread":
-            raise ValueError(f"worker_restarts={worker_restarts} replaces worker processes that "
-                             "die, but thread_type='thread' runs none: use thread_type='proc'")
-        check_choice("thread_type", thread_type, THREAD_TYPES)
-        check_choice("start_method", start_method, (None, *multiprocessing.get_all_start_methods()))
-        check_out_type(out_type)
-        self._timeout = check_timeout(timeout)
+        self.options = LoaderOptions(
+            num_workers, max_workers=max_workers, cpu_budget=cpu_budget,
+            memory_budget=memory_budget, buffer=buffer, slot_bytes=slot_bytes,
+            thread_type=thread_type, start_method=start_method, out_type=out_type,
+            pin_memory=pin_memory, pin_device_id=pin_device_id, num_converters=num_converters,
+            timeout=timeout, worker_init_fn=worker_init_fn, worker_restarts=worker_restarts,
+            device=device)
         self.worker = worker
-        self._seed_given = seed is not None
+        self.stage = Stage() if stage is None else stage
         self._seed = self._default_seed() if seed is None else int(seed)
-        self._plan: Plan = self._make_plan(dset_size, batch_size, shuffle, last_batch, rank, world_size)
-        self.worker_init_fn = worker_init_fn
-        self.slot_bytes = slot_bytes
-        self.buffer = buffer
-        self.num_workers = num_workers
-        self.max_workers = None if num_workers != "auto" else max_workers or default_max_workers()
-        self.cpu_budget = cpu_budget
-        self.memory_budget = memory_budget
-        self.thread_type = thread_type
-        self.start_method = start_method
-        self.out_type = resolve_out_type(out_type)
-        self.pin_memory = pin_memory
-        self.pin_device_id = pin_device_id
-        self.worker_restarts = worker_restarts
-        self._device = device
-        # MDNC's default: for CUDA output, the number of streams batches are copied on.
-        most = cast(int, num_workers) if self.max_workers is None else self.max_workers
-        self.num_converters = num_converters or max(most // 4, min(most, 4), 1)
+        self._plan: Plan = self.stage.plan(Batching(
+            as_index_array(dset_size), batch_size, bool(shuffle), self._seed, seed is not None,
+            last_batch, rank, world_size))
         self.epoch = 0                   # the epoch the next iteration starts
         self._resume_at = 0               # ... at this batch (set by load_state_dict)
         self._last = (-1, 0)              # (epoch, batches delivered) of the last iteration
@@ -148,6 +167,7 @@ class ShmSequence:
         self._claim = threading.Lock()
         self._runtime: Runtime | None = None
         self._closer: weakref.finalize | None = None
+        self._stage_closer: weakref.finalize | None = None
         self._stats = LoaderStats()
 
     def _default_seed(self) -> int:
@@ -156,11 +176,21 @@ class ShmSequence:
         assert isinstance(entropy, int)  # drawn, not given
         return int(entropy % 2**63)
 
-    def _make_plan(self, dset_size: ArrayLike, batch_size: int, shuffle: bool, last_batch: str,
-                   rank: int | None, world_size: int | None) -> Plan:
-        return EpochPlan(as_index_array(dset_size), batch_size, shuffle=bool(shuffle),
-                         seed=self._seed, last_batch=last_batch, rank=rank, world_size=world_size,
-                         seed_given=self._seed_given)
+    # -- the options, under MDNC's attribute names ---------------------------------------------
+    num_workers = property(lambda self: self.options.num_workers)
+    max_workers = property(lambda self: self.options.max_workers)
+    cpu_budget = property(lambda self: self.options.cpu_budget)
+    memory_budget = property(lambda self: self.options.memory_budget)
+    buffer = property(lambda self: self.options.buffer)
+    slot_bytes = property(lambda self: self.options.slot_bytes)
+    thread_type = property(lambda self: self.options.thread_type)
+    start_method = property(lambda self: self.options.start_method)
+    out_type = property(lambda self: self.options.out_type)
+    pin_memory = property(lambda self: self.options.pin_memory)
+    pin_device_id = property(lambda self: self.options.pin_device_id)
+    num_converters = property(lambda self: self.options.num_converters)
+    worker_init_fn = property(lambda self: self.options.worker_init_fn)
+    worker_restarts = property(lambda self: self.options.worker_restarts)
 
     # -- the MDNC attributes --------------------------------------------------------------------
     @property
@@ -186,7 +216,7 @@ class ShmSequence:
     @property
     def timeout(self) -> float | None:
         """Seconds to wait for a batch before ``BatchTimeout``; None: as long as it takes."""
-        return self._timeout
+        return self.options.timeout
 
     def __len__(self) -> int:
         """Batches of the epoch being iterated, or else of the one the next iteration yields
@@ -204,7 +234,9 @@ class ShmSequence:
     @property
     def stats(self) -> LoaderStats:
         """Counters of the last pipeline started (batches, bytes, worker busy and consumer wait
-        time, overflows, copy-outs), kept after ``finish()``; zeros in test mode."""
+        time, overflows, copy-outs), kept after ``finish()``; zeros in test mode. With a
+        stage, what it counted in this process too (a shard cache's fetches, ...)."""
+        self._stats.add_counts(self.stage.counts())
         return self._stats
 
     @property
@@ -232,10 +264,10 @@ class ShmSequence:
         """
         self.finish()
         if not self.num_workers:
-            return self._own(Inline(self._spec(), self._plan))
+            return self._started(lambda: Inline(self._spec(), self._plan), test=False)
         self._stats = LoaderStats()  # kept, with what it counted, if the start fails
-        return self._own(Pipeline(self._spec(), self._plan, self.epoch, self._resume_at,
-                                  stats=self._stats))
+        return self._started(lambda: Pipeline(self._spec(), self._plan, self.epoch,
+                                              self._resume_at, stats=self._stats), test=False)
 
     def start_test(self, test_mode: str = "default") -> Self:
         """Run everything in the calling thread, with the same batches as ``start()``.
@@ -245,23 +277,32 @@ class ShmSequence:
         """
         check_choice("test_mode", test_mode, TEST_MODES)
         self.finish()
-        return self._own(Inline(self._spec(), self._plan, test_mode))
+        return self._started(lambda: Inline(self._spec(), self._plan, test_mode), test=True)
+
+    def _started(self, make: Callable[[], Runtime], test: bool) -> Self:
+        """The runtime ``make()`` starts, the stage told before and after; the stage finishes
+        with the runtime, or with the sequence if nobody references it any more."""
+        self._stage_closer = weakref.finalize(self, self.stage.finished)
+        try:
+            self.stage.starting(self, test)
+            self._own(make())
+        except BaseException:
+            self.finish()
+            raise
+        self.stage.started()
+        return self
 
     def _spec(self) -> PipelineSpec:
         """What the pipeline started now runs. Its workers' seeds come from the sequence's
         seed and the epoch it starts at: a pipeline started again later draws fresh streams,
         the same ones for the same seed and epoch."""
         base = np.random.SeedSequence([self.seed, self.epoch]).generate_state(1, np.uint64)[0]
-        first_workers = (cast(int, self.num_workers) if self.max_workers is None
-                         else min(START_WORKERS, self.max_workers))
-        return PipelineSpec(
-            self.worker, first_workers, self.buffer, slot_bytes=self.slot_bytes,
-            thread_type=self.thread_type, start_method=self.start_method,
-            out_type=self.out_type, pin_memory=self.pin_memory, pin_device_id=self.pin_device_id,
-            num_converters=self.num_converters, timeout=self._timeout, base_seed=int(base >> 1),
-            worker_init_fn=self.worker_init_fn, restarts=self.worker_restarts,
-            device=self._device, max_workers=self.max_workers, cpu_budget=self.cpu_budget,
-            memory_budget=self.memory_budget)
+        return self.options.spec(self.worker, int(base >> 1), SEQUENCE_HOOKS)
+
+    @property
+    def resume_point(self) -> tuple[int, int]:
+        """(epoch, position): where the next iteration starts."""
+        return self.epoch, self._resume_at
 
     def _own(self, runtime: Runtime) -> Self:
         self._runtime = runtime
@@ -276,6 +317,10 @@ class ShmSequence:
         closer, self._closer, self._runtime = self._closer, None, None
         if closer is not None:
             closer()
+        stage_closer, self._stage_closer = self._stage_closer, None
+        if stage_closer is not None:
+            self._stats.add_counts(self.stage.counts())
+            stage_closer()
 
     def __enter__(self) -> Self:
         if self._runtime is None:
@@ -349,10 +394,11 @@ class ShmSequence:
         if self._resume_at or epoch < 0 or delivered >= self._plan.length(epoch):
             epoch, delivered = self.epoch, self._resume_at  # between epochs
         plan = self._plan
-        return {"epoch": epoch, "position": delivered, "seed": self.seed,
-                "batch_size": self.batch_size, "dset_size": self.dset_size,
-                "last_batch": plan.last_batch, "rank": plan.rank, "world_size": plan.world_size,
-                "rollover_remainder": plan.carried(epoch)}
+        return self.stage.saved(self, {
+            "epoch": epoch, "position": delivered, "seed": self.seed,
+            "batch_size": self.batch_size, "dset_size": self.dset_size,
+            "last_batch": plan.last_batch, "rank": plan.rank, "world_size": plan.world_size,
+            "rollover_remainder": plan.carried(epoch)})
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()``: the next iteration continues that epoch where it was.
@@ -361,6 +407,7 @@ class ShmSequence:
         so their states differ only in ``rank``, which is not checked (Lightning and Accelerate
         checkpoint rank 0's state and load it on every rank)."""
         self._plan.refresh()
+        state = self.stage.loading(self, state)
         mine = self.state_dict()
         for key in ("batch_size", "dset_size", "last_batch", "world_size"):
             if state.get(key, mine[key]) != mine[key]:

@@ -41,22 +41,18 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map
 
 from .checks import check_auto_bounds, check_int
-from .engine.common.errors import BatchTimeout, PipelineClosed, ShmSeqError, WorkerDied
-from .engine.common.layout import SlotAllocator, as_ndarray, stack_into
-from .engine.common.ragged import Ragged, make_leaf
-from .engine.trainer.pipeline import Pipeline, PipelineSpec, closing_finalizer
-from .engine.trainer.plan import SamplerPlan
-from .engine.trainer.stats import LoaderStats
-from .engine.trainer.tuning import START_WORKERS, default_max_workers
-from .engine.worker.batch import StreamEnded
+from .engine import (START_WORKERS, BatchTimeout, Cursor, FrontEndHooks, LoaderStats, Pipeline,
+                     PipelineClosed, Ragged, SamplerPlan, ShmSeqError, SlotAllocator, StreamEnded,
+                     WorkerDied, as_ndarray, closing_finalizer, default_max_workers, make_leaf,
+                     stack_into)
+from .options import LoaderOptions
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
     from torch.utils.data._utils.fetch import _BaseDatasetFetcher
 
-    from .engine.common.protocol import Delivery
+    from .engine import Delivery
 
-R = TypeVar("R")
 
 
 def slot_collate(samples: list, out: SlotAllocator | None = None) -> Any:
@@ -315,20 +311,24 @@ class _RingIterator(_BaseDataLoaderIter):
         self._plan = SamplerPlan(self._index_sampler, as_task=_as_task)
         context = loader.multiprocessing_context
         assert loader.prefetch_factor is not None  # torch's default with workers: 2
-        self._spec = PipelineSpec(
-            _Fetcher(self._dataset, self._dataset_kind, self._auto_collation, self._collate_fn,
-                     self._drop_last),
-            self._num_workers, buffer=(loader._ring_slots if loader.max_workers is not None
-                                       else self._num_workers * loader.prefetch_factor + 2),
+        tuned = loader.max_workers is not None
+        self._worker = _Fetcher(self._dataset, self._dataset_kind, self._auto_collation,
+                                self._collate_fn, self._drop_last)
+        self._options = LoaderOptions(
+            "auto" if tuned else self._num_workers,
+            max_workers=loader.max_workers, cpu_budget=loader.cpu_budget,
+            memory_budget=loader.memory_budget,
+            buffer=(loader._ring_slots if tuned else
+                    self._num_workers * loader.prefetch_factor + 2),
             slot_bytes=loader.slot_bytes,
             start_method=None if context is None else context.get_start_method(),
             out_type="cpu", pin_memory=self._pin_memory,
             pin_device_id=torch.cuda.current_device() if self._pin_memory else 0,
-            timeout=self._timeout or None, base_seed=int(self._base_seed),
-            worker_init_fn=loader.worker_init_fn, restarts=loader.worker_restarts,
-            in_turn=loader.max_workers is None, wait_for_workers=False,
-            max_workers=loader.max_workers, cpu_budget=loader.cpu_budget,
-            memory_budget=loader.memory_budget)
+            timeout=self._timeout or None, worker_init_fn=loader.worker_init_fn,
+            worker_restarts=loader.worker_restarts)
+        # a tuned count of workers cannot deal batches in turn: the turns would change with it
+        self._hooks = FrontEndHooks(deal_in_turn=not tuned, start_lazily=True,
+                                    fresh_start="make a new DataLoader in the child")
         self._stats = loader.stats
         self._pipeline: Pipeline | None = None
         self._stopped: list = []  # the worker processes, once shut down
@@ -351,48 +351,34 @@ class _RingIterator(_BaseDataLoaderIter):
                 f"torch's): make a new DataLoader{restarts}", pid=dead.pid,
                 exitcode=dead.exitcode, starting=dead.starting)
         self._epoch += 1
-        self._position = 0  # the next batch in order, or the first not handed over yet
-        self._handed: set[int] = set()  # positions handed over ahead of it (in_order=False)
         if self._pipeline is None:
-            self._pipeline = Pipeline(self._spec, self._plan, self._epoch, stats=self._stats)
+            self._pipeline = Pipeline(self._options.spec(self._worker, int(self._base_seed),
+                                                         self._hooks),
+                                      self._plan, self._epoch, stats=self._stats)
             self._closer = closing_finalizer(self, self._pipeline)
         items, epoch = self._sampler_iter, self._epoch
         if self._dataset_kind == _DatasetKind.Iterable:  # each task says which pass it is of
             items = ((epoch, item) for item in items)  # (not self: no cycle through the plan)
-        self._first_number = self._pipeline.open(self._epoch, 0, items)
+        self._cursor: Cursor | None = Cursor(self._pipeline, epoch, 0, items)
 
     def _next_data(self) -> Any:
         while True:
-            number, delivery = self._next_delivery()
+            cursor = self._cursor
+            if cursor is None:
+                raise StopIteration
+            number, delivery = self._next_delivery(cursor)
             if not delivery.ended:  # else a worker's stream had ended: nothing to hand over
-                assert self._pipeline is not None  # running: the delivery came
-                return self._pipeline.hand_over(number, delivery)
+                return cursor.hand_over(number, delivery)
 
-    def _next_delivery(self) -> tuple[int, Delivery]:
-        if self._pipeline is None:
-            raise StopIteration
-        while self._position in self._handed:
-            self._handed.remove(self._position)
-            self._position += 1
-        if self._plan.batch(self._epoch, self._position) is None:
+    def _next_delivery(self, cursor: Cursor) -> tuple[int, Delivery]:
+        """The cursor's next delivery, with failures of the pipeline worded as torch's (a
+        worker's own exception is not one: it comes with its batch, from ``hand_over``)."""
+        try:
+            return cursor.next_delivery(self._in_order)
+        except StopIteration:
             if not self._persistent_workers:
                 self._shutdown_workers()
-            raise StopIteration
-        number = self._first_number + self._position
-        if self._in_order:
-            delivery = self._receive(self._pipeline.receive, number)
-            self._position += 1
-        else:
-            number, delivery = self._receive(self._pipeline.receive_any, number)
-            self._handed.add(number - self._first_number)
-            self._pipeline.release(self._epoch, self._position)
-        return number, delivery
-
-    def _receive(self, receive: Callable[[int, int, int], R], number: int) -> R:
-        """``receive(number, epoch, position)``, with failures of the pipeline worded as torch's
-        (a worker's own exception is not one: it comes with its batch, from ``hand_over``)."""
-        try:
-            return receive(number, self._epoch, self._position)
+            raise
         except BatchTimeout as exc:
             raise BatchTimeout(f"DataLoader timed out after {self._timeout} seconds: {exc}") \
                 from None
@@ -431,7 +417,7 @@ class _RingIterator(_BaseDataLoaderIter):
         """Stop the workers and free the ring (Lightning calls this on persistent workers)."""
         if self._pipeline is not None:
             self._stopped = self._workers
-            self._pipeline = None
+            self._pipeline = self._cursor = None
             self._closer()
 
 

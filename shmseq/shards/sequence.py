@@ -4,22 +4,16 @@ remote shards the node's shard cache and this rank's prefetcher.
 from __future__ import annotations
 
 import os
-import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable, cast
+from typing import Any, Callable, Iterable, cast
 
 from ..checks import check_bool, check_int
-from ..engine.trainer.stats import LoaderStats
 from ..remote import RemotePolicy, fit_to_timeout, is_remote
-from ..sequence import ShmSequence
+from ..sequence import Batching, ShmSequence, Stage
 from .cache import ShardCache
 from .index import ShardIndex, as_shard_index
 from .plan import ShardPlan
 from .prefetch import Prefetcher, check_room
 from .worker import ShardWorker
-
-if TYPE_CHECKING:
-    from numpy.typing import ArrayLike
-    from typing_extensions import Self
 
 
 SHUFFLE_WINDOW = 1000  # samples: the default of local shards, read where their samples lie
@@ -76,7 +70,6 @@ class ShardSequence(ShmSequence):
     """
 
     worker: ShardWorker
-    _plan: ShardPlan
 
     def __init__(self, shards: ShardIndex | str | os.PathLike | Iterable[str | os.PathLike],
                  decode: Callable[[dict], object], *,
@@ -111,106 +104,96 @@ class ShardSequence(ShmSequence):
                                 policy=remote) if cache else None
         worker = ShardWorker(index, decode, on_error=on_error, storage_options=storage_options,
                              remote=remote, cache=self.cache)
-        self._prefetcher: weakref.finalize | None = None
         if cache and options.get("buffer") is None:
             options["buffer"] = CACHED_RING_SLOTS
-        super().__init__(worker, len(index), **options)
+        super().__init__(worker, len(index), stage=ShardStage(worker, self.cache,
+                                                              shuffle_window, shuffle_shards),
+                         **options)
         policy = fit_to_timeout(remote, self.timeout)  # a stalled server named before the timeout
         self.worker.reader.policy = policy
         if self.cache is not None:
             self.cache.timeout, self.cache.policy = self.timeout, policy
 
-    def _make_plan(self, dset_size: ArrayLike, batch_size: int, shuffle: bool, last_batch: str,
-                   rank: int | None, world_size: int | None) -> ShardPlan:
-        return ShardPlan(self.worker.reader.index, batch_size,
+
+class ShardStage(Stage):
+    """What a ``ShardSequence`` adds around its ``ShmSequence``: the shard plan; with the
+    cache, its room checked at each start and this rank's prefetcher running with the
+    workers; the window and what was consumed in its state."""
+
+    def __init__(self, worker: ShardWorker, cache: ShardCache | None, shuffle_window: int | None,
+                 shuffle_shards: int | None) -> None:
+        self.worker, self.cache = worker, cache
+        self.shuffle_window, self.shuffle_shards = shuffle_window, shuffle_shards
+        self._prefetcher: Prefetcher | None = None
+
+    def plan(self, batching: Batching) -> ShardPlan:
+        return ShardPlan(self.worker.reader.index, batching.batch_size,
                          shuffle_window=self.shuffle_window or SHUFFLE_WINDOW,
-                         shuffle_shards=self.shuffle_shards, shuffle=bool(shuffle), seed=self._seed,
-                         last_batch=last_batch, rank=rank, world_size=world_size,
-                         seed_given=self._seed_given)
+                         shuffle_shards=self.shuffle_shards, shuffle=batching.shuffle,
+                         seed=batching.seed, last_batch=batching.last_batch, rank=batching.rank,
+                         world_size=batching.world_size, seed_given=batching.seed_given)
 
-    def start(self, compat: object = None) -> Self:
-        """As ``ShmSequence.start``; with the cache, its room is checked first (a budget too
-        small for what the batches in flight read is refused here), and this rank's prefetcher
-        starts with the workers."""
+    def starting(self, sequence: ShmSequence, test: bool) -> None:
+        """With the cache: its folder and budget, its room checked for the batches in flight
+        (a budget too small is refused here), and this rank's prefetcher made."""
         if self.cache is None:
-            return super().start(compat)
-        depth = self._prepare_cache()
-        prefetcher = Prefetcher(self.cache, self._plan, self.epoch, self._resume_at, depth,
-                                self.worker.reader.counters)
-        try:
-            super().start(compat)
-        except BaseException:
-            prefetcher.close()
-            raise
-        # closed by finish(), or with the sequence if nobody references it any more
-        self._prefetcher = weakref.finalize(self, prefetcher.close)
-        prefetcher.start()
-        self.cache.count_held()
-        return self
-
-    def start_test(self, test_mode: str = "default") -> Self:
-        if self.cache is None:
-            return super().start_test(test_mode)
-        self._prepare_cache()
-        super().start_test(test_mode)
-        self.cache.count_held()
-        return self
-
-    def _prepare_cache(self) -> int:
-        """The cache's folder and budget, its room checked; how many batches may be in flight."""
-        self.finish()
-        assert self.cache is not None  # read through the cache
+            return
         self.cache.prepare()
-        self._plan.refresh()
-        assert self.buffer is not None  # a cached sequence's ring has a buffer (__init__)
-        workers = self.max_workers if self.max_workers is not None else self.num_workers
-        depth = batches_in_flight(self.buffer, cast(int, workers))
-        check_room(self.cache, self._plan, self.epoch, self._resume_at, depth,
-                   f"batch_size={self.batch_size}, buffer={self.buffer}, "
-                   f"num_workers={self.num_workers}, " + (
+        plan = cast(ShardPlan, sequence.plan)
+        plan.refresh()
+        options = sequence.options
+        assert options.buffer is not None  # a cached sequence's ring has a buffer
+        workers = options.max_workers if options.max_workers is not None else options.num_workers
+        depth = batches_in_flight(options.buffer, cast(int, workers))
+        epoch, position = sequence.resume_point
+        check_room(self.cache, plan, epoch, position, depth,
+                   f"batch_size={sequence.batch_size}, buffer={options.buffer}, "
+                   f"num_workers={options.num_workers}, " + (
                        f"shuffle_shards={self.shuffle_shards}" if self.shuffle_shards else
                        f"shuffle_window={self.shuffle_window}"))
-        return depth
+        if not test:
+            self._prefetcher = Prefetcher(self.cache, plan, epoch, position, depth,
+                                          self.worker.reader.counters)
 
-    @property
-    def stats(self) -> LoaderStats:
-        """``ShmSequence``'s, with the shard cache's counts (``shard_fetches``, ...)."""
-        stats = super().stats
+    def started(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.start()
         if self.cache is not None:
-            stats.add_counts(self.worker.pop_counts())  # this process's: the prefetcher's
-        return stats
+            self.cache.count_held()
 
-    def finish(self) -> None:
-        super().finish()
-        closer, self._prefetcher = self._prefetcher, None
-        if closer is not None:
-            closer()
+    def finished(self) -> None:
+        prefetcher, self._prefetcher = self._prefetcher, None
+        if prefetcher is not None:
+            prefetcher.close()
         if self.cache is not None:
-            self._stats.add_counts(self.worker.pop_counts())
             self.cache.release()
         self.worker.reader.close()  # the files read in this process, by num_workers=0 or threads
 
-    def state_dict(self) -> dict:
-        """``ShmSequence``'s state, plus the window and the samples of the epoch that runs
-        before a resume on another world size had taken."""
-        state = super().state_dict()
+    def counts(self) -> dict[str, int | float]:
+        """This process's counts (the prefetcher's), with the cache."""
+        return self.worker.pop_counts() if self.cache is not None else {}
+
+    def saved(self, sequence: ShmSequence, state: dict) -> dict:
+        """The window, and the samples of the epoch that runs before a resume on another world
+        size had taken."""
+        plan = cast(ShardPlan, sequence.plan)
         return {**state, "shuffle_window": self.shuffle_window,
                 "shuffle_shards": self.shuffle_shards,
-                "consumed_before": self._plan.consumed(state["epoch"])}
+                "consumed_before": plan.consumed(state["epoch"])}
 
-    def load_state_dict(self, state: dict) -> None:
-        """As ``ShmSequence``'s; a state saved on another world size resumes too: every rank
-        had taken the epoch's first ``position x world_size`` batches, and the rest of the
-        epoch is dealt over this run's ranks (the global sample order is kept)."""
+    def loading(self, sequence: ShmSequence, state: dict) -> dict:
+        """A state saved on another world size resumes too: every rank had taken the epoch's
+        first ``position x world_size`` batches, and the rest of the epoch is dealt over this
+        run's ranks (the global sample order is kept)."""
         for name in ("shuffle_window", "shuffle_shards"):
             if state.get(name, getattr(self, name)) != getattr(self, name):
                 raise ValueError(f"state {name}={state[name]!r} does not match this sequence's "
                                  f"{name}={getattr(self, name)!r}: build the sequence as the "
                                  "saved one was")
-        self._plan.refresh()
+        plan = cast(ShardPlan, sequence.plan)
         consumed, saved_ranks = state.get("consumed_before", 0), state.get("world_size", 1)
-        if saved_ranks != self._plan.world_size:
+        if saved_ranks != plan.world_size:
             consumed += state["position"] * saved_ranks * state["batch_size"]
-            state = {**state, "world_size": self._plan.world_size, "position": 0}
-        self._plan.resume_after(int(state["epoch"]), consumed)
-        super().load_state_dict(state)
+            state = {**state, "world_size": plan.world_size, "position": 0}
+        plan.resume_after(int(state["epoch"]), consumed)
+        return state

@@ -1,0 +1,22 @@
+"""What a front end asks of the engine beyond its options, in the engine's own terms.
+
+The engine knows no front end by name: torch's ``DataLoader`` deals batches to its workers in
+turn, returns its iterator before the workers started and answers torch's
+``get_worker_info()`` in each worker; ``shmseq.torch`` says so here, and the engine does it
+for whoever asks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontEndHooks:
+    """Given once, in the ``PipelineSpec``; ``on_worker_start`` travels to every worker, so it
+    must pickle (a module-level function)."""
+    deal_in_turn: bool = False   # batch k of a pass goes to worker k % num_workers
+    start_lazily: bool = False   # the pipeline is made without waiting for its workers
+    on_worker_start: Callable[[object, object], None] | None = None  # (WorkerInfo, dataset), in
+    # each worker process once it is seeded, before the user's worker_init_fn
+    fresh_start: str = "start a new one in the child"  # how to get a pipeline of one's own
