@@ -75,7 +75,7 @@ def test_a_leaving_worker_killed_with_tasks_open_costs_a_restart_and_no_batch():
                     pool.resize(3)
                 if position == 10:
                     pool.resize(1)
-                    leaving = max(pool._leaving, key=lambda h: len(h.open))
+                    leaving = max(pool.leaving, key=lambda h: len(h.open))
                     assert leaving.open  # it still had batches to build
                     os.kill(leaving.pid, signal.SIGKILL)
         assert seq.stats.restarts == 1 and pool.size == 1
@@ -91,10 +91,10 @@ def test_leaving_workers_exit_as_asked_with_no_restart_and_no_warning():
             warnings.simplefilter("error")
             got = resized_run(seq, {2: 4, 20: 1})
         deadline = time.monotonic() + 10
-        while pool._leaving and time.monotonic() < deadline:
+        while pool.leaving and time.monotonic() < deadline:
             pool.resize(1)
             time.sleep(0.01)
-        assert not pool._leaving and seq.stats.restarts == 0
+        assert not pool.leaving and seq.stats.restarts == 0
     assert got == expected
 
 
@@ -303,8 +303,8 @@ def test_each_look_adds_the_devices_counts_before_the_snapshot():
     stats = LoaderStats(started=0.0, workers=2, clock=lambda: 1.0)
     control = Control(stats, None, sizes_ring=False, thread_workers=False,
                       device_counts=lambda: next(counts))
-    control.look(0.5, FakePool(2), None)
-    control.look(1.0, FakePool(2), None)
+    control.tick(0.5)
+    control.tick(1.0)
     assert (stats.copy_s, stats.decode_s) == (0.75, 0.1)
     assert stats.breakdown().copy_fraction == pytest.approx(0.75)
 

@@ -17,10 +17,11 @@ import pytest
 from shmseq.engine.trainer.control import TICK_S, Control
 from shmseq.engine.trainer.pipeline import Pipeline, PipelineSpec
 from shmseq.engine.trainer.plan import BatchStream, EpochPlan, as_index_array
-from shmseq.engine.trainer.pool import Waker, WorkerPool
+from shmseq.engine.trainer.pool import WorkerPool
 from shmseq.engine.trainer.ring import Ring
 from shmseq.engine.trainer.stats import LoaderStats
 from shmseq.engine.trainer.tuning import Budget, WorkerTuner, ring_bytes_target
+from shmseq.engine.trainer.waker import Waker
 from workers import IndexWorker
 
 # Slots larger than the ring's byte target: the ring's slots are then what the workers and the
@@ -111,22 +112,23 @@ def test_each_look_snapshots_the_statistics_at_its_time_the_devices_counts_first
     control = Control(stats, None, sizes_ring=False, thread_workers=False,
                       device_counts=lambda: next(counts))
     running.clock.now = 10.0
-    control.look(10.0, running.pool, None)
+    control.tick(10.0)
     assert (stats.decode_s, stats.copy_s) == (2.5, 1.0)
     # a device's counts reach the breakdown at a snapshot only: this one had them
     assert stats.breakdown().decode_fraction == pytest.approx(0.25)
     assert stats.breakdown().copy_fraction == pytest.approx(0.1)
     running.clock.now = 20.0
-    control.look(20.0, running.pool, None)
+    control.tick(20.0)
     assert stats.decode_s == 3.0 and stats.breakdown().decode_fraction == pytest.approx(0.15)
 
 
-def test_without_a_ring_a_look_neither_asks_the_tuner_nor_resizes(running):
+def test_before_the_ring_a_look_is_a_tick_which_neither_asks_the_tuner_nor_resizes(running):
     tuner = Recording(Budget(4, cpu=64.0), start_workers=3)
     control = Control(running.stats, tuner, sizes_ring=True, thread_workers=False)
     for now in (0.5, 1.0, 1.5):
         worked(running.stats)
-        control.look(now, running.pool, None)
+        control.tick(now)
+        assert control.due == now + TICK_S
     assert tuner.shown == [] and running.pool.size == 2 and running.ring.active == 1
     assert not running.stats.workers_growing and running.stats.workers_limit == ""
 

@@ -20,10 +20,12 @@ import pytest
 
 from shmseq.engine.common.errors import WorkerDied, WorkerError
 from shmseq.engine.common.layout import read_batch, slot_bytes_for
+from shmseq.engine.trainer.deaths import brief, describe_exit, its_own_doing
 from shmseq.engine.trainer.plan import BatchStream, EpochPlan, as_index_array
-from shmseq.engine.trainer.pool import Waker, WorkerPool, brief, describe_exit, its_own_doing
+from shmseq.engine.trainer.pool import WorkerPool
 from shmseq.engine.trainer.ring import WRITTEN, Ring
 from shmseq.engine.trainer.stats import LoaderStats
+from shmseq.engine.trainer.waker import Waker
 from workers import Crash, FailingInit, Hang, IndexWorker, KillOnce, SizedWorker, TypeErrorAt
 
 BATCH = 4

@@ -4,7 +4,7 @@ from it: the worker count (``num_workers='auto'``: a ``WorkerTuner``) and the ri
 slots (a ring sized by the rules, not by ``buffer``).
 
 One ``Control`` per pipeline owns that state; the step pays a float comparison between two
-looks. The decisions are the tuner's; the pool starts and stops workers (``resize``), the
+looks. Before the ring, a look is the snapshot alone (``tick``). The decisions are the tuner's; the pool starts and stops workers (``resize``), the
 ring counts slots (``set_active``).
 """
 from __future__ import annotations
@@ -64,14 +64,16 @@ class Control:
         return cls(stats, WorkerTuner(budget, start_workers), sizes_ring=sizes_ring,
                    thread_workers=thread_workers, device_counts=device_counts)
 
-    def look(self, now: float, pool: WorkerPool, ring: Ring | None) -> None:
-        """The statistics' snapshot at ``now`` (the device's counts added first); once there is
-        a ring, the worker count and the ring's active slots."""
+    def tick(self, now: float) -> None:
+        """The statistics' snapshot at ``now`` (the device's counts added first): all there is
+        to look at before the ring."""
         self.due = now + TICK_S
         self.stats.add_counts(self.device_counts())
         self.stats.tick(now)
-        if ring is None:
-            return
+
+    def look(self, now: float, pool: WorkerPool, ring: Ring) -> None:
+        """The snapshot (``tick``), then the worker count and the ring's active slots."""
+        self.tick(now)
         if self.tuner is not None:
             if self.tuner.budget.memory_bytes is not None:
                 self._measure_memory(self.tuner, ring)

@@ -1,6 +1,8 @@
 """Where a batch is read: every reply takes one route, slot -> device -> consumer, in order.
 
-As each reply arrives (in the consumer's thread, while it waits), ``Converter.arrive`` leases
+Before the ring, only replies without a batch come (an error, a stream's end): a ``HandOver``
+takes them. Once there is a ring, a ``Converter`` bound to it does: as each reply arrives (in
+the consumer's thread, while it waits), ``Converter.arrive`` leases
 the batch's slot from the ring, decodes the batch into views of it
 (``layout.read_batch``) and gives them to the device. A host device's "copy" completes at
 once: the batch *is* the views, and the lease lives as long as they do. A copying device
@@ -97,40 +99,67 @@ def handed_over(device: Device, skipped: Callable[[], list[str]], batch: object,
     return delivered
 
 
-class Converter:
-    """Replies -> deliveries through the device; deliveries -> the consumer. ``name`` says
-    how messages call a batch ("batch 3 of epoch 1")."""
+class HandOver:
+    """Deliveries -> the consumer, and the replies that carry no batch (an error, a stream's
+    end) -> deliveries: all there is before the ring, whose first batches wait in their
+    workers. ``name`` says how messages call a batch ("batch 3 of epoch 1")."""
 
-    def __init__(self, device: Device, ring: Ring | None, output: OrderedOutput,
-                 stats: LoaderStats, name: Callable[[int], str]) -> None:
+    def __init__(self, device: Device, output: OrderedOutput, stats: LoaderStats,
+                 name: Callable[[int], str]) -> None:
         self.device = device
         self._device_skipped = Hooks(device).pop_skipped
-        self.ring = ring  # None until the first batches sized it: only failures come before
         self.output = output
         self.stats = stats
         self.name = name
-        self._warned: set[str] = set()
 
-    @property
-    def _ring(self) -> Ring:
-        """The ring, there before any reply with a slot (or any delivery of one)."""
-        assert self.ring is not None, "no ring yet"
-        return self.ring
+    def arrive(self, reply: Reply) -> None:
+        """A reply without a batch: its delivery waits for the consumer."""
+        if reply.number >= self.output.floor:
+            self.output.put(reply.number, without_batch(reply))
 
-    def use_ring(self, ring: Ring) -> None:
-        """The ring the replies' slots are of, from now on."""
+    def hand_over(self, number: int, delivery: Delivery) -> object:
+        """The batch as the consumer gets it; raises the batch's error in its place. The batch
+        is named (``name``) only for a message."""
+        if delivery.error is not None:
+            raise delivery.error()
+        self.stats.batches += 1
+        self.stats.bytes += delivery.nbytes
+        if delivery.skipped:
+            self.stats.report_skipped(delivery.skipped, self.name(number))
+        return self._handed(number, delivery)
+
+    def _handed(self, number: int, delivery: Delivery) -> object:
+        return handed_over(self.device, self._device_skipped, delivery.batch, delivery.copy,
+                           functools.partial(self.name, number), self.stats)
+
+
+def without_batch(reply: Reply) -> Delivery:
+    """The delivery of a reply that carries no batch: a stream's end, or the error to raise."""
+    if reply.ended:
+        return Delivery(None, ended=True)
+    assert reply.error is not None, "a reply with a batch"
+    return Delivery(None, error=reply.error)
+
+
+class Converter(HandOver):
+    """Replies -> deliveries through the device, their batches read from ``ring``'s slots (or
+    from the payload of one too large for its slot); deliveries -> the consumer, copied out of
+    the ring when keeping them in place would starve it."""
+
+    def __init__(self, device: Device, ring: Ring, output: OrderedOutput,
+                 stats: LoaderStats, name: Callable[[int], str]) -> None:
+        super().__init__(device, output, stats, name)
         self.ring = ring
+        self._warned: set[str] = set()
 
     def arrive(self, reply: Reply) -> None:
         """Convert a reply as soon as it is there (a copy starts while the consumer works)."""
         if reply.number < self.output.floor:
             if reply.slot is not None:
-                self._ring.discard(reply.slot)  # stale: its epoch was left
+                self.ring.discard(reply.slot)  # stale: its epoch was left
             return
-        if reply.ended:
-            delivery = Delivery(None, ended=True)
-        elif reply.error is not None:
-            delivery = Delivery(None, error=reply.error)
+        if reply.ended or reply.error is not None:
+            delivery = without_batch(reply)
         else:
             try:
                 delivery = self._convert(reply)
@@ -140,35 +169,26 @@ class Converter:
 
     def _convert(self, reply: Reply) -> Delivery:
         slot, payload = reply.slot, reply.payload
-        region = payload if slot is None else self._ring.lease(slot)
+        region = payload if slot is None else self.ring.lease(slot)
         assert region is not None  # a reply without a slot carries its batch
         reader = batch_reader(region, self.device.wrap)
         batch, copy = self.device.convert(reader.build(region))
         if copy is not None and slot is not None:
-            self._ring.track_copy(slot, functools.partial(self.device.wait, copy))
+            self.ring.track_copy(slot, functools.partial(self.device.wait, copy))
         in_slot = slot is not None and copy is None and reader.arrays > 0
         return Delivery(batch, copy, slot if in_slot else None,
                         len(region) if reply.overflowed else 0, reader.nbytes,
                         skipped=reply.skipped)
 
-    def hand_over(self, number: int, delivery: Delivery) -> object:
-        """The batch as the consumer gets it; copied out when keeping it would starve the ring.
-        The batch is named (``name``) only for a message."""
-        if delivery.error is not None:
-            raise delivery.error()
-        self.stats.batches += 1
-        self.stats.bytes += delivery.nbytes
-        if delivery.skipped:
-            self.stats.report_skipped(delivery.skipped, self.name(number))
+    def _handed(self, number: int, delivery: Delivery) -> object:
         if delivery.payload_bytes:
             self._overflowed(self.name(number), delivery.payload_bytes)
-        if delivery.slot is not None and not self._ring.keep_in_place(delivery.slot):
+        if delivery.slot is not None and not self.ring.keep_in_place(delivery.slot):
             return self._copied_out(delivery.batch)
-        return handed_over(self.device, self._device_skipped, delivery.batch, delivery.copy,
-                           functools.partial(self.name, number), self.stats)
+        return super()._handed(number, delivery)
 
     def _copied_out(self, batch: object) -> object:
-        n_slots = self._ring.active
+        n_slots = self.ring.active
         self._warn_once("copy-out", (
             f"the consumer holds {n_slots - 1} earlier batches of a ring of {n_slots} "
             "slots, so handing over this one in place would leave the workers no free slot: "
@@ -191,7 +211,7 @@ class Converter:
             stats.suggested_slot_bytes = slot_bytes_for(payload_bytes)
         self._warn_once("overflow", (
             f"{batch} needed {payload_bytes:,} bytes but slot_bytes is "
-            f"{self._ring.spec.slot_bytes:,}: it came through the overflow path, with a copy, as "
+            f"{self.ring.spec.slot_bytes:,}: it came through the overflow path, with a copy, as "
             "will any batch larger than a slot (this warning is not repeated). Pass "
             f"slot_bytes={stats.suggested_slot_bytes} or more; the loader's "
             ".stats.suggested_slot_bytes follows the largest batch so far, and "

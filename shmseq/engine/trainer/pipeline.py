@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
+import functools
 import itertools
 import multiprocessing
 import os
@@ -30,13 +32,15 @@ from ..common.layout import encode_batch, read_batch, slot_bytes_for
 from ..common.protocol import Delivery, Hooks, Plan
 from ..worker.batch import build_batch, make_worker
 from .control import Control
-from .convert import Converter, OrderedOutput, handed_over
+from .convert import Converter, HandOver, OrderedOutput, handed_over
+from .deaths import brief
 from .devices import Device, make_device
 from .plan import BatchStream
-from .pool import Waker, WorkerPool, brief
+from .pool import WorkerPool
 from .ring import Ring
 from .stats import LoaderStats
 from .tuning import ring_capacity, ring_slots
+from .waker import Waker
 from .worker_handle import JOIN_SECONDS
 
 ERROR_GRACE = 0.2  # seconds workers get to leave once a failure was raised, before they are killed
@@ -79,8 +83,54 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else deadline - time.monotonic()
 
 
+class Phase(enum.Enum):
+    SIZING = "sizing"    # the workers build their first batches, held: no ring yet
+    RUNNING = "running"  # every batch goes through the ring's slots
+    CLOSED = "closed"
+
+
+SIZING, RUNNING, CLOSED = Phase
+_MOVES = {SIZING: {RUNNING, CLOSED}, RUNNING: {CLOSED}, CLOSED: set()}
+
+PAST_THE_END = Delivery(None, ended=True)  # what ``batches`` finds past an epoch's last batch
+
+
+class _ConsumersTurn:
+    """The consumer's lock, in the process that made the pipeline only, taken once per call; a
+    failure raised while it is held (but for the pipeline's closing) leaves the workers no time
+    to finish politely when it closes (``broken``).
+
+    A forked child has copies of the slots' states and of the parent's ends of the workers'
+    pipes: taking a batch there would read the parent's replies and hand its slots to the
+    workers behind its back (the parent then fails with ``IllegalTransition``). So the child
+    is refused before anything is touched, the lock included: held by a thread of the parent
+    at the fork, it would never be released in the child."""
+
+    def __init__(self, owner: int) -> None:
+        self.lock = threading.RLock()
+        self._owner = owner
+        self.broken = False
+
+    def refuse_inherited(self) -> None:
+        if os.getpid() != self._owner:
+            raise ShmSeqError(
+                f"this sequence's pipeline belongs to process {self._owner}, which started its "
+                f"workers and ring; a forked child (pid {os.getpid()}) cannot iterate it: start "
+                "a new one in the child (call start() on a ShmSequence, make a new DataLoader)")
+
+    def __enter__(self) -> None:
+        self.refuse_inherited()
+        self.lock.acquire()
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        self.lock.release()
+        if kind is not None and not issubclass(kind, PipelineClosed):
+            self.broken = True
+
+
 class Pipeline:
-    """Workers, ring, route, and their closing."""
+    """Workers, ring, route, and their closing, in three phases: ``SIZING`` (until the first
+    batches sized the ring, or at once with ``slot_bytes``), ``RUNNING``, ``CLOSED``."""
 
     def __init__(self, spec: PipelineSpec, plan: Plan, epoch: int = 0, position: int = 0,
                  stats: LoaderStats | None = None) -> None:
@@ -88,23 +138,23 @@ class Pipeline:
         self.plan = plan
         self.spec = spec
         self.stats = LoaderStats() if stats is None else stats
-        self.ring: Ring | None = None
+        self.phase = SIZING
+        self.ring: Ring | None = None  # for those who look: there from RUNNING on
         self.pool: WorkerPool | None = None
-        self.device: Device | None = None
-        self._turn = threading.RLock()  # held by the consumer while it takes a batch
-        self._closed = False
-        self._broken = False  # a failure was raised: workers get no time to finish politely
-        self.converter: Converter | None = None  # made with the device
+        self._turn = _ConsumersTurn(self._owner)  # held by the consumer while it takes a batch
+        self._ends = contextlib.ExitStack()  # closes the device and the ring, once made
         self.waker = Waker()
         self.output = OrderedOutput()
         self.stream = BatchStream(plan, epoch, position)
         try:
-            self.device = spec.make_device()
-            self.converter = Converter(self.device, None, self.output, self.stats,
-                                       self.stream.name)
-            if spec.slot_bytes is not None:  # reserved while the workers start
-                self.ring = self._new_ring(spec.slot_bytes)
+            device = spec.make_device()
+            self._ends.callback(device.close)
+            self.device = device
+            self.converter: HandOver = HandOver(device, self.output, self.stats, self.stream.name)
             self.control = self._control()
+            self._collect: Callable[[], None] = _nothing  # the ring's, once there is one
+            self._look: Callable[[float], None] = self.control.tick  # and, once there is a
+            # ring, the tuning's
             self.pool = WorkerPool(spec.worker, num_workers=spec.num_workers,
                                    n_slots=spec.buffer or spec.num_workers + 2,
                                    backend=spec.thread_type,
@@ -113,48 +163,59 @@ class Pipeline:
                                    base_seed=spec.base_seed, worker_init_fn=spec.worker_init_fn,
                                    restarts=spec.restarts, in_turn=spec.in_turn,
                                    max_workers=spec.max_workers)
-            if self.ring is not None:
-                self._use_ring(self.ring)
-            if spec.wait_for_workers:
-                self._start(spec.timeout)
+            if spec.slot_bytes is not None:
+                self._run_up_front(spec.slot_bytes)
+            elif spec.wait_for_workers:
+                self._start(spec.timeout, mapped=False)
         except BaseException:
-            self._broken = True
+            self._turn.broken = True
             self.close()
             raise
 
+    def _move(self, phase: Phase) -> None:
+        if phase not in _MOVES[self.phase]:
+            raise ShmSeqError(f"the pipeline is {self.phase.value}: it never becomes "
+                              f"{phase.value} from there")
+        self.phase = phase
+
     # -- the ring ---------------------------------------------------------------------------------
-    def _start(self, timeout: float | None) -> None:
-        """Return once every worker built its worker object and there is a ring (or the first
-        batch failed: it is raised at its turn). A ring made up front is mapped by every worker
-        and reserved by then (which they did while they started). One sized by the first
-        batches is made once the first of them was built; each worker maps it once its own
-        first batch is built, and it is reserved while they are written and delivered: the
-        first batch waits for neither, and a failure is raised at the next step."""
+    def _run_up_front(self, slot_bytes: int) -> None:
+        """The ring of ``slot_bytes`` slots, made now and reserved while the workers start,
+        which map it as they do."""
+        ring = self._new_ring(slot_bytes)
+        self._run(ring)
+        if self.spec.wait_for_workers:
+            self._start(self.spec.timeout, mapped=True)
+            ring.wait_reserved()
+
+    def _start(self, timeout: float | None, mapped: bool) -> None:
+        """Return once every worker built its worker object and (``mapped``: the ring was made
+        up front) mapped the ring, and there is a ring (or the first batch failed: it is
+        raised at its turn). A ring sized by the first batches is made once the first of them
+        was built; each worker maps it once its own first batch is built, and it is reserved
+        while they are written and delivered: the first batch waits for neither, and a failure
+        is raised at the next step."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        up_front = self.spec.slot_bytes is not None
-        assert self.pool is not None  # made before the workers are waited for
-        while not self.pool.started(mapped=up_front) or (
-                self.ring is None and not self.output.waiting and self.stream.peek() is not None):
+        pool = self.pool
+        assert pool is not None  # made before the workers are waited for
+        while not pool.started(mapped) or (
+                self.phase is SIZING and not self.output.waiting and self.stream.peek() is not None):
             remaining = _remaining(deadline)
             if remaining is not None and remaining <= 0:
-                raise ShmSeqError(self._not_started(timeout, up_front))
+                raise ShmSeqError(self._not_started(pool, timeout, mapped))
             self._step(timeout=remaining)
-        if up_front:
-            assert self.ring is not None  # made up front
-            self.ring.wait_reserved()
 
-    def _not_started(self, timeout: float | None, up_front: bool) -> str:
+    def _not_started(self, pool: WorkerPool, timeout: float | None, mapped: bool) -> str:
         """Why ``start()`` gave up: the workers that did not start, or, once every one has, that
         no first batch was built yet (the ring is sized by the first one), and who builds the
         first: a slow first batch (a shard fetched over a slow link, a slow decode) otherwise
         read as a list of nobody."""
-        assert self.pool is not None  # made before the workers are waited for
-        late = self.pool.which_not_started(mapped=up_front)
+        late = pool.which_not_started(mapped)
         if late:
             return f"the workers did not start within timeout={timeout} s: {late}"
         return (f"the workers did not start within timeout={timeout} s: each started, but none "
                 "has built its first batch yet, which the ring is sized by; the first, "
-                f"{self.stream.name(0)}, is with {self.pool.holder_of(0)}: a first batch that "
+                f"{self.stream.name(0)}, is with {pool.holder_of(0)}: a first batch that "
                 "takes longer needs a longer timeout=")
 
     def _control(self) -> Control:
@@ -172,27 +233,41 @@ class Pipeline:
 
     def _new_ring(self, slot_bytes: int, expected: int = 0) -> Ring:
         """``buffer`` slots, or as many as the tuning rules make a ring with, those for the
-        workers running now in use (the consumer assumed to hold one batch until seen)."""
+        workers running now in use (the consumer assumed to hold one batch until seen). It is
+        closed after the device, and its copies finished before."""
         spec, wake = self.spec, self.waker.wake_if_waiting
         if spec.buffer is not None:
-            return Ring.create(spec.buffer, slot_bytes, wake=wake, expected=expected)
-        capacity = ring_capacity(slot_bytes, spec.max_workers or spec.num_workers,
-                                 spec.memory_budget)
-        return Ring.create(capacity, slot_bytes, wake=wake, expected=expected,
-                           active=ring_slots(slot_bytes, spec.num_workers, 1, capacity))
+            ring = Ring.create(spec.buffer, slot_bytes, wake=wake, expected=expected)
+        else:
+            capacity = ring_capacity(slot_bytes, spec.max_workers or spec.num_workers,
+                                     spec.memory_budget)
+            ring = Ring.create(capacity, slot_bytes, wake=wake, expected=expected,
+                               active=ring_slots(slot_bytes, spec.num_workers, 1, capacity))
+        ends = contextlib.ExitStack()  # run last to first
+        ends.callback(ring.close)
+        ends.push(self._ends.pop_all())  # the device's
+        ends.callback(ring.finish_copies)
+        self._ends = ends
+        return ring
 
-    def _use_ring(self, ring: Ring) -> None:
-        self.ring = ring
-        assert self.converter is not None and self.device is not None and self.pool is not None
-        self.converter.use_ring(ring)
+    def _run(self, ring: Ring) -> None:
+        """RUNNING, with ``ring``: the device attaches it, the workers map it, and the batches
+        they hold are given slots."""
+        pool = self.pool
+        assert pool is not None  # made with the pipeline
         ring.fence = self.device.attach(ring)
-        self.pool.use_ring(ring)
+        self.converter = Converter(self.device, ring, self.output, self.stats, self.stream.name)
+        pool.use_ring(ring)
+        self._collect = ring.collect
+        self._look = functools.partial(self.control.look, pool=pool, ring=ring)
+        self.ring = ring
+        self._move(RUNNING)
 
     def _sized_by(self, sizes: list[int]) -> None:
         """The first batches were built (no ring yet): the ring is made to hold them, and room
         for larger ones that is allocated only if one comes."""
         if sizes:
-            self._use_ring(self._new_ring(slot_bytes_for(max(sizes)), expected=max(sizes)))
+            self._run(self._new_ring(slot_bytes_for(max(sizes)), expected=max(sizes)))
 
     # -- the consumer's step ----------------------------------------------------------------------
     def _step(self, take: Callable[[], T | None] | None = None,
@@ -203,21 +278,22 @@ class Pipeline:
         first within ``timeout`` s; None: until one comes), convert what arrived, and deliver
         what ``take()`` finds now (None: nothing yet), the pass counted as the consumer's wait.
         Without ``take``, the consumer asks for nothing: the workers are given work."""
-        assert self.pool is not None and self.converter is not None  # made with the pipeline
+        pool = self.pool
+        assert pool is not None  # made with the pipeline
         try:
             now = time.perf_counter()
             if now >= self.control.due:
-                self.control.look(now, self.pool, self.ring)
-            if self.ring is not None:
-                self.ring.collect()  # slots freed, and copies failed, in other threads
+                self._look(now)
+            self._collect()  # slots freed, and copies failed, in other threads
             if take is not None and (found := take()) is not None:
-                self.pool.exchange(0, self.output.waiting, read=False)
+                pool.exchange(0, self.output.waiting, read=False)
                 return found
-            replies = self.pool.exchange(timeout, self.output.waiting)
-            if self.ring is None:
-                self._sized_by(self.pool.built_sizes())
+            replies = pool.exchange(timeout, self.output.waiting)
+            if self.phase is SIZING:
+                self._sized_by(pool.built_sizes())
+            arrive = self.converter.arrive
             for reply in replies:
-                self.converter.arrive(reply)
+                arrive(reply)
             if take is None:
                 return None
             self.stats.consumer_wait_s += time.perf_counter() - now
@@ -233,18 +309,9 @@ class Pipeline:
         return os.getpid() != self._owner
 
     def _consumers_turn(self) -> threading.RLock:
-        """The consumer's lock, in the process that made the pipeline only. A forked child has
-        copies of the slots' states and of the parent's ends of the workers' pipes: taking a
-        batch there would read the parent's replies and hand its slots to the workers behind
-        its back (the parent then fails with ``IllegalTransition``). So the child is refused
-        before anything is touched, the lock included: held by a thread of the parent at the
-        fork, it would never be released in the child."""
-        if self.inherited:
-            raise ShmSeqError(
-                f"this sequence's pipeline belongs to process {self._owner}, which started its "
-                f"workers and ring; a forked child (pid {os.getpid()}) cannot iterate it: start "
-                "a new one in the child (call start() on a ShmSequence, make a new DataLoader)")
-        return self._turn
+        """The consumer's lock, without ``broken`` kept (see ``_ConsumersTurn``)."""
+        self._turn.refuse_inherited()
+        return self._turn.lock
 
     def open(self, epoch: int, position: int = 0, batches: Iterable | None = None) -> int:
         """The consumer starts ``epoch`` at ``position`` (with the plan's ``batches`` for it,
@@ -263,19 +330,42 @@ class Pipeline:
         """The batches of ``epoch`` from ``position`` on, in order."""
         number = self.open(epoch, position)
         for position in itertools.count(position):
-            if self.plan.batch(epoch, position) is None:
+            batch = self._take_in_epoch(number, epoch, position)
+            if batch is PAST_THE_END:
                 return
-            yield self.take(number, epoch, position)
+            yield batch
+            del batch  # not held while the next is awaited: a failure's traceback keeps this frame
             number += 1
+
+    def _take_in_epoch(self, number: int, epoch: int, position: int) -> object:
+        """``take``, or ``PAST_THE_END`` when ``epoch`` has no batch at ``position`` (asked of
+        the plan only when the stream has not dispatched it: it has no such batch, or its
+        epoch's end is not known yet)."""
+        def take() -> Delivery | None:
+            if self.stream.number_of(epoch, position) is None and \
+                    self.plan.batch(epoch, position) is None:
+                return PAST_THE_END
+            return self.output.pop(number)
+        with self._turn:
+            delivery = self._first_ready(take, epoch, position)
+            if delivery is PAST_THE_END:
+                return PAST_THE_END
+            self.plan.release(epoch, position + 1)
+            return self.converter.hand_over(number, delivery)
 
     def take(self, number: int, epoch: int, position: int) -> object:
         """Batch ``number`` (``position`` of ``epoch``), as the consumer gets it."""
-        return self.hand_over(number, self.receive(number, epoch, position))
+        with self._turn:
+            return self.converter.hand_over(number, self._received(number, epoch, position))
 
     def receive(self, number: int, epoch: int, position: int) -> Delivery:
         """The delivery of batch ``number`` (``position`` of ``epoch``): from the output if it is
         there, else once the pool brings it. Raises what keeps it from coming (a timeout, a
         worker's death, the pipeline closed)."""
+        with self._turn:
+            return self._received(number, epoch, position)
+
+    def _received(self, number: int, epoch: int, position: int) -> Delivery:
         delivery = self._first_ready(
             lambda: self.output.pop(number) or self._past_the_end(epoch, position), epoch, position)
         self.plan.release(epoch, position + 1)
@@ -289,7 +379,8 @@ class Pipeline:
                 return found
             ended = self._past_the_end(epoch, position)
             return None if ended is None else (first_number, ended)
-        return self._first_ready(take, epoch, position)
+        with self._turn:
+            return self._first_ready(take, epoch, position)
 
     def _past_the_end(self, epoch: int, position: int) -> Delivery | None:
         """An ended delivery for a batch its pass will never have (a stream's pass ended
@@ -298,34 +389,19 @@ class Pipeline:
 
     def _first_ready(self, take: Callable[[], T | None], epoch: int, position: int) -> T:
         """What ``take()`` finds in the output, at the consumer's first step or once its steps
-        brought it."""
-        with self._failures_reported():
-            deadline = None if self.spec.timeout is None else time.monotonic() + self.spec.timeout
-            while (found := self._step(take, _remaining(deadline))) is None:
-                remaining = _remaining(deadline)
-                if remaining is not None and remaining <= 0:
-                    self._timed_out(epoch, position)
-            return found
+        brought it (in the consumer's turn)."""
+        deadline = None if self.spec.timeout is None else time.monotonic() + self.spec.timeout
+        while (found := self._step(take, _remaining(deadline))) is None:
+            remaining = _remaining(deadline)
+            if remaining is not None and remaining <= 0:
+                self._timed_out(epoch, position)
+        return found
 
     def hand_over(self, number: int, delivery: Delivery) -> object:
         """The batch as the consumer gets it; raises the batch's error (its worker's exception)
         in its place."""
-        assert self.converter is not None  # made with the pipeline
-        with self._failures_reported():
+        with self._turn:
             return self.converter.hand_over(number, delivery)
-
-    @contextlib.contextmanager
-    def _failures_reported(self) -> Iterator[None]:
-        """The consumer's turn; a failure raised in it leaves the workers no time to finish
-        politely when the pipeline closes."""
-        with self._consumers_turn():
-            try:
-                yield
-            except PipelineClosed:
-                raise
-            except BaseException:
-                self._broken = True
-                raise
 
     def release(self, epoch: int, position: int) -> None:
         """The consumer has every batch of ``epoch`` before ``position`` (``receive_any``'s)."""
@@ -357,21 +433,21 @@ class Pipeline:
             return
         self.output.close("the sequence was finished or restarted while iterating")
         self.waker.wake()
-        with self._turn:
-            if self._closed:
+        with self._turn.lock:
+            if self.phase is CLOSED:
                 return
-            self._closed = True
+            self._move(CLOSED)
             with contextlib.ExitStack() as steps:  # run last to first
                 steps.callback(self.waker.close)
-                if self.ring is not None:
-                    steps.callback(self.ring.close)
-                if self.device is not None:
-                    steps.callback(self.device.close)
-                if self.ring is not None:
-                    steps.callback(self.ring.finish_copies)
+                steps.push(self._ends)  # the ring's copies, the device, the ring
                 if self.pool is not None:
-                    steps.callback(self.pool.stop, ERROR_GRACE if self._broken else JOIN_SECONDS)
+                    grace = ERROR_GRACE if self._turn.broken else JOIN_SECONDS
+                    steps.callback(self.pool.stop, grace)
                 steps.callback(self.output.clear)
+
+
+def _nothing() -> None:
+    """Nothing to collect before there is a ring."""
 
 
 class Inline:

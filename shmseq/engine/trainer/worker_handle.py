@@ -1,6 +1,18 @@
-"""One worker as the consumer sees it: how it starts, its pipes, its open tasks, how it ends."""
+"""One worker as the consumer sees it: how it starts, its pipes, its open tasks, how it ends.
+
+A worker's life in the pool, one state at a time (``WorkerHandle.move``; a move not drawn
+here raises ``IllegalMove``)::
+
+    STARTING -Ready-> READY -Attached-> MAPPED
+       |                |                 |
+       +----------------+-----------------+--resize--> LEAVING
+       |                |                 |               |
+       +----------------+-----------------+---------------+--> GONE (left, retired, replaced,
+                                                                     stopped)
+"""
 from __future__ import annotations
 
+import enum
 import multiprocessing.process
 import os
 import pickle
@@ -13,7 +25,7 @@ from multiprocessing.process import BaseProcess
 from typing import Callable, Iterable
 
 from ..common.board import BoardSpec
-from ..common.errors import warn_user
+from ..common.errors import ShmSeqError, warn_user
 from ..common.lifeline import ProcessId, start_process
 from ..common.protocol import Hooks
 from ..common.wire import FrameReader
@@ -37,6 +49,23 @@ def _disown_inherited_workers() -> None:
 os.register_at_fork(after_in_child=_disown_inherited_workers)
 
 
+class WorkerState(enum.Enum):
+    STARTING = "starting"  # building its worker object (or running worker_init_fn)
+    READY = "ready"        # built it: takes tasks
+    MAPPED = "mapped"      # maps the ring too
+    LEAVING = "leaving"    # told to leave (the pool shrank): no new task; Stop once it has none
+    GONE = "gone"          # left, retired after its death, replaced, or stopped
+
+
+STARTING, READY, MAPPED, LEAVING, GONE = WorkerState
+_MOVES = {STARTING: {READY, LEAVING, GONE}, READY: {MAPPED, LEAVING, GONE},
+          MAPPED: {LEAVING, GONE}, LEAVING: {GONE}, GONE: set()}
+
+
+class IllegalMove(ShmSeqError):
+    """A worker was asked to move from one state of its life to another it never goes to."""
+
+
 class TaskPipe:
     """The consumer's end of a worker's task pipe, which never blocks: what the pipe cannot
     take now (Linux may give a busy user's pipes one page) waits here and goes out as the
@@ -47,6 +76,7 @@ class TaskPipe:
         self.fd = writer.fileno()
         os.set_blocking(self.fd, False)
         self._pending = bytearray()
+        self.open = True  # until closed, or found broken (the worker is gone)
 
     @property
     def waiting(self) -> bool:
@@ -77,6 +107,7 @@ class TaskPipe:
     def close(self) -> None:
         self._writer.close()
         self.fd = -1
+        self.open = False
 
 
 class WorkerHandle:
@@ -90,11 +121,31 @@ class WorkerHandle:
         self.replies = FrameReader(replies.fileno())
         self.runner = runner
         self.open: dict[int, tuple[object, int | None]] = {}  # number -> (indices, slot), as sent
-        self.ready = False        # its worker object is built
-        self.attached = False     # it maps the ring
-        self.accepting = True     # its task pipe is open
-        self.leaving = False      # told to leave (the pool shrank): no new task for it
+        self.state = STARTING
+        self.replacement = False  # started in a dead worker's place: a death while starting is
+        # a death like any other, not a worker that cannot start
         self.imports_main = imports_main  # started by spawn or forkserver: it imports __main__
+
+    def move(self, to: WorkerState) -> None:
+        if to not in _MOVES[self.state]:
+            raise IllegalMove(f"{self.describe()} is {self.state.value}: it never becomes "
+                              f"{to.value} from there")
+        self.state = to
+
+    @property
+    def started(self) -> bool:
+        """Whether it built its worker object (a leaving worker is not asked)."""
+        return self.state is READY or self.state is MAPPED
+
+    @property
+    def leaving(self) -> bool:
+        return self.state is LEAVING
+
+    @property
+    def accepting(self) -> bool:
+        """Whether its task pipe takes messages: open, and not found broken (it died: its
+        sentinel, or its last message, tells why)."""
+        return self.tasks.open
 
     @property
     def wid(self) -> int:
@@ -127,7 +178,14 @@ class WorkerHandle:
         try:
             self.tasks.send(message)
         except OSError:
-            self.accepting = False  # it died: its sentinel (or last message) tells why
+            self.tasks.open = False
+
+    def flush(self) -> None:
+        """Write what waits for the task pipe, as far as it takes it now."""
+        try:
+            self.tasks.flush()
+        except OSError:
+            self.tasks.open = False
 
     def closed(self, number: int) -> object:
         """The task ``number`` is done (or failed): its indices."""

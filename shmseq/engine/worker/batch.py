@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sized
 
 import numpy as np
 
-from ..common.errors import UnsupportedBatch, add_note
+from ..common.errors import ShmSeqError, UnsupportedBatch, add_note
 from ..common.layout import SlotAllocator, SlotOverflow, encode_batch, packed_size, write_batch
 from ..common.protocol import Counted, Ended, ErrorReport, Failed, Hooks, Overflow, Skipped
 from ..common.ragged import Ragged, is_tensor
@@ -247,13 +247,14 @@ def run_task(worker: Hooks, ring: WorkerRing | None, number: int, slot: int | No
     framed reply, with its size and the time it took. Without a slot, the batch built, to be
     held (``place``)."""
     try:
-        region = _region(ring, slot)  # may find /dev/shm full
-        batch, allocator = build_batch(worker, indices, region, first)
+        target = _target(ring, slot)  # may find /dev/shm full
+        batch, allocator = build_batch(worker, indices, None if target is None else target.region,
+                                       first)
         skipped = worker.pop_skipped()
         told = framed(Skipped(number, skipped)) if skipped else b""
-        if slot is None:
+        if target is None:
             return Held(number, batch, packed_size(batch), told, *clocks.spent())
-        return _written(number, ring, slot, region, batch, allocator, told, clocks)
+        return _written(number, target, batch, allocator, told, clocks)
     except StreamEnded:
         return framed(Ended(number, slot))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
@@ -265,46 +266,53 @@ def place(held: Held, ring: WorkerRing | None, slot: int | None, cpu_clock: CpuC
     clocks = Clocks(time.perf_counter() - held.seconds, cpu_clock() - held.cpu_seconds,
                     cpu_clock)
     try:
-        region = _region(ring, slot)
-        return _written(held.number, ring, slot, region, held.batch, None, held.told, clocks)
+        return _written(held.number, _target(ring, slot), held.batch, None, held.told, clocks)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
         return _failed(held.number, slot, exc)
 
 
-def _region(ring: WorkerRing | None, slot: int | None) -> np.ndarray | None:
-    """The part of ``slot`` a batch is written into; None without a slot."""
+class Target(NamedTuple):
+    """Where a batch is written: ``slot`` of the worker's ``ring``, and ``region``, the part of
+    it batches are expected to take (see ``segments.RingSpec.expected``)."""
+    ring: WorkerRing
+    slot: int
+    region: np.ndarray
+
+    def write(self, batch: object, allocator: SlotAllocator | None) -> int:
+        """Write the batch into ``region``, or into the whole slot if it is larger."""
+        try:
+            return write_batch(batch, self.region, allocator)
+        except SlotOverflow as overflow:
+            slot_bytes = self.ring.spec.slot_bytes
+            if len(self.region) == slot_bytes or overflow.needed > slot_bytes:
+                raise
+        return write_batch(batch, self.ring.whole(self.slot), allocator)
+
+
+def _target(ring: WorkerRing | None, slot: int | None) -> Target | None:
+    """Where a task's batch is written; None without a slot (it is held, or goes back
+    encoded). The ring is the worker's from the consumer's ``MapRing`` on, which comes before
+    any slot (loop.py keeps it, None until then)."""
     if slot is None:
         return None
-    assert ring is not None, "a slot given before the ring"
-    return ring.region(slot)
+    if ring is None:
+        raise ShmSeqError(f"slot {slot} was given before the ring")
+    return Target(ring, slot, ring.region(slot))
 
 
-def _written(number: int, ring: WorkerRing | None, slot: int | None, region: np.ndarray | None,
-             batch: object, allocator: SlotAllocator | None, told: bytes,
-             clocks: Clocks) -> bytes:
+def _written(number: int, target: Target | None, batch: object,
+             allocator: SlotAllocator | None, told: bytes, clocks: Clocks) -> bytes:
     """The batch written into its slot (``Done``), or encoded where it has none or does not
     fit (``Overflow``)."""
-    if region is not None:
-        assert ring is not None and slot is not None  # a region is a slot's
+    if target is not None:
         try:
-            size = _write(batch, ring, slot, region, allocator)
-            return told + done_frame(number, slot, size, *clocks.spent(), clocks.idle_s)
+            size = target.write(batch, allocator)
+            return told + done_frame(number, target.slot, size, *clocks.spent(), clocks.idle_s)
         except SlotOverflow:
             pass
     payload = encode_batch(batch)
-    return told + framed(Overflow(number, slot, payload, *clocks.spent()))
-
-
-def _write(batch: object, ring: WorkerRing, slot: int, region: np.ndarray,
-           allocator: SlotAllocator | None) -> int:
-    """Write the batch into ``region``, the part of its slot batches are expected to take, or
-    into the whole slot if it is larger (see ``segments.RingSpec.expected``)."""
-    try:
-        return write_batch(batch, region, allocator)
-    except SlotOverflow as overflow:
-        if len(region) == ring.spec.slot_bytes or overflow.needed > ring.spec.slot_bytes:
-            raise
-    return write_batch(batch, ring.whole(slot), allocator)
+    return told + framed(Overflow(number, None if target is None else target.slot, payload,
+                                  *clocks.spent()))
 
 
 def _failed(number: int, slot: int | None, exc: BaseException) -> bytes:
