@@ -18,12 +18,9 @@ Where to look:
 """
 from .compat import MPSequence, MSequence, MTSequence
 from .dataloader import DataLoader, default_batchify
-from .engine.common.errors import (BatchTimeout, PipelineClosed, SharedMemoryFull, ShmSeqError,
-                                   SkippedSamplesWarning, UnsupportedBatch, WorkerDied, WorkerError)
-from .engine.common.layout import SlotAllocator
-from .engine.common.ragged import Ragged
-from .engine.trainer.stats import LoaderStats
-from .engine.worker.loop import WorkerInfo, get_worker_info
+from .engine import (BatchTimeout, LoaderStats, PipelineClosed, Ragged, SharedMemoryFull,
+                     ShmSeqError, SkippedSamplesWarning, SlotAllocator, UnsupportedBatch,
+                     WorkerDied, WorkerError, WorkerInfo, get_worker_info)
 from .samplers import BatchSampler, RandomSampler, SequentialSampler
 from .sequence import ShmSequence
 

@@ -9,7 +9,7 @@ from typing import Collection
 
 import numpy as np
 
-from .engine.trainer.devices import OUT_TYPES
+from .engine import OUT_TYPES
 
 MAX_TIMEOUT = 2_147_483  # seconds: the most select() takes (a 32-bit count of milliseconds)
 

@@ -10,7 +10,7 @@ from typing import Iterable, Iterator, Sized
 
 import numpy as np
 
-from .engine.trainer.plan import LAST_BATCH_POLICIES
+from .engine import LAST_BATCH_POLICIES
 
 
 class SequentialSampler:

@@ -26,19 +26,12 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from .decode import DecodeStage, HostDecoder, source_batch
-from .engine.common.errors import ShmSeqError
-from .engine.common.layout import Wrap, map_arrays
-from .engine.common.protocol import Completion, Fence
-from .engine.common.ragged import Ragged
-from .engine.trainer.devices import HostDevice
-from .engine.trainer.plan import EpochPlan
+from .engine import Completion, EpochPlan, Fence, HostDevice, Ragged, ShmSeqError, Wrap, map_arrays
 
 if TYPE_CHECKING:
     import torch
 
-    from .engine.common.segments import RingSpec
-    from .engine.trainer.pipeline import Pipeline
-    from .engine.trainer.ring import Ring
+    from .engine import Pipeline, Ring, RingSpec
     from .sequence import ShmSequence
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import transformers
 from torch.utils.data import DataLoader, Dataset
 
-from .engine.common.errors import warn_user
+from .engine import warn_user
 from .torch import DataLoader as RingLoader
 from .torch import on_ring
 

@@ -51,8 +51,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from .checks import check_int
-from .engine.common.errors import warn_user
-from .engine.common.layout import SlotAllocator
+from .engine import SlotAllocator, warn_user
 
 if TYPE_CHECKING:
     import torch

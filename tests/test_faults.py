@@ -484,7 +484,7 @@ def test_killing_the_main_process_leaves_no_worker_and_no_segment(method, slot_b
             batches = iter(seq)
             next(batches)
             print(*worker_pids(seq), flush=True)
-            seq._runtime.pool.exchange(0.5, waiting=0)  # overflowing workers now block on full pipes
+            seq.pipeline.pool.exchange(0.5, waiting=0)  # overflowing workers now block on full pipes
             os.kill(os.getpid(), signal.SIGKILL)
     """)
     consumer, output = _run_killed(script)

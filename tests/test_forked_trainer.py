@@ -105,7 +105,7 @@ def live_sequence(method: str) -> str:
                           out_type="null", start_method={method!r}, timeout=10,
                           worker_restarts=2)
         seq.start()
-        pipeline, stats = seq._runtime, seq.stats
+        pipeline, stats = seq.pipeline, seq.stats
         batches = iter(seq)
         got = [next(batches).tolist()]
     """
@@ -149,7 +149,7 @@ def test_the_child_can_start_its_own_pipeline():
         def start_again():
             with seq.start():
                 return {"first": next(iter(seq)).tolist(),
-                        "own_workers": worker_pids(seq._runtime) != worker_pids(pipeline)}
+                        "own_workers": worker_pids(seq.pipeline) != worker_pids(pipeline)}
 
         child = fork_child(start_again)
     """, _PARENT_FINISHES, """
@@ -184,7 +184,7 @@ def test_a_torch_dataloader_iterator_is_refused_in_the_child_and_the_parent_fini
                             persistent_workers=True, worker_restarts=2)
         batches = iter(loader)
         got = [next(batches).tolist()]
-        pipeline, stats = batches._pipeline, loader.stats
+        pipeline, stats = batches.pipeline, loader.stats
 
         def take_a_batch():
             next(batches)

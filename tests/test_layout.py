@@ -172,18 +172,18 @@ def test_any_batch_survives_the_slot_exactly():
 
 
 def test_an_array_built_outside_a_slot_is_given_back_to_the_system_when_it_dies():
-    """In a worker, whose heap keeps what it frees (workers._keep_large_buffers): the first
+    """In a worker, whose heap keeps what it frees (worker.loop.keep_large_buffers): the first
     batch, built before there is a ring, would otherwise stay in every worker for good."""
     script = textwrap.dedent("""
         import numpy as np
         from shmseq.engine.common.layout import SlotAllocator
-        from shmseq.engine.worker.loop import _keep_large_buffers
+        from shmseq.engine.worker.loop import keep_large_buffers
 
         def anonymous_kib():
             with open("/proc/self/smaps_rollup") as rollup:
                 return next(int(line.split()[1]) for line in rollup if line.startswith("Anonymous:"))
 
-        _keep_large_buffers()
+        keep_large_buffers()
         before = anonymous_kib()
         images = SlotAllocator(None).empty((64, 224, 224, 3), np.uint8)
         images.fill(1)

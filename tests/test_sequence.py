@@ -99,7 +99,7 @@ def test_only_slot_ids_cross_the_middle_pipe(monkeypatch, slot_bytes):
 
     monkeypatch.setattr(os, "read", recording)
     with make(ImageWorker(64), 1000, slot_bytes=slot_bytes, start_method="fork").start() as seq:
-        reply_fds = {handle.replies.fd for handle in seq._runtime.pool.handles}
+        reply_fds = {handle.replies.fd for handle in seq.pipeline.pool.handles}
         batches = sum(1 for _ in seq)
     monkeypatch.undo()
     replies = sum(size for fd, size in reads if fd in reply_fds)

@@ -55,7 +55,7 @@ from typing import Any, Callable, Collection, Mapping, NoReturn
 
 from shmseq._apps import load
 from shmseq._apps.report import machine
-from shmseq.engine.trainer.devices import torch_available
+from shmseq.engine import torch_available
 
 from . import autotune, systems
 from . import remote_streaming as remote

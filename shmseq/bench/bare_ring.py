@@ -21,7 +21,7 @@ from typing import Iterator
 import numpy as np
 import posix_ipc
 
-from shmseq.engine.trainer.devices import torch_available
+from shmseq.engine import torch_available
 
 from .workloads import Workload, fill, image_pool, one_operator_thread
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from shmseq import DataLoader as ShmDataLoader
 from shmseq import ShmSequence
-from shmseq.engine.trainer.devices import torch_available
+from shmseq.engine import torch_available
 
 if torch_available():
     import torch

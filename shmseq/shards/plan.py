@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..engine.trainer.plan import EpochPlan
+from ..engine import EpochPlan
 from .index import ShardIndex
 
 

@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from ..engine.common.ragged import Ragged
+from ..engine import Ragged
 from ..remote import RemotePolicy
 from .index import ShardIndex
 from .reader import ShardFiles, ShardReader
 from .tar import ShardError
 
 if TYPE_CHECKING:
-    from ..engine.common.layout import SlotAllocator
+    from ..engine import SlotAllocator
 
 
 ON_ERROR = ("raise", "skip")

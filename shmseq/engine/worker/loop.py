@@ -55,7 +55,7 @@ def get_worker_info() -> WorkerInfo | None:
     return getattr(_current, "info", None)
 
 
-def _keep_large_buffers() -> None:
+def keep_large_buffers() -> None:
     """Let glibc reuse freed batch-sized buffers instead of mapping fresh pages for each.
 
     Above its mmap threshold (32 MiB at most by default) glibc maps every allocation
@@ -84,7 +84,7 @@ def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn: Callable[[int], 
     """
     _current.info = info
     if in_process:
-        _keep_large_buffers()
+        keep_large_buffers()
         random.seed(info.seed)
         np.random.seed(_numpy_seed(info))
         torch = sys.modules.get("torch")
