@@ -20,12 +20,8 @@ on after it. What differs on purpose, and why: docs/from-pytorch.md.
 from __future__ import annotations
 
 import signal
-from collections.abc import Hashable
 from multiprocessing.context import BaseContext
-from typing import (TYPE_CHECKING, Any, Callable, Collection, Iterable, Literal, Sequence, TypeVar,
-                    cast)
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, TypeVar, cast
 
 try:
     import torch
@@ -38,136 +34,18 @@ except ModuleNotFoundError as missing:
         "deliver numpy arrays (out_type='null').", name="torch") from missing
 from torch.utils.data import DataLoader as TorchDataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
-from torch.utils.data._utils.collate import collate, default_collate, default_collate_fn_map
 
 from .checks import check_auto_bounds, check_int
 from .engine import (START_WORKERS, BatchTimeout, Cursor, FrontEndHooks, LoaderStats, Pipeline,
-                     PipelineClosed, Ragged, SamplerPlan, ShmSeqError, SlotAllocator, StreamEnded,
-                     WorkerDied, as_ndarray, closing_finalizer, default_max_workers, make_leaf,
-                     stack_into)
+                     PipelineClosed, SamplerPlan, ShmSeqError, WorkerDied, closing_finalizer,
+                     default_max_workers)
 from .options import LoaderOptions
+from .torch_collate import RaggedCollate, slot_collate
+from .torch_worker import Fetcher, as_task, tell_torch
 
 if TYPE_CHECKING:
-    from numpy.typing import DTypeLike
-    from torch.utils.data._utils.fetch import _BaseDatasetFetcher
-
     from .engine import Delivery
 
-
-
-def slot_collate(samples: list, out: SlotAllocator | None = None) -> Any:
-    """``default_collate(samples)``, each stackable column written straight into ``out``:
-    tensors and arrays are stacked, numbers become a 1-D column (ints int64, floats float64),
-    strings stay lists; mappings, namedtuples and sequences are collated field by field."""
-    return collate(samples, collate_fn_map=_slot_collate_map(out or SlotAllocator(None)))
-
-
-def _slot_collate_map(out: SlotAllocator) -> dict:
-    def tensors(batch: Sequence[torch.Tensor], *, collate_fn_map: dict) -> object:
-        arrays = [as_ndarray(tensor) for tensor in batch]
-        if arrays[0] is None:  # bfloat16, sparse, nested: collated by torch (or refused alike)
-            return default_collate_fn_map[torch.Tensor](batch, collate_fn_map=collate_fn_map)
-        return stack_into(cast("list[np.ndarray]", arrays), out)  # as the first: else it fails
-
-    def arrays(batch: list[np.ndarray], *, collate_fn_map: dict) -> object:
-        if batch[0].dtype.kind in "SaUO":  # torch refuses these: say so as it does
-            return default_collate_fn_map[np.ndarray](batch, collate_fn_map=collate_fn_map)
-        return stack_into(batch, out)
-
-    def column(dtype: DTypeLike | None = None) -> Callable[..., object]:
-        def stack(batch: list, *, collate_fn_map: dict) -> object:
-            values = np.asarray(batch, dtype)
-            if values.dtype.kind == "O":
-                return torch.as_tensor(batch)  # raises as torch's collation does
-            placed = out.empty(values.shape, values.dtype)
-            placed[...] = values
-            return placed
-        return stack
-
-    return {**default_collate_fn_map, torch.Tensor: tensors, np.ndarray: arrays,
-            (np.bool_, np.number, np.object_): column(), float: column(np.float64),
-            int: column()}
-
-
-class _Index:
-    """A sampler's item sent to a worker as it is (pickled): a key, a list for bulk loading."""
-
-    def __init__(self, value: object) -> None:
-        self.value = value
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-
-def _as_task(index: object) -> np.ndarray | _Index:
-    """What a worker is sent for one item of the index sampler: a list of ints (what torch's
-    samplers give) as int64 indices, the wire's fixed binary frame; anything else as is."""
-    if type(index) is list and set(map(type, index)) == {int}:
-        return np.array(index, dtype=np.int64)
-    return _Index(index)
-
-
-class _Fetcher:
-    """Runs in each worker: fetches an item of the index sampler with torch's own fetcher (so
-    ``__getitems__``, bulk loading, ``collate_fn`` and the end of an ``IterableDataset``'s
-    stream behave as under torch's loader) and collates it straight into the slot when
-    ``collate_fn`` is torch's ``default_collate``.
-
-    For an ``IterableDataset`` a task is ``(pass, item)``: the worker iterates its copy of the
-    dataset anew at each pass, as torch's workers do, and says when its stream has ended."""
-
-    def __init__(self, dataset: Dataset, kind: int, auto_collation: bool,
-                 collate_fn: Callable[[list], Any], drop_last: bool) -> None:
-        self.dataset = dataset  # what get_worker_info().dataset is
-        self.kind = kind
-        self.auto_collation = auto_collation
-        self.collate_fn = collate_fn
-        self.drop_last = drop_last
-        self._fetcher: _BaseDatasetFetcher | None = None
-        self._pass: object = None  # the pass the fetcher iterates (an IterableDataset's)
-        self._slot: SlotAllocator | None = None  # where the batch in hand is collated
-
-    def fill_batch(self, task: np.ndarray | _Index, out: SlotAllocator) -> Any:
-        item: Any = task.tolist() if isinstance(task, np.ndarray) else task.value
-        if self.kind == _DatasetKind.Iterable:
-            this_pass, item = item
-            if this_pass != self._pass:
-                self._fetcher, self._pass = None, this_pass
-        if self._fetcher is None:  # in the worker, after its seeding and worker_init_fn
-            collate_fn = self._into_slot if self.collate_fn is default_collate else self.collate_fn
-            self._fetcher = _DatasetKind.create_fetcher(
-                self.kind, self.dataset, self.auto_collation, collate_fn, self.drop_last)
-        self._slot = out
-        try:
-            return self._fetcher.fetch(item)
-        except StopIteration:
-            if self.kind != _DatasetKind.Iterable:
-                raise  # from a map-style dataset: an error, as under torch's loader
-            raise StreamEnded from None
-        finally:
-            self._slot = None
-
-    def _into_slot(self, samples: list) -> Any:
-        return slot_collate(samples, self._slot)
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_fetcher": None, "_slot": None}
-
-    def pickled_parts(self) -> dict:
-        """What the user gave, by argument name: named when spawned workers cannot get it."""
-        return {"dataset": self.dataset, "collate_fn": self.collate_fn}
-
-    @staticmethod
-    def unpicklable(what: str, value: object, exc: Exception, start_method: str) -> Exception:
-        """The error when ``value`` (the argument ``what``) cannot be pickled: of the pickling
-        error's type, as torch's loader raises it, saying what this front end takes."""
-        message = (f"{what} {value!r} cannot be pickled, which multiprocessing_context="
-                   f"{start_method!r} needs ({type(exc).__name__}: {exc}): define it at module "
-                   "level, or pass multiprocessing_context='fork'")
-        try:
-            return type(exc)(message)
-        except Exception:  # noqa: BLE001 - a type that takes other arguments: torch raises it as is
-            return exc
 
 
 T_co = TypeVar("T_co", covariant=True)
@@ -308,11 +186,11 @@ class _RingIterator(_BaseDataLoaderIter):
     def __init__(self, loader: DataLoader) -> None:
         super().__init__(loader)
         self._in_order = loader.in_order
-        self._plan = SamplerPlan(self._index_sampler, as_task=_as_task)
+        self._plan = SamplerPlan(self._index_sampler, as_task=as_task)
         context = loader.multiprocessing_context
         assert loader.prefetch_factor is not None  # torch's default with workers: 2
         tuned = loader.max_workers is not None
-        self._worker = _Fetcher(self._dataset, self._dataset_kind, self._auto_collation,
+        self._worker = Fetcher(self._dataset, self._dataset_kind, self._auto_collation,
                                 self._collate_fn, self._drop_last)
         self._options = LoaderOptions(
             "auto" if tuned else self._num_workers,
@@ -328,6 +206,7 @@ class _RingIterator(_BaseDataLoaderIter):
             worker_restarts=loader.worker_restarts)
         # a tuned count of workers cannot deal batches in turn: the turns would change with it
         self._hooks = FrontEndHooks(deal_in_turn=not tuned, start_lazily=True,
+                                    on_worker_start=tell_torch,
                                     fresh_start="make a new DataLoader in the child")
         self._stats = loader.stats
         self._pipeline: Pipeline | None = None
@@ -455,74 +334,6 @@ def on_ring(loader: TorchDataLoader, like: DataLoader | None = None) -> TorchDat
         return rebuilt
     loader.base_dataloader = rebuilt
     return loader
-
-
-class RaggedCollate:
-    """``collate_fn`` that keeps the named fields of the samples ragged, where torch's
-    ``default_collate`` fails on tensors whose first dimensions differ (detection boxes, token
-    sequences, encoded images as ``bytes``).
-
-    ``RaggedCollate("boxes")`` for dict samples, ``RaggedCollate(1)`` for tuple samples (by
-    position): each named field becomes one ``torch.nested`` jagged tensor, its items back to
-    back in ``values()`` with ``offsets()``; every other field is collated by
-    ``default_collate``. Naming the fields, rather than going ragged wherever lengths differ,
-    keeps each field's type the same in every batch, even one whose items happen to be equal.
-    Items of a dtype torch lacks (numpy strings, records) become a ``shmseq.Ragged`` of numpy
-    arrays instead. The result is a torch object, so torch's own ``DataLoader`` gives the same
-    batches (its workers pickle a jagged tensor through its queues as any tensor); through
-    ``shmseq.torch.DataLoader`` the jagged tensor is written into the slot once and delivered as
-    views of it."""
-
-    def __init__(self, *fields: str | int) -> None:
-        if not fields:
-            raise ValueError("RaggedCollate needs the fields to keep ragged: keys of dict samples "
-                             "(RaggedCollate('boxes')) or positions of tuple samples (RaggedCollate(1))")
-        unhashable = [field for field in fields if not isinstance(field, Hashable)]
-        if unhashable:
-            raise TypeError(f"RaggedCollate takes each field as an argument of its own, got "
-                            f"{unhashable[0]!r}: write RaggedCollate('boxes', 'jpg'), not "
-                            "RaggedCollate(['boxes', 'jpg'])")
-        self.fields = fields
-
-    def __call__(self, samples: list) -> Any:
-        first = samples[0]
-        if isinstance(first, dict):
-            self._check_fields(list(first), "keys")
-            return {key: self._column(key, [sample[key] for sample in samples]) for key in first}
-        if isinstance(first, (tuple, list)):
-            self._check_fields(range(len(first)), "positions")
-            columns = [self._column(place, list(column)) for place, column in
-                       enumerate(zip(*samples))]
-            return type(first)(*columns) if hasattr(type(first), "_fields") else columns
-        raise TypeError(f"RaggedCollate names fields of dict or tuple samples, got a "
-                        f"{type(first).__name__}: return a dict or tuple from the dataset")
-
-    def _check_fields(self, known: Collection[object], kind: str) -> None:
-        missing = [field for field in self.fields if field not in known]
-        if missing:
-            raise ValueError(f"RaggedCollate{self.fields!r}: the samples have no field "
-                             f"{missing[0]!r} (their {kind}: {list(known)}); name one of those")
-
-    def _column(self, field: str | int, items: list) -> Any:
-        if field not in self.fields:
-            return default_collate(items)
-        try:
-            ragged = Ragged.from_items(items)
-        except ValueError as exc:
-            raise ValueError(f"RaggedCollate: field {field!r}: {exc}") from None
-        return _jagged(ragged)
-
-
-def _jagged(ragged: Ragged) -> Ragged | torch.Tensor:
-    """The items as a jagged tensor; a ``Ragged`` of numpy arrays where torch has no dtype for
-    them (strings, records), as the ring delivers such a leaf."""
-    values = ragged.values
-    if isinstance(values, np.ndarray):
-        try:
-            values = torch.as_tensor(values)
-        except TypeError:
-            return ragged
-    return make_leaf(values, torch.from_numpy(ragged.offsets))
 
 
 def _torchs_words(death: WorkerDied) -> str:

@@ -17,6 +17,6 @@ class FrontEndHooks:
     must pickle (a module-level function)."""
     deal_in_turn: bool = False   # batch k of a pass goes to worker k % num_workers
     start_lazily: bool = False   # the pipeline is made without waiting for its workers
-    on_worker_start: Callable[[object, object], None] | None = None  # (WorkerInfo, dataset), in
+    on_worker_start: Callable[..., None] | None = None  # (WorkerInfo, dataset), in
     # each worker process once it is seeded, before the user's worker_init_fn
     fresh_start: str = "start a new one in the child"  # how to get a pipeline of one's own
