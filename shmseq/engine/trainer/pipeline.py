@@ -113,13 +113,17 @@ class _ConsumersTurn:
 
     def refuse_inherited(self) -> None:
         if os.getpid() != self._owner:
-            raise ShmSeqError(
-                f"this sequence's pipeline belongs to process {self._owner}, which started its "
-                f"workers and ring; a forked child (pid {os.getpid()}) cannot iterate it: start "
-                "a new one in the child (call start() on a ShmSequence, make a new DataLoader)")
+            self._refuse()
+
+    def _refuse(self) -> NoReturn:
+        raise ShmSeqError(
+            f"this sequence's pipeline belongs to process {self._owner}, which started its "
+            f"workers and ring; a forked child (pid {os.getpid()}) cannot iterate it: start "
+            "a new one in the child (call start() on a ShmSequence, make a new DataLoader)")
 
     def __enter__(self) -> None:
-        self.refuse_inherited()
+        if os.getpid() != self._owner:  # refuse_inherited, inline: taken once per batch
+            self._refuse()
         self.lock.acquire()
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:

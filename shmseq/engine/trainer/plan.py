@@ -366,11 +366,13 @@ class BatchStream:
         self._version = self.plan.version
         self._epoch, self._position = int(state["epoch"]), int(state["position"])
         self._segments = []
+        self._epoch_open = False
 
     def open(self, epoch: int, position: int, batches: Iterable | None = None) -> int:
         """The consumer starts ``epoch`` at ``position`` (the plan's ``batches`` for it, when
         given): the number that batch is dispatched with."""
         self.plan.open(epoch, batches)
+        self._epoch_open = False  # the plan may have opened the stream's epoch
         number = self.number_of(epoch, position) if self._version == self.plan.version else None
         if number is None:
             self.reset({"epoch": epoch, "position": position})
@@ -394,14 +396,18 @@ class BatchStream:
 
     def peek(self) -> Task | None:
         """The next task, left in the stream; None while the next batch's epoch is not open
-        (a user's sampler waits for the consumer) or the plan has none."""
+        (a user's sampler waits for the consumer) or the plan has none. Whether it is open is
+        asked once per epoch, and again after each ``open``: a batch costs one question."""
         while True:
-            if not (self.plan.has_batches() and self.plan.is_open(self._epoch)):
-                return None
+            if not self._epoch_open:
+                if not (self.plan.has_batches() and self.plan.is_open(self._epoch)):
+                    return None
+                self._epoch_open = True
             indices = self.plan.batch(self._epoch, self._position)
             if indices is not None:
                 return Task(self._next_number, indices, self._position)
             self._epoch, self._position = self._epoch + 1, 0
+            self._epoch_open = False
 
     def next(self) -> Task | None:
         """The next task, taken out of the stream (None as for ``peek``)."""
