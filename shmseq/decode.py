@@ -40,8 +40,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import numpy as np
 
 from .checks import check_choice, check_int
-from .engine.common.ragged import Ragged
-from .engine.trainer.devices import CudaDevice, GpuTimer, cuda_available
+from .engine import CudaDevice, GpuTimer, Ragged, cuda_available
 from .vision import (IMAGENET_MEAN, IMAGENET_STD, JPEG_EXTENSIONS, MAX_PIXELS, ImageDecodeError,
                      ImageFolder, _simplejpeg, center_crop, check_pixels, random_resized_crop)
 from .jpeg import (JpegsDecode, as_stored, crop_resized, decoded_rows, exif_orientation,
@@ -50,8 +49,7 @@ from .jpeg import (JpegsDecode, as_stored, crop_resized, decoded_rows, exif_orie
 if TYPE_CHECKING:
     import torch
 
-    from .engine.common.layout import Wrap
-    from .engine.trainer.ring import Ring
+    from .engine import Ring, Wrap
 
 __all__ = ["DTYPES", "ON_ERROR", "CudaDecoder", "DecodeStage", "Decoding", "EncodedImageWorker",
            "HostDecoder", "JpegsDecode", "as_stored", "crop_resized", "decoded_rows",

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from .engine.common.ragged import Ragged
+from .engine import Ragged
 
 if TYPE_CHECKING:
     import torch

@@ -1,5 +1,5 @@
 """The node's shard cache, by its former name: it lives in ``shmseq.shards`` now (``cache``,
-``prefetch``, ``place``, ``ledger``); these names stay importable from here."""
+``store``, ``prefetch``, ``place``, ``ledger``); these names stay importable from here."""
 from .shards.cache import (DamagedShardWarning, ShardCache, ShardCacheFull, StaleShardError,
                            estimated_bytes)
 from .shards.place import cache_folder, default_cache_dir, job_name, remove_abandoned, user_root

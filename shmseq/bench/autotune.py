@@ -43,7 +43,7 @@ from .autotune_runs import (AUTO, AUTOTUNE_WORKLOADS, JPEGS, RING_WORKERS, TRACE
                             in_flight, jpeg_pool, loader, ring_slots, self_tuned, spend_cpu, trainer)
 from .report import Cell, _fmt, machine_line, summarize, timing
 from .runner import Run
-from .streaming_report import _ratio, paired
+from .streaming_report import ratio_text, paired
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -152,7 +152,7 @@ def tuned_line(runs: list[Run], get: dict[str, Cell], best: Cell, workload: Tune
     ratios = _rates(runs, workload.name, name, best.system)
     since = f" from {settle_s:g} s after its start" if workload.case != "ring" else ""
     return (f"{workload.name}: {name} {batches_rate(get[name])} batches/s{since}, "
-            f"{_ratio(ratios)} the sweep's best ({best_said}), repeat by repeat; "
+            f"{ratio_text(ratios)} the sweep's best ({best_said}), repeat by repeat; "
             f"{_against(TARGETS['ring' if workload.case == 'ring' else 'auto'], ratios)}"
             f"{_tuned_detail(workload, tuned_runs(runs, workload.name, name))}")
 
@@ -199,7 +199,7 @@ def static_line(runs: list[Run], matrix: Matrix, best: Cell, workload: str) -> s
     if not matrix.picks[workload]:
         return None
     return f"{workload}: " + "; ".join(
-        f"{' and '.join(who)} ({name}): {_ratio(_rates(runs, workload, name, best.system))} "
+        f"{' and '.join(who)} ({name}): {ratio_text(_rates(runs, workload, name, best.system))} "
         "the sweep's best" for name, who in matrix.picks[workload].items())
 
 

@@ -47,9 +47,9 @@ from shmseq.shards import SHUFFLE_SHARDS, ShardIndex, batches_in_flight
 from . import memory, systems
 from .report import Cell
 from .runner import Run, Window, timed_run
-from .streaming import (Expected, Prepared, ShardWorkload, _less_or_more, _present, _ratio,
-                        checker, cpu_out, images_per_s, paired, ratios, shard_sequence, started,
-                        torch_shards)
+from .streaming import (Expected, Prepared, ShardWorkload, checker, cpu_out, images_per_s, paired,
+                        ratios, shard_sequence, started, torch_shards)
+from .streaming_report import less_or_more, present, ratio_text
 
 if TYPE_CHECKING:
     from shmseq.shards import ShardSequence
@@ -388,20 +388,20 @@ class Report:
         parts = [f"{workload.name} over {backend}: {ours} {_images(get[ours], workload)} images/s"]
         of_local = ratios(runs, workload.name, ours, local)
         if of_local:
-            parts[0] += f", {_ratio(of_local['rate'])} {local}'s ({_images(get[local], workload)})"
+            parts[0] += f", {ratio_text(of_local['rate'])} {local}'s ({_images(get[local], workload)})"
         torch = ratios(runs, workload.name, ours, theirs)
         if torch:
-            parts.append(f"{_ratio(torch['rate'])} {theirs}'s ({_images(get[theirs], workload)}) "
-                         f"with {_less_or_more(torch['cpu'])} trainer CPU a batch "
+            parts.append(f"{ratio_text(torch['rate'])} {theirs}'s ({_images(get[theirs], workload)}) "
+                         f"with {less_or_more(torch['cpu'])} trainer CPU a batch "
                          f"({get[ours].cpu_us_per_batch:,.0f} against "
                          f"{get[theirs].cpu_us_per_batch:,.0f} µs), its first batch in "
-                         f"{_ratio(torch['first'])} {theirs}'s time")
+                         f"{ratio_text(torch['first'])} {theirs}'s time")
         parts.append(_traffic(get[ours], get.get(theirs)))
         served = served_of_ceiling(runs, workload.name, backend)
         if served:
             top = get[system(CEILING, backend)]
             rate = images_per_s(top, workload)[0]
-            parts.append(f"the server sent {_ratio(served)} the bytes a second of its ceiling "
+            parts.append(f"the server sent {ratio_text(served)} the bytes a second of its ceiling "
                          f"({rate:,.0f} images/s, "
                          f"{rate * self.budgets[workload.name].set_bytes / workload.images / 1e6:,.0f} "
                          "MB/s)" + _bound(served, of_local, rate, get.get(local), workload))
@@ -427,8 +427,8 @@ class Report:
 def served_of_ceiling(runs: list[Run], workload: str, backend: str) -> list[float]:
     """Repeat by repeat, the bytes a second the server sent shmseq over those it sent its
     ceiling (each run's images/s times its read amplification)."""
-    return [mine.batches_per_second * _present(mine.read_amplification)
-            / (top.batches_per_second * _present(top.read_amplification))
+    return [mine.batches_per_second * present(mine.read_amplification)
+            / (top.batches_per_second * present(top.read_amplification))
             for mine, top in paired(runs, workload, system("shmseq", backend),
                                     system(CEILING, backend))]
 

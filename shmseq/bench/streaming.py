@@ -44,7 +44,7 @@ import numpy as np
 
 from shmseq import ShmSequence
 from shmseq.decode import encoded_sample
-from shmseq.engine.trainer.devices import torch_available
+from shmseq.engine import torch_available
 from shmseq.shards import ShardIndex, ShardPlan, ShardSequence, ShardWorker
 from shmseq.vision import IMAGENET_MEAN, IMAGENET_STD
 
@@ -54,7 +54,6 @@ from .shard_data import largest_sample
 from .streaming_report import (COLUMNS, LIMIT_COLUMN, REMOTE_COLUMNS, STAGE_ON_CPU, RemotePart,
                                cells_of, highlights, images_per_s, images_rate, markdown, paired,
                                ratios, shown, stage_note, table)
-from .streaming_report import _less_or_more, _present, _ratio  # noqa: F401 - remote_streaming's
 from .streaming_workloads import (QUICK_IMAGES, SEED, SHMSEQ, STAGE, STAGE_DEVICE, STREAM_WORKLOADS,
                                   TORCH, Prepared, ShardWorkload, decode_stage, quick)
 from .workloads import BatchMismatch, _head, _tail

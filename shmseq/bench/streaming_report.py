@@ -150,33 +150,33 @@ def ratios(runs: list[Run], workload: str, ours: str = SHMSEQ,
     if not pairs:
         return None
     found = {"rate": [mine.batches_per_second / other.batches_per_second for mine, other in pairs],
-             "cpu": [_present(other.cpu_us_per_batch) / _present(mine.cpu_us_per_batch)
+             "cpu": [present(other.cpu_us_per_batch) / present(mine.cpu_us_per_batch)
                      for mine, other in pairs],
-             "first": [_present(mine.first_batch_seconds) / _present(other.first_batch_seconds)
+             "first": [present(mine.first_batch_seconds) / present(other.first_batch_seconds)
                        for mine, other in pairs]}
     if all(mine.peak_pss_bytes and other.peak_pss_bytes for mine, other in pairs):
-        found["pss"] = [_present(mine.peak_pss_bytes) / _present(other.peak_pss_bytes)
+        found["pss"] = [present(mine.peak_pss_bytes) / present(other.peak_pss_bytes)
                         for mine, other in pairs]
     return found
 
 
-def _present(figure: float | None) -> float:
+def present(figure: float | None) -> float:
     """A figure the runs compared have: a loader's (the limit has none), a remote run's."""
     assert figure is not None, "a figure the run has not"
     return figure
 
 
-def _ratio(values: list[float]) -> str:
+def ratio_text(values: list[float]) -> str:
     median = statistics.median(values)
     return (f"{median:.2f}x" if len(values) < 2
             else f"{median:.2f}x ({min(values):.2f}-{max(values):.2f})")
 
 
-def _less_or_more(less: list[float]) -> str:
+def less_or_more(less: list[float]) -> str:
     """``Nx less`` where ours took less CPU than theirs (the median of ``less``), else ``Nx more``."""
     if statistics.median(less) >= 1:
-        return f"{_ratio(less)} less"
-    return f"{_ratio([1 / value for value in less])} more"
+        return f"{ratio_text(less)} less"
+    return f"{ratio_text([1 / value for value in less])} more"
 
 
 def _workers_line(runs: list[Run], get: dict[str, Cell], workload: ShardWorkload) -> str | None:
@@ -186,15 +186,15 @@ def _workers_line(runs: list[Run], get: dict[str, Cell], workload: ShardWorkload
         return None
     ours, theirs = get[SHMSEQ], get[TORCH]
     return (f"{workload.name}: {SHMSEQ} {images_per_s(ours, workload)[0]:,.0f} images/s, "
-            f"{_ratio(found['rate'])} torch's DataLoader over the same shards and decode "
+            f"{ratio_text(found['rate'])} torch's DataLoader over the same shards and decode "
             f"({images_per_s(theirs, workload)[0]:,.0f} images/s), with "
-            f"{_less_or_more(found['cpu'])} trainer CPU a batch "
+            f"{less_or_more(found['cpu'])} trainer CPU a batch "
             f"({ours.cpu_us_per_batch:,.0f} against {theirs.cpu_us_per_batch:,.0f} µs), its "
-            f"first batch in {_ratio(found['first'])} torch's time ({ours.first_batch_s:.3f} "
+            f"first batch in {ratio_text(found['first'])} torch's time ({ours.first_batch_s:.3f} "
             f"against {theirs.first_batch_s:.3f} s)"
-            + (f", {_ratio(found['pss'])} its process tree's PSS "
-               f"({_present(ours.pss_bytes) / 1e6:,.0f} against "
-               f"{_present(theirs.pss_bytes) / 1e6:,.0f} MB)"
+            + (f", {ratio_text(found['pss'])} its process tree's PSS "
+               f"({present(ours.pss_bytes) / 1e6:,.0f} against "
+               f"{present(theirs.pss_bytes) / 1e6:,.0f} MB)"
                if "pss" in found else "")
             + "; ratios taken repeat by repeat, median (min-max)"
             + "".join(f"; {c.system} at {c.of_limit:.2f}x the limit" for c in (ours, theirs)
@@ -217,8 +217,8 @@ def _stage_line(runs: list[Run], get: dict[str, Cell], workload: ShardWorkload) 
     for other, called in ((TORCH, "torch's DataLoader"), (SHMSEQ, SHMSEQ)):
         found = ratios(runs, workload.name, STAGE, other)
         if found is not None:
-            against.append(f"{_ratio(found['rate'])} the images/s of {called} with "
-                           f"{_less_or_more(found['cpu'])} trainer CPU")
+            against.append(f"{ratio_text(found['rate'])} the images/s of {called} with "
+                           f"{less_or_more(found['cpu'])} trainer CPU")
     return (f"{workload.name}: {STAGE}, decoded on {STAGE_DEVICE} in the trainer's process, "
             f"{images_per_s(stage, workload)[0]:,.0f} images/s, {_per_image(stage, workload):,.0f} "
             "µs of trainer CPU an image" + "".join(f"; {line}" for line in against)

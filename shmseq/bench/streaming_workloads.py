@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from shmseq.decode import DecodeStage
-from shmseq.engine.trainer.devices import cuda_available
+from shmseq.engine import cuda_available
 from shmseq.shards import ShardIndex, ShardPlan
 
 from .workloads import ImageBatches

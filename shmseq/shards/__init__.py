@@ -42,9 +42,10 @@ The package, one module a stage, each importing only those above it in this list
     locks      flock on the cache's files
     place      where a cache lives, and this user's others beside it
     ledger     what the node's cache holds, where its ranks are
-    cache      ShardCache: open (fetch, check) a shard; room; budgets
+    store      CacheStore: the cache's folder, its reconciling at start, budget, room, eviction
+    cache      ShardCache: open (fetch, check, repair) a shard; fetch ahead
     prefetch   this rank's Prefetcher, and the room the batches in flight need
-    sequence   ShardSequence
+    sequence   ShardSequence: a ShmSequence with a ShardStage (its hooks)
 """
 from .cache import DamagedShardWarning, ShardCache, ShardCacheFull, StaleShardError
 from .files import UnsafeCacheError
