@@ -86,5 +86,4 @@ class LoaderOptions:
             num_converters=self.num_converters, timeout=self.timeout, base_seed=base_seed,
             worker_init_fn=self.worker_init_fn, restarts=self.worker_restarts,
             device=self.device, max_workers=self.max_workers, cpu_budget=self.cpu_budget,
-            memory_budget=self.memory_budget, in_turn=hooks.deal_in_turn,
-            wait_for_workers=not hooks.start_lazily)
+            memory_budget=self.memory_budget, hooks=hooks)

@@ -8,6 +8,7 @@ any thread.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal, NamedTuple
@@ -16,7 +17,7 @@ import numpy as np
 
 from .checks import check_bool, check_choice, check_int, check_worker
 from .engine import (Device, EpochPlan, FrontEndHooks, Inline, LoaderStats, Pipeline,
-                     PipelineSpec, Plan, as_index_array, closing_finalizer)
+                     PipelineSpec, Plan, WorkerInfo, as_index_array, closing_finalizer)
 from .options import LoaderOptions
 
 if TYPE_CHECKING:
@@ -26,7 +27,18 @@ if TYPE_CHECKING:
 Runtime = Pipeline | Inline
 
 TEST_MODES = ("default", "cpu", "numpy")
-SEQUENCE_HOOKS = FrontEndHooks(fresh_start="call start() on a new ShmSequence in the child")
+
+
+def answer_torch(info: WorkerInfo, dataset: object) -> None:
+    """In a worker process with torch loaded, ``torch.utils.data.get_worker_info()`` answers
+    too, for datasets written for torch's loader (``shmseq.get_worker_info()`` always does)."""
+    if sys.modules.get("torch") is not None:  # None: torch made unimportable
+        from .torch_worker import tell_torch
+        tell_torch(info, dataset)
+
+
+SEQUENCE_HOOKS = FrontEndHooks(on_worker_start=answer_torch,
+                               fresh_start="call start() on a new ShmSequence in the child")
 
 
 class Batching(NamedTuple):

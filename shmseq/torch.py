@@ -289,8 +289,7 @@ class _RingIterator(_BaseDataLoaderIter):
         ``exitcode``), also once the iterator has shut them down."""
         if self._pipeline is None:
             return self._stopped
-        assert self._pipeline.pool is not None  # made with the pipeline
-        return [handle.runner for handle in self._pipeline.pool.handles]
+        return self._pipeline.workers()
 
     def _shutdown_workers(self) -> None:
         """Stop the workers and free the ring (Lightning calls this on persistent workers)."""

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from shmseq.engine.common.errors import BatchTimeout, PipelineClosed, ShmSeqError
+from shmseq.engine.common.hooks import FrontEndHooks
 from shmseq.engine.common.layout import packed_size
 from shmseq.engine.common.protocol import Delivery
 from shmseq.engine.trainer.pipeline import Inline, Pipeline, PipelineSpec, closing_finalizer
@@ -92,8 +93,8 @@ def test_a_ring_given_its_slot_size_is_made_up_front_in_that_size(running):
     assert pipeline.pool is not None and pipeline.pool.started(mapped=True)
 
 
-def test_without_waiting_for_workers_it_is_made_at_once_and_sized_at_the_first_take(running):
-    pipeline = running(wait_for_workers=False)
+def test_started_lazily_it_is_made_at_once_and_sized_at_the_first_take(running):
+    pipeline = running(hooks=FrontEndHooks(start_lazily=True))
     assert pipeline.ring is None  # nothing was built yet: the ring waits for a first batch
     got = [batch.tolist() for batch in pipeline.batches(0)]
     assert got == [pipeline.plan.batch(0, p).tolist() for p in range(6)]

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from shmseq.engine.common import protocol
+from shmseq.engine.common.hooks import WorkerStart
 from shmseq.engine.common.layout import read_batch
 from shmseq.engine.common.protocol import (Attached, Build, Built, Counted, Done, Ended,
                                            ErrorReport, Failed, Hooks, InitFailed, MapRing,
@@ -77,7 +78,8 @@ class WorkerThread:
         self.send(*messages)
         self.thread = threading.Thread(
             target=worker_loop, name=f"shmseq-test-worker-{wid}", daemon=True,
-            args=(worker, self._tasks_out, self._results_in, WorkerInfo(wid, 1, wid), None, None))
+            args=(worker, self._tasks_out, self._results_in, WorkerInfo(wid, 1, wid), WorkerStart(),
+                  None))
 
     def send(self, *messages) -> None:
         for message in messages:

@@ -43,7 +43,7 @@ from .autotune_runs import (AUTO, AUTOTUNE_WORKLOADS, JPEGS, RING_WORKERS, TRACE
                             in_flight, jpeg_pool, loader, ring_slots, self_tuned, spend_cpu, trainer)
 from .report import Cell, _fmt, machine_line, summarize, timing
 from .runner import Run
-from .streaming_report import ratio_text, paired
+from .streaming_report import paired, ratio_text
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

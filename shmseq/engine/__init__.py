@@ -45,9 +45,11 @@ from .common.segments import RingSpec
 from .trainer.cursor import Cursor
 from .trainer.devices import (OUT_TYPES, CudaDevice, Device, GpuTimer, HostDevice, cuda_available,
                               resolve_out_type, torch_available)
-from .trainer.pipeline import Inline, Pipeline, PipelineSpec, closing_finalizer
+from .trainer.inline import Inline
+from .trainer.pipeline import Pipeline, closing_finalizer
 from .trainer.plan import LAST_BATCH_POLICIES, EpochPlan, SamplerPlan, as_index_array
 from .trainer.ring import Ring
+from .trainer.spec import PipelineSpec
 from .trainer.stats import LoaderStats
 from .trainer.tuning import START_WORKERS, default_max_workers
 from .worker.batch import StreamEnded

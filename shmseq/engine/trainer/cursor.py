@@ -15,13 +15,16 @@ from typing import Iterable, Protocol
 from ..common.protocol import Delivery, Plan
 
 
+PAST_THE_END = Delivery(None, ended=True)  # what a pass has past its last batch
+
+
 class Consumer(Protocol):
     """What a cursor asks of its pipeline (``Pipeline``), from the consumer's thread."""
     plan: Plan
 
     def open(self, epoch: int, position: int = 0, batches: Iterable | None = None) -> int: ...
 
-    def take(self, number: int, epoch: int, position: int) -> object: ...
+    def take_in_pass(self, number: int, epoch: int, position: int) -> object: ...
 
     def receive(self, number: int, epoch: int, position: int) -> Delivery: ...
 
@@ -50,8 +53,10 @@ class Cursor:
 
     def __next__(self) -> object:
         """The next batch in order (a worker's exception raised in its place)."""
-        self._check_more()
-        batch = self._pipeline.take(self._zero + self.position, self.epoch, self.position)
+        self._skip_ahead()
+        batch = self._pipeline.take_in_pass(self._zero + self.position, self.epoch, self.position)
+        if batch is PAST_THE_END:
+            raise StopIteration
         self.position += 1
         return batch
 
@@ -75,8 +80,11 @@ class Cursor:
 
     def _check_more(self) -> None:
         """Past the batches handed over ahead of their turn; ``StopIteration`` past the last."""
+        self._skip_ahead()
+        if self._pipeline.plan.batch(self.epoch, self.position) is None:
+            raise StopIteration
+
+    def _skip_ahead(self) -> None:
         while self.position in self._ahead:
             self._ahead.remove(self.position)
             self.position += 1
-        if self._pipeline.plan.batch(self.epoch, self.position) is None:
-            raise StopIteration

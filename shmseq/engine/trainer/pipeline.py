@@ -16,10 +16,8 @@ workers it may have, used for those it has (control.py keeps the count up to dat
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import functools
-import itertools
 import multiprocessing
 import os
 import threading
@@ -28,16 +26,17 @@ import weakref
 from typing import Callable, Iterable, Iterator, NoReturn, TypeVar
 
 from ..common.errors import BatchTimeout, PipelineClosed, ShmSeqError
-from ..common.layout import encode_batch, read_batch, slot_bytes_for
+from ..common.layout import slot_bytes_for
 from ..common.protocol import Delivery, Hooks, Plan
-from ..worker.batch import build_batch, make_worker
 from .control import Control
-from .convert import Converter, HandOver, OrderedOutput, handed_over
+from .convert import Converter, HandOver, OrderedOutput
+from .cursor import PAST_THE_END, Cursor
 from .deaths import brief
-from .devices import Device, make_device
+from .inline import Inline
 from .plan import BatchStream
 from .pool import WorkerPool
 from .ring import Ring
+from .spec import PipelineSpec
 from .stats import LoaderStats
 from .tuning import ring_capacity, ring_slots
 from .waker import Waker
@@ -45,37 +44,6 @@ from .worker_handle import JOIN_SECONDS
 
 ERROR_GRACE = 0.2  # seconds workers get to leave once a failure was raised, before they are killed
 T = TypeVar("T")
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineSpec:
-    """What a pipeline runs, fixed when it starts."""
-    worker: object                    # a class made in each worker, or an instance copied there
-    num_workers: int                  # the workers (tuned: the first count)
-    buffer: int | None                # slots in the ring; None: by the tuning rules
-    slot_bytes: int | None = None     # None: sized by the first batches
-    thread_type: str = "proc"
-    start_method: str | None = None
-    out_type: str = "null"
-    pin_memory: bool | None = None
-    pin_device_id: int = 0
-    num_converters: int = 1
-    timeout: float | None = None      # seconds to wait for a batch (and for the workers to start)
-    base_seed: int = 0                # worker k's seed is base_seed + k
-    worker_init_fn: Callable | None = None
-    restarts: int = 0
-    in_turn: bool = False             # batch k of an epoch goes to worker k % num_workers
-    wait_for_workers: bool = True     # the pipeline is made once every worker started
-    device: Callable[[], Device] | None = None  # makes the device instead of out_type's
-    max_workers: int | None = None    # the worker count is tuned up to this; None: fixed
-    cpu_budget: float | None = None   # cores the tuned workers and the trainer may use
-    memory_budget: int | None = None  # bytes the ring (sized by the tuning rules) and, with
-    # 'auto', the workers' own memory may take
-
-    def make_device(self) -> Device:
-        if self.device is not None:
-            return self.device()
-        return make_device(self.out_type, self.pin_memory, self.pin_device_id, self.num_converters)
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -92,8 +60,6 @@ class Phase(enum.Enum):
 SIZING, RUNNING, CLOSED = Phase
 _MOVES = {SIZING: {RUNNING, CLOSED}, RUNNING: {CLOSED}, CLOSED: set()}
 
-PAST_THE_END = Delivery(None, ended=True)  # what ``batches`` finds past an epoch's last batch
-
 
 class _ConsumersTurn:
     """The consumer's lock, in the process that made the pipeline only, taken once per call; a
@@ -106,9 +72,10 @@ class _ConsumersTurn:
     is refused before anything is touched, the lock included: held by a thread of the parent
     at the fork, it would never be released in the child."""
 
-    def __init__(self, owner: int) -> None:
+    def __init__(self, owner: int, fresh_start: str) -> None:
         self.lock = threading.RLock()
         self._owner = owner
+        self._fresh_start = fresh_start
         self.broken = False
 
     def refuse_inherited(self) -> None:
@@ -118,8 +85,8 @@ class _ConsumersTurn:
     def _refuse(self) -> NoReturn:
         raise ShmSeqError(
             f"this sequence's pipeline belongs to process {self._owner}, which started its "
-            f"workers and ring; a forked child (pid {os.getpid()}) cannot iterate it: start "
-            "a new one in the child (call start() on a ShmSequence, make a new DataLoader)")
+            f"workers and ring; a forked child (pid {os.getpid()}) cannot iterate it: "
+            f"{self._fresh_start}")
 
     def __enter__(self) -> None:
         if os.getpid() != self._owner:  # refuse_inherited, inline: taken once per batch
@@ -145,7 +112,7 @@ class Pipeline:
         self.phase = SIZING
         self.ring: Ring | None = None  # for those who look: there from RUNNING on
         self.pool: WorkerPool | None = None
-        self._turn = _ConsumersTurn(self._owner)  # held by the consumer while it takes a batch
+        self._turn = _ConsumersTurn(self._owner, spec.hooks.fresh_start)  # held by the consumer while it takes a batch
         self._ends = contextlib.ExitStack()  # closes the device and the ring, once made
         self.waker = Waker()
         self.output = OrderedOutput()
@@ -164,12 +131,12 @@ class Pipeline:
                                    backend=spec.thread_type,
                                    context=multiprocessing.get_context(spec.start_method),
                                    stream=self.stream, waker=self.waker, stats=self.stats,
-                                   base_seed=spec.base_seed, worker_init_fn=spec.worker_init_fn,
-                                   restarts=spec.restarts, in_turn=spec.in_turn,
+                                   base_seed=spec.base_seed, start=spec.worker_start,
+                                   restarts=spec.restarts, in_turn=spec.hooks.deal_in_turn,
                                    max_workers=spec.max_workers)
             if spec.slot_bytes is not None:
                 self._run_up_front(spec.slot_bytes)
-            elif spec.wait_for_workers:
+            elif not spec.hooks.start_lazily:
                 self._start(spec.timeout, mapped=False)
         except BaseException:
             self._turn.broken = True
@@ -188,7 +155,7 @@ class Pipeline:
         which map it as they do."""
         ring = self._new_ring(slot_bytes)
         self._run(ring)
-        if self.spec.wait_for_workers:
+        if not self.spec.hooks.start_lazily:
             self._start(self.spec.timeout, mapped=True)
             ring.wait_reserved()
 
@@ -332,16 +299,9 @@ class Pipeline:
 
     def batches(self, epoch: int, position: int = 0) -> Iterator[object]:
         """The batches of ``epoch`` from ``position`` on, in order."""
-        number = self.open(epoch, position)
-        for position in itertools.count(position):
-            batch = self._take_in_epoch(number, epoch, position)
-            if batch is PAST_THE_END:
-                return
-            yield batch
-            del batch  # not held while the next is awaited: a failure's traceback keeps this frame
-            number += 1
+        yield from Cursor(self, epoch, position)
 
-    def _take_in_epoch(self, number: int, epoch: int, position: int) -> object:
+    def take_in_pass(self, number: int, epoch: int, position: int) -> object:
         """``take``, or ``PAST_THE_END`` when ``epoch`` has no batch at ``position`` (asked of
         the plan only when the stream has not dispatched it: it has no such batch, or its
         epoch's end is not known yet)."""
@@ -425,6 +385,12 @@ class Pipeline:
         with self._consumers_turn():
             self.stream.reset(self.stream.state())
 
+    def workers(self) -> list:
+        """The workers running now, as ``multiprocessing`` or ``threading`` made them (a front
+        end's tools join and watch them)."""
+        assert self.pool is not None  # made with the pipeline
+        return [handle.runner for handle in self.pool.handles]
+
     # -- the end ---------------------------------------------------------------------------------
     def close(self) -> None:
         """Wake a waiting consumer, then stop the workers, wait for copies in flight, close the
@@ -454,57 +420,15 @@ def _nothing() -> None:
     """Nothing to collect before there is a ring."""
 
 
-class Inline:
-    """Everything in the calling thread: ``start_test()`` and ``num_workers=0``.
-
-    ``test_mode``: ``'default'`` delivers as a pipeline would (through the slot format, so
-    that types and layout match exactly), ``'cpu'`` as torch CPU tensors even where the
-    output is CUDA, ``'numpy'`` the worker's output untouched."""
-
-    def __init__(self, spec: PipelineSpec, plan: Plan, test_mode: str = "default") -> None:
-        self.plan = plan
-        self.worker_obj: Hooks | None = make_worker(spec.worker)  # None once closed
-        self.test_mode = test_mode
-        cpu_instead = test_mode == "cpu" and spec.out_type.startswith("cuda")
-        self.device = make_device("cpu", pin_memory=False) if cpu_instead else spec.make_device()
-        self._device = Hooks(self.device)
-        self.stats = LoaderStats()
-
-    def batches(self, epoch: int, position: int = 0) -> Iterator[object]:
-        self.plan.open(epoch)
-        first = position
-        for position in itertools.count(first):
-            indices = self.plan.batch(epoch, position)
-            if indices is None:
-                return
-            worker = self.worker_obj
-            assert worker is not None, "closed"
-            batch, _ = build_batch(worker, indices, None, position == first)
-            name = f"batch {position} of epoch {epoch}"
-            self.stats.report_skipped(worker.pop_skipped(), name)
-            self.stats.add_counts(worker.pop_counts())
-            if self.test_mode != "numpy":
-                views = read_batch(encode_batch(batch), self.device.wrap)
-                batch = handed_over(self.device, self._device.pop_skipped,
-                                    *self.device.convert(views), lambda: name, self.stats)
-                self.stats.add_counts(self._device.pop_counts())
-            self.plan.release(epoch, position + 1)
-            yield batch
-
-    def replan(self) -> None:
-        """Nothing planned ahead."""
-
-    def close(self) -> None:
-        self.worker_obj = None
-        self.device.close()
+Runtime = Pipeline | Inline
 
 
-def closing_finalizer(front_end: object, runtime: Pipeline | Inline) -> weakref.finalize:
+def closing_finalizer(front_end: object, runtime: Runtime) -> weakref.finalize:
     """What closes ``runtime`` when ``front_end`` dies, or when called (``finish()``), in the
     process that made it only: a forked child that inherited the front end leaves it alone."""
     return weakref.finalize(front_end, _close_in_owner, runtime, os.getpid())
 
 
-def _close_in_owner(runtime: Pipeline | Inline, owner_pid: int) -> None:
+def _close_in_owner(runtime: Runtime, owner_pid: int) -> None:
     if os.getpid() == owner_pid:
         runtime.close()

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import functools
 from multiprocessing.context import BaseContext
-from typing import Callable
 
 from ..common.errors import raised_in_worker
+from ..common.hooks import WorkerStart
 from ..common.protocol import (Attached, Built, Counted, Done, Ended, Failed, FromWorker,
                                InitFailed, Overflow, Ready, Reply, Skipped)
 from .deaths import Deaths, brief
@@ -50,7 +50,7 @@ class WorkerPool:
 
     def __init__(self, worker: object, *, num_workers: int, n_slots: int, backend: str,
                  context: BaseContext, stream: BatchStream, waker: Waker, stats: LoaderStats,
-                 base_seed: int = 0, worker_init_fn: Callable[[int], object] | None = None,
+                 base_seed: int = 0, start: WorkerStart = WorkerStart(),
                  restarts: int = 0, in_turn: bool = False,
                  max_workers: int | None = None) -> None:
         """``max_workers``: the most workers ``resize`` may run (None: ``num_workers``); each
@@ -63,7 +63,7 @@ class WorkerPool:
         self._events = Events()
         self._events.watch(waker.fileno(), (Watched.WAKER, None))
         self._roster = Roster(worker, backend=backend, context=context,
-                              worker_init_fn=worker_init_fn,
+                              start=start,
                               max_workers=num_workers if max_workers is None else max_workers,
                               base_seed=base_seed, waker=waker, events=self._events, stats=stats)
         self._dispatch = Dispatch(self._roster, stream, stats, in_turn, n_slots)

@@ -11,9 +11,9 @@ import enum
 import os
 import time
 from multiprocessing.context import BaseContext
-from typing import Callable
 
 from ..common.board import Board
+from ..common.hooks import WorkerStart
 from ..common.lifeline import ProcessId, hold_starting_thread, release_starting_thread
 from ..common.protocol import Hooks, Stop, TakeWorker
 from ..common.wire import framed
@@ -37,13 +37,12 @@ class Roster:
     pool's ``Events`` (as ``Watched``)."""
 
     def __init__(self, worker: object, *, backend: str, context: BaseContext,
-                 worker_init_fn: Callable[[int], object] | None, max_workers: int,
+                 start: WorkerStart, max_workers: int,
                  base_seed: int, waker: Waker, events: Events, stats: LoaderStats) -> None:
         self._pickled_worker = None if backend != "proc" else pickled_for(
             "worker", Hooks(worker), context.get_start_method(),
             "or use start_method='fork' or thread_type='thread'")
-        self._start_args = (None if self._pickled_worker else worker, backend, context,
-                            worker_init_fn)
+        self._start_args = (None if self._pickled_worker else worker, backend, context, start)
         consumer = ProcessId.of(os.getpid())
         assert consumer is not None  # this process, alive
         self._consumer = consumer
@@ -71,9 +70,9 @@ class Roster:
         return WorkerInfo(wid, self.max_workers, self._base_seed + wid)
 
     def _start(self, info: WorkerInfo) -> WorkerHandle:
-        worker, backend, context, worker_init_fn = self._start_args
+        worker, backend, context, start = self._start_args
         others = [*self._waker.fds(), *consumer_ends(self.working)]
-        handle = start_worker(worker, info, backend, context, worker_init_fn, self._consumer, others,
+        handle = start_worker(worker, info, backend, context, start, self._consumer, others,
                               board=None if self.board is None else self.board.spec)
         self.changes += 1
         self._events.watch(handle.replies.fd, (Watched.REPLIES, handle))

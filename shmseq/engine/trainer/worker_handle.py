@@ -22,10 +22,11 @@ import weakref
 from multiprocessing import connection
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
-from typing import Callable, Iterable
+from typing import Iterable
 
 from ..common.board import BoardSpec
 from ..common.errors import ShmSeqError, warn_user
+from ..common.hooks import WorkerStart
 from ..common.lifeline import ProcessId, start_process
 from ..common.protocol import Hooks
 from ..common.wire import FrameReader
@@ -218,7 +219,7 @@ def preload_in_fork_server(context: BaseContext) -> None:
 
 
 def start_worker(worker: object, info: WorkerInfo, backend: str, context: BaseContext,
-                 worker_init_fn: Callable[[int], object] | None, consumer: ProcessId, other_ends: list[int],
+                 start: WorkerStart, consumer: ProcessId, other_ends: list[int],
                  board: BoardSpec | None = None) -> WorkerHandle:
     """A new worker thread or process. A process follows ``consumer`` (lifeline.py), and
     marks on ``board`` the batch it is building; forked, it closes the consumer's descriptors
@@ -229,7 +230,7 @@ def start_worker(worker: object, info: WorkerInfo, backend: str, context: BaseCo
     method = None
     runner: threading.Thread | BaseProcess
     if backend == "thread":
-        args: tuple = (worker, task_reader, result_writer, info, worker_init_fn, None)
+        args: tuple = (worker, task_reader, result_writer, info, start, None)
         runner = threading.Thread(target=worker_loop, name=name, daemon=True, args=args)
         runner.start()
     else:
@@ -238,7 +239,7 @@ def start_worker(worker: object, info: WorkerInfo, backend: str, context: BaseCo
         ties = ProcessTies(
             consumer, inherited_fds=((task_writer.fileno(), result_reader.fileno(), *other_ends)
                                      if method == "fork" else None), board=board)
-        args = (worker, task_reader, result_writer, info, worker_init_fn, ties)
+        args = (worker, task_reader, result_writer, info, start, ties)
         # the type ignored: the stubs give BaseContext no Process, which every start method's has
         process: BaseProcess = context.Process(  # type: ignore[attr-defined]
             target=worker_loop, name=name, daemon=True, args=args)

@@ -241,13 +241,13 @@ class Clocks(NamedTuple):
         return time.perf_counter() - self.began, self.cpu_clock() - self.cpu_began
 
 
-def run_task(worker: Hooks, ring: WorkerRing | None, number: int, slot: int | None,
+def run_task(worker: Hooks, slots: Slots, number: int, slot: int | None,
               indices: object, first: bool, clocks: Clocks) -> bytes | Held:
     """Build and write one batch (``first``: the worker's first), timed from ``clocks``; the
     framed reply, with its size and the time it took. Without a slot, the batch built, to be
     held (``place``)."""
     try:
-        target = _target(ring, slot)  # may find /dev/shm full
+        target = slots.target(slot)  # may find /dev/shm full
         batch, allocator = build_batch(worker, indices, None if target is None else target.region,
                                        first)
         skipped = worker.pop_skipped()
@@ -261,12 +261,12 @@ def run_task(worker: Hooks, ring: WorkerRing | None, number: int, slot: int | No
         return _failed(number, slot, exc)
 
 
-def place(held: Held, ring: WorkerRing | None, slot: int | None, cpu_clock: CpuClock) -> bytes:
+def place(held: Held, slots: Slots, slot: int | None, cpu_clock: CpuClock) -> bytes:
     """The reply for a held batch, given ``slot`` (None: it goes back encoded)."""
     clocks = Clocks(time.perf_counter() - held.seconds, cpu_clock() - held.cpu_seconds,
                     cpu_clock)
     try:
-        return _written(held.number, _target(ring, slot), held.batch, None, held.told, clocks)
+        return _written(held.number, slots.target(slot), held.batch, None, held.told, clocks)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
         return _failed(held.number, slot, exc)
 
@@ -289,15 +289,34 @@ class Target(NamedTuple):
         return write_batch(batch, self.ring.whole(self.slot), allocator)
 
 
-def _target(ring: WorkerRing | None, slot: int | None) -> Target | None:
-    """Where a task's batch is written; None without a slot (it is held, or goes back
-    encoded). The ring is the worker's from the consumer's ``MapRing`` on, which comes before
-    any slot (loop.py keeps it, None until then)."""
-    if slot is None:
+class Unmapped:
+    """A worker's slots before the consumer's ``MapRing``: none (a task without a slot is held,
+    or goes back encoded; a slot given now breaks the protocol)."""
+
+    def target(self, slot: int | None) -> Target | None:
+        if slot is not None:
+            raise ShmSeqError(f"slot {slot} was given before the ring")
         return None
-    if ring is None:
-        raise ShmSeqError(f"slot {slot} was given before the ring")
-    return Target(ring, slot, ring.region(slot))
+
+    def close(self) -> None:
+        """Nothing mapped."""
+
+
+class Mapped:
+    """A worker's slots once it mapped the ring (``MapRing``)."""
+
+    def __init__(self, ring: WorkerRing) -> None:
+        self.ring = ring
+
+    def target(self, slot: int | None) -> Target | None:
+        """Where a task's batch is written; None without a slot."""
+        return None if slot is None else Target(self.ring, slot, self.ring.region(slot))
+
+    def close(self) -> None:
+        self.ring.close()
+
+
+Slots = Unmapped | Mapped  # loop.py holds one: Unmapped until the consumer's MapRing
 
 
 def _written(number: int, target: Target | None, batch: object,

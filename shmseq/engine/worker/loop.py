@@ -17,19 +17,19 @@ import select
 import sys
 import threading
 import time
-from types import ModuleType
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from ..common.board import BoardSpec, WorkerCell
+from ..common.hooks import WorkerStart
 from ..common.lifeline import Lifeline, ProcessId
 from ..common.protocol import (Attached, Build, Built, Hooks, InitFailed, MapRing, Place, Ready,
                                Rebuild, Stop, TakeWorker)
 from ..common.segments import WorkerRing, drop_inherited_rings
 from ..common.wire import FrameReader, Message, decode, encode, framed, write_all
-from .batch import (Clocks, Held, MemoryMeter, counted_frame, describe_exception, make_worker,
-                    place, run_task)
+from .batch import (Clocks, Held, Mapped, MemoryMeter, Slots, Unmapped, counted_frame,
+                    describe_exception, make_worker, place, run_task)
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -70,14 +70,12 @@ def keep_large_buffers() -> None:
     mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES)
 
 
-def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn: Callable[[int], object] | None,
-            dataset: object) -> None:
+def _set_up(info: WorkerInfo, in_process: bool, start: WorkerStart, dataset: object) -> None:
     """Seed the worker's random generators as torch's DataLoader seeds its workers, run torch's
-    operators on one thread, then run the user's hook.
+    operators on one thread, then run the front end's hook and the user's (``start``).
 
-    Only processes seed the global generators (``random``, numpy's, torch's), set torch's
-    threads and answer ``torch.utils.data.get_worker_info()`` (for datasets written for
-    torch): threads share them, and read their own seed from ``get_worker_info()`` instead.
+    Only processes seed the global generators (``random``, numpy's, torch's) and set torch's
+    threads: threads share them, and read their own seed from ``get_worker_info()`` instead.
     One intra-op thread per worker, as torch's: a forked worker that kept the trainer's pool
     would deadlock in it once the trainer had run a multi-threaded operator, and every worker
     would compete with the others for every core.
@@ -93,9 +91,7 @@ def _set_up(info: WorkerInfo, in_process: bool, worker_init_fn: Callable[[int], 
         else:
             torch.set_num_threads(1)
             torch.manual_seed(info.seed)
-            _tell_torch(torch, info, dataset)
-    if worker_init_fn is not None:
-        worker_init_fn(info.id)
+    start.run(info, info.id, in_process, dataset)
 
 
 def _numpy_seed(info: WorkerInfo) -> np.ndarray:
@@ -186,16 +182,6 @@ class _Inbox:
         self._again.extendleft(reversed(again))
 
 
-def _tell_torch(torch: ModuleType, info: WorkerInfo, dataset: object) -> None:
-    """What ``torch.utils.data.get_worker_info()`` reads in its own workers."""
-    from torch.utils.data._utils import worker as torch_worker
-    # the type ignored: ``dataset`` is whatever the worker names (None if nothing), not always
-    # the Dataset torch's stubs want
-    torch_worker._worker_info = torch_worker.WorkerInfo(
-        id=info.id, num_workers=info.num_workers, seed=info.seed,
-        dataset=dataset)  # type: ignore[arg-type]
-
-
 def _received_worker(tasks: Connection) -> object:
     """The worker, sent pickled as the first message of the task pipe by a consumer that spawned
     this process. Not among the process's arguments: multiprocessing writes those into a pipe
@@ -208,7 +194,7 @@ def _received_worker(tasks: Connection) -> object:
 
 
 def worker_loop(worker: object, tasks: Connection, results: Connection, info: WorkerInfo,
-                worker_init_fn: Callable[[int], object] | None, ties: ProcessTies | None) -> None:
+                start: WorkerStart, ties: ProcessTies | None) -> None:
     """The body of a worker, process or thread (``ties`` is set in processes)."""
     if ties is not None:
         Lifeline(ties.consumer)
@@ -219,12 +205,12 @@ def worker_loop(worker: object, tasks: Connection, results: Connection, info: Wo
     try:
         if worker is None:
             worker = _received_worker(tasks)
-        _set_up(info, ties is not None, worker_init_fn, Hooks(worker).dataset)
+        _set_up(info, ties is not None, start, Hooks(worker).dataset)
         worker_obj = make_worker(worker)
     except BaseException as exc:  # noqa: BLE001
         results.send_bytes(encode(InitFailed(info.id, describe_exception(exc))))
         return
-    ring: WorkerRing | None = None
+    slots: Slots = Unmapped()
     held: Held | None = None
     cell = WorkerCell(ties.board, info.id) if ties is not None and ties.board is not None else None
     inbox, replies, first = _Inbox(tasks), results.fileno(), True
@@ -238,21 +224,21 @@ def worker_loop(worker: object, tasks: Connection, results: Connection, info: Wo
                     if cell is not None:
                         cell.begin(number)
                     clocks = Clocks.start(cpu_clock, inbox.pop_idle())
-                    reply = run_task(worker_obj, ring, number, slot, indices, first, clocks)
+                    reply = run_task(worker_obj, slots, number, slot, indices, first, clocks)
                     first = False
                     if isinstance(reply, Held):
                         held, reply = reply, framed(Built(number, reply.size))
                     write_all(replies, counted_frame(worker_obj, meter) + reply)  # counted, then delivered
                 case MapRing(spec):
-                    ring = WorkerRing(spec)
+                    slots = Mapped(WorkerRing(spec))
                     write_all(replies, framed(Attached(info.id)))
                 case Place(_, slot):
                     assert held is not None  # a Place answers a Built
-                    write_all(replies, place(held, ring, slot, cpu_clock))
+                    write_all(replies, place(held, slots, slot, cpu_clock))
                     held = None
     except (EOFError, OSError):
         return  # the consumer closed the pipes: it is shutting down, or gone
     finally:
-        for mapping in (ring, cell):
-            if mapping is not None:
-                mapping.close()
+        slots.close()
+        if cell is not None:
+            cell.close()
