@@ -200,10 +200,11 @@ class Ring:
     def wait_bound(self, timeout: float | None) -> float | None:
         """How long the consumer may wait for its workers now: not at all when something is
         to collect; at most ``LEASE_POLL_SECONDS`` when only a lease's death can free a slot
-        (a death in another thread announces itself to nobody); else ``timeout``."""
+        (no slot is with a writer, whose reply would end the wait, and a death in another
+        thread announces itself to nobody); else ``timeout``."""
         if self.has_news():
             return 0
-        if self._leased and len(self._free) <= self._inactive:
+        if self._leased and len(self._free) <= self._inactive and DISPATCHED not in self._states:
             return LEASE_POLL_SECONDS if timeout is None else min(timeout, LEASE_POLL_SECONDS)
         return timeout
 
