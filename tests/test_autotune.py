@@ -16,7 +16,7 @@ from shmseq.engine.trainer.ring import FREE, Ring
 from shmseq.engine.trainer.stats import MIN_JUDGED_S, LoaderStats
 from shmseq.engine.trainer.tuning import (HELD_ROOM, SMALL_BATCH_SLOTS, Budget, Window,
                                           ring_bytes_target, ring_capacity)
-from shmseq.engine.worker.batch import MemoryMeter
+from shmseq.engine.worker.batch import MEMORY_EVERY_S, MemoryMeter
 from shmseq.testing import ring_of
 
 
@@ -133,11 +133,13 @@ def test_a_worker_measures_the_memory_it_holds_alone():
 
 
 def test_the_memory_meter_measures_at_once_then_every_so_often():
-    meter = MemoryMeter()
+    now = [0.0]
+    meter = MemoryMeter(clock=lambda: now[0])
     first = meter.counts()["worker_private_bytes"]
     held = np.ones(32 << 17)  # 32 MB, written
+    now[0] = MEMORY_EVERY_S - 0.001
     assert meter.counts() == {}  # not due yet
-    meter._due = 0.0
+    now[0] = MEMORY_EVERY_S
     assert meter.counts()["worker_private_bytes"] >= first + (30 << 20)
     del held
 

@@ -149,7 +149,7 @@ def test_a_report_interrupted_before_it_is_forgotten_is_not_applied_twice(ring):
     slot = written(ring)
     lease = ring.lease(slot)
     del lease
-    stale = dict(ring._died)
+    stale = dict(ring._died)  # a seam: no test can time an interrupt between the two steps
     ring.collect()
     again = ring.acquire()
     assert again == slot

@@ -177,15 +177,16 @@ class MemoryMeter:
     """A worker process's ``worker_private_bytes``, measured after its first batch, then every
     ``MEMORY_EVERY_S``, or less often where a measure costs more than ``MEMORY_COST`` of that."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._due = -float("inf")
 
     def counts(self) -> dict[str, float]:
-        now = time.monotonic()
+        now = self._clock()
         if now < self._due:
             return {}
         measured = private_bytes()
-        self._due = now + max(MEMORY_EVERY_S, (time.monotonic() - now) / MEMORY_COST)
+        self._due = now + max(MEMORY_EVERY_S, (self._clock() - now) / MEMORY_COST)
         return {} if measured is None else {"worker_private_bytes": measured}
 
 
