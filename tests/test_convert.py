@@ -1,6 +1,8 @@
 """The consumer's rules, without workers: deliveries taken strictly in order, batches copied
 out of the ring only when keeping one more in place would leave the workers no slot, and
 tasks packed on one worker only while the consumer is the slower side."""
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -36,8 +38,9 @@ def test_deliveries_below_the_floor_are_dropped_and_first_ready_skips_the_gaps()
     output.drop_below(3)  # an epoch left early
     assert output.waiting == 2
     output.put(1, Delivery(1))  # stale: never kept
-    assert output.pop(1) is None and output.pop_first(3)[0] == 5
-    assert output.pop_first(6)[0] == 7 and output.pop_first(0) is None
+    assert output.pop(1) is None and output.pop_first(3, 5) is None  # 5: the next pass's
+    assert output.pop_first(3, math.inf)[0] == 5
+    assert output.pop_first(6, math.inf)[0] == 7 and output.pop_first(0, math.inf) is None
 
 
 def test_a_closed_output_refuses_every_pop_with_its_reason():

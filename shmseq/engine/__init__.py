@@ -3,36 +3,41 @@
 ::
 
  trainer/  in the training process; the consumer's thread moves every slot
-   plan.py           which indices form batch k of epoch e
-   pool.py           sends Build(number, free slot, indices) down a task pipe ----+
-                     reads the replies and the workers' sentinels  <--------+     |
-   ring.py           the slot state machine; every count of slots           |     |
-   convert.py        every batch, one route: slot -> device -> consumer     |     |
-   devices.py        numpy and torch views, page-locking, CUDA copies       |     |
-   pipeline.py       wires them; takes each batch in one pass; closes all   |     |
-   worker_handle.py  starts a worker, process or thread                     |     |
-   stats.py          the counters a training loop logs                      |     |
-   tuning.py         how many workers and slots: pure rules                 |     |
-   control.py        applies them every half second, from the step          |     |
-                                                                            |     v
- worker/   in each worker (a process or a thread)                           |
-   loop.py           takes the task; replies Done(number, slot, ...) -------+
+   spec.py           PipelineSpec: what a runtime runs, fixed when it starts
+   plan.py           which indices form batch k of epoch e; the stream of numbered batches
+   cursor.py         a front end's place in a pass: next batch, its number, the pass's end
+   pipeline.py       wires the rest; its phases (sizing, running, closed); closes all
+   pool.py           each step's exchange with the workers; what each reply means
+   dispatch.py       Build(number, free slot, indices) down a task pipe ------------+
+   roster.py         the workers: started, sent messages, leaving, replaced        |
+   worker_handle.py  one worker: its pipes, its open tasks, its state (an enum)    |
+   deaths.py         a worker that died: named, or replaced                         |
+   waker.py          one epoll over every pipe and sentinel  <-----------------+    |
+   ring.py           the slot state machine; every count of slots              |    |
+   convert.py        every batch, one route: slot -> device -> consumer        |    |
+   devices.py        numpy and torch views, page-locking, CUDA copies          |    |
+   inline.py         the runtime without workers (start_test, num_workers=0)   |    |
+   stats.py          the counters a training loop logs                         |    |
+   tuning.py         how many workers and slots: pure rules                    |    |
+   control.py        applies them every half second, from the step            |    v
+ worker/   in each worker (a process or a thread)                              |
+   loop.py           takes the task; replies Done(number, slot, ...) ----------+
    batch.py          worker_obj[indices], written once into its slot
 
  common/   what both sides share: protocol.py (every message and hand-over, as types),
-   wire.py (how messages cross a pipe), layout.py (the bytes of a slot), segments.py (the
-   ring's memory), ragged.py (variable-size items), board.py (which batch a worker builds, the
-   evidence a death is charged on), lifeline.py (a worker never outlives its consumer),
-   errors.py
+   wire.py (how messages cross a pipe), slot.py, layout.py and unpack.py (a slot's format,
+   its writing, its reading as views), segments.py (the ring's memory), ragged.py
+   (variable-size items), board.py (which batch a worker builds, the evidence a death is
+   charged on), lifeline.py (a worker never outlives its consumer), hooks.py (what a front end
+   asks of the engine), errors.py
 
 Imports run one way: trainer/ -> worker/ (it starts the workers) -> common/. Nothing in the
-engine imports the front ends above it (``shmseq.sequence``, ``shmseq.torch``, ...).
-The front ends (``shmseq.sequence``, ``shmseq.torch``, ``shmseq.dataloader``, ``shmseq.shards``,
-``shmseq.testing``, ...) import the engine from here only: the names below are its front door,
-and what a new front end needs. It builds a ``PipelineSpec`` (``shmseq.options.LoaderOptions``
-makes one from checked arguments), starts a ``Pipeline`` or an ``Inline`` runtime with a
-``Plan``, and reads each epoch through ``runtime.cursor(epoch, position)``; what is its own
-(torch's worker info, batches dealt in turn, its wording) it gives as ``FrontEndHooks``.
+engine imports the front ends above it, which import the engine from here only: the names
+below are its front door. A front end makes a ``PipelineSpec`` (``shmseq.options.LoaderOptions``
+checks its arguments and builds it), starts a ``Pipeline`` or an ``Inline`` runtime with a
+``Plan``, and reads each pass through a ``Cursor``; what is its own (torch's worker info,
+batches dealt in turn, how a forked child is told to start its own) it gives as
+``FrontEndHooks``. docs/architecture.md says how to add one.
 """
 from .common.errors import (BatchTimeout, PipelineClosed, SharedMemoryFull, ShmSeqError,
                             SkippedSamplesWarning, UnsupportedBatch, WorkerDied, WorkerError,

@@ -63,10 +63,11 @@ class OrderedOutput:
         self.waiting = len(self._items)
         return delivery
 
-    def pop_first(self, first_number: int) -> tuple[int, Delivery] | None:
-        """The delivery of number ``first_number`` or after that arrived first, with its number."""
+    def pop_first(self, first_number: int, end: float) -> tuple[int, Delivery] | None:
+        """The delivery numbered from ``first_number`` up to ``end`` (excluded) that arrived
+        first, with its number."""
         self.check()
-        number = next((number for number in self._items if number >= first_number), None)
+        number = next((number for number in self._items if first_number <= number < end), None)
         if number is None:
             return None
         delivery = self.pop(number)

@@ -339,7 +339,8 @@ class Pipeline:
         """The delivery of number ``first_number`` or after that arrived first, and its number (an
         epoch's batches in the order they are ready); ``position`` is ``first_number``'s."""
         def take() -> tuple[int, Delivery] | None:
-            if (found := self.output.pop_first(first_number)) is not None:
+            found = self.output.pop_first(first_number, self.stream.end_of(epoch))
+            if found is not None:
                 return found
             ended = self._past_the_end(epoch, position)
             return None if ended is None else (first_number, ended)

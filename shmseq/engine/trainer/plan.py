@@ -18,6 +18,7 @@ they are dispatched, across epochs.
 from __future__ import annotations
 
 import collections
+import math
 import numbers
 import sys
 from types import ModuleType
@@ -393,6 +394,11 @@ class BatchStream:
             if taken_epoch == epoch and first_position <= position < first_position + count:
                 return first + position - first_position
         return None
+
+    def end_of(self, epoch: int) -> float:
+        """The first number dispatched for an epoch after ``epoch`` (inf while none is): where
+        the numbers of ``epoch``'s pass end."""
+        return next((first for first, taken, _, _ in self._segments if taken > epoch), math.inf)
 
     def peek(self) -> Task | None:
         """The next task, left in the stream; None while the next batch's epoch is not open
