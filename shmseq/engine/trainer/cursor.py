@@ -53,7 +53,8 @@ class Cursor:
 
     def __next__(self) -> object:
         """The next batch in order (a worker's exception raised in its place)."""
-        self._skip_ahead()
+        if self._ahead:
+            self._skip_ahead()
         batch = self._pipeline.take_in_pass(self._zero + self.position, self.epoch, self.position)
         if batch is PAST_THE_END:
             raise StopIteration
