@@ -20,6 +20,7 @@ on after it. What differs on purpose, and why: docs/from-pytorch.md.
 from __future__ import annotations
 
 import signal
+import weakref
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, TypeVar, cast
 
@@ -33,7 +34,8 @@ except ModuleNotFoundError as missing:
         "(or your CUDA build of it). Without torch, shmseq.ShmSequence and shmseq.DataLoader "
         "deliver numpy arrays (out_type='null').", name="torch") from missing
 from torch.utils.data import DataLoader as TorchDataLoader, Dataset, IterableDataset, Sampler
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
+from torch.utils.data.dataloader import (_BaseDataLoaderIter, _DatasetKind,
+                                        _SingleProcessDataLoaderIter)
 
 from .checks import check_auto_bounds, check_int
 from .engine import (START_WORKERS, BatchTimeout, Cursor, FrontEndHooks, LoaderStats, Pipeline,
@@ -41,6 +43,8 @@ from .engine import (START_WORKERS, BatchTimeout, Cursor, FrontEndHooks, LoaderS
                      default_max_workers)
 from .options import LoaderOptions
 from .torch_collate import RaggedCollate, slot_collate
+from .torch_state import (PassStart, Samplers, drawn_as_saved, generators_of, loader_state,
+                          restore_generators, skipped)
 from .torch_worker import Fetcher, as_task, tell_torch
 
 if TYPE_CHECKING:
@@ -65,6 +69,12 @@ class DataLoader(TorchDataLoader[T_co]):
     ``prefetch_factor * max_workers + 2``).
     Beyond its attributes: ``stats`` (what went through the ring) and ``close()`` (stop
     persistent workers now, rather than when the loader is dropped).
+
+    Checkpoints, as torchdata's ``StatefulDataLoader``: ``state_dict()`` between any two
+    batches (a plain, JSON-serialisable dict), ``load_state_dict()`` before ``iter()``; the
+    resumed loader yields the batches the uninterrupted one would have, with any number of
+    workers (``snapshot_every_n_steps`` is accepted: every state is exact). See
+    ``shmseq.torch_state``.
     """
 
     def __init__(self, dataset: Dataset[T_co], batch_size: int | None = 1,
@@ -80,7 +90,8 @@ class DataLoader(TorchDataLoader[T_co]):
                  pin_memory_device: str = "", in_order: bool = True,
                  slot_bytes: int | None = None, worker_restarts: int = 0,
                  max_workers: int | None = None, cpu_budget: float | None = None,
-                 memory_budget: int | None = None) -> None:
+                 memory_budget: int | None = None,
+                 snapshot_every_n_steps: int | None = 1) -> None:
         self.max_workers = self._auto_workers(dataset, num_workers, max_workers, cpu_budget,
                                               memory_budget, prefetch_factor)
         self.cpu_budget, self.memory_budget = cpu_budget, memory_budget
@@ -95,9 +106,13 @@ class DataLoader(TorchDataLoader[T_co]):
                          pin_memory_device=pin_memory_device, in_order=in_order)
         check_int("slot_bytes", slot_bytes, 1, optional=True)
         check_int("worker_restarts", worker_restarts, 0)
+        check_int("snapshot_every_n_steps", snapshot_every_n_steps, 1, optional=True)
         self.slot_bytes = slot_bytes
         self.worker_restarts = worker_restarts
+        self.snapshot_every_n_steps = snapshot_every_n_steps
         self._stats = LoaderStats()
+        self._resume: dict | None = None  # a loaded mid-pass state, for the next iterator
+        self._latest: weakref.ref | None = None  # the iterator state_dict() describes
 
     @staticmethod
     def _auto_workers(dataset: object, num_workers: object, max_workers: int | None,
@@ -125,14 +140,50 @@ class DataLoader(TorchDataLoader[T_co]):
         return max_workers or default_max_workers()
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
-        if self.num_workers == 0:
-            return super()._get_iterator()  # nothing to carry: torch's own
-        if self._dataset_kind == _DatasetKind.Iterable and self.worker_restarts:
+        if self.num_workers and self._dataset_kind == _DatasetKind.Iterable and \
+                self.worker_restarts:
             raise ValueError(
                 f"worker_restarts={self.worker_restarts} needs a map-style dataset: a "
                 f"replacement worker cannot resume the stream of {type(self.dataset).__name__} "
                 "(an IterableDataset) where the dead one stopped; pass worker_restarts=0")
-        return _RingIterator(self)  # more workers than cores: torch's constructor warned
+        resume, self._resume = self._resume, None
+        make = _SingleIterator if self.num_workers == 0 else _RingIterator  # more workers than
+        # cores: torch's constructor warned
+        if resume is None:
+            iterator: _Checkpointed = make(self, None)
+        else:  # the draws of a new iterator leave torch's generator as the training loop has it
+            before = torch.get_rng_state()
+            try:
+                iterator = make(self, resume)
+            finally:
+                torch.set_rng_state(before)
+        self._latest = weakref.ref(iterator)
+        return iterator
+
+    def state_dict(self) -> dict:
+        """Where the loader stands (torchdata's ``StatefulDataLoader.state_dict``): loaded into
+        a loader built the same way, its next ``iter()`` goes on from here."""
+        if self._resume is not None:
+            return dict(self._resume)
+        iterator = None if self._latest is None else self._latest()
+        if iterator is None:
+            return loader_state(0, False, None, None, [], self._generators())
+        return iterator.state()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from ``state_dict()`` at the next ``iter()``: the rest of the pass it was
+        taken in (nothing, if it was taken after its last batch), or else the next pass."""
+        if not state:
+            return
+        restore_generators(self._generators(), state["generators_now"])
+        if state["pass"] is None or state["finished"]:
+            self._resume = None
+            return
+        self.close()  # persistent workers: the resumed pass is a new iterator's
+        self._resume = dict(state)
+
+    def _generators(self) -> list[torch.Generator]:
+        return generators_of(self, self.sampler, self.batch_sampler)
 
     def tuned_arguments(self) -> dict[str, object]:
         """The arguments that make a loader tune its workers as this one does (``on_ring``'s
@@ -173,7 +224,69 @@ class DataLoader(TorchDataLoader[T_co]):
         self.close()
 
 
-class _RingIterator(_BaseDataLoaderIter):
+class _Checkpointed(_BaseDataLoaderIter):
+    """What an iterator of ``DataLoader`` adds to torch's for ``state_dict()``: where its pass
+    was drawn from (``PassStart``), and whether it ended; a resumed pass drawn again."""
+
+    _pass: PassStart
+    _generators: list[torch.Generator]
+    _finished = False
+    _skipped: tuple[int, frozenset[int]] = (0, frozenset())  # a resumed pass's: the batches
+    # handed over before it, in order and ahead of their turn (in_order=False)
+
+    def _begin_pass(self, loader: DataLoader, resume: dict | None) -> None:
+        """After torch's ``_reset`` made the index sampler's iterator: read it through a
+        ``PassStart``; resumed, draw the saved pass again past the batches handed over."""
+        self._generators = generators_of(loader, loader.sampler, loader.batch_sampler)
+        samplers = Samplers(self._index_sampler)
+        self._finished = False
+        if resume is None:
+            self._pass = PassStart(self._sampler_iter, self._generators, samplers)
+        else:
+            ahead = frozenset(resume["ahead"])
+            if self._dataset_kind != _DatasetKind.Iterable:
+                self._skipped = (resume["num_yielded"] - len(ahead), ahead)
+            with drawn_as_saved(self._generators, resume["pass"], samplers):
+                items = skipped(iter(self._index_sampler), *self._skipped)
+            self._pass = PassStart(items, self._generators, samplers, resume["pass"])
+            self._base_seed = resume["base_seed"]
+        self._sampler_iter = self._pass
+
+    def _fast_forward(self, resume: dict | None) -> None:
+        """An ``IterableDataset``'s stream has no index to skip: the batches handed over
+        before are built again, and dropped."""
+        if resume is not None and self._dataset_kind == _DatasetKind.Iterable:
+            for _ in range(resume["num_yielded"]):
+                next(self)
+        elif resume is not None:
+            self._num_yielded = resume["num_yielded"]
+
+    def __next__(self) -> Any:
+        try:
+            return super().__next__()
+        except StopIteration:
+            self._finished = True
+            raise
+
+    def state(self) -> dict:
+        return loader_state(self._num_yielded, self._finished, int(self._base_seed),
+                            self._pass.states, self._handed_ahead(), self._generators)
+
+    def _handed_ahead(self) -> list[int]:
+        """The batches of the pass handed over before their turn: none, in order."""
+        return []
+
+
+class _SingleIterator(_Checkpointed, _SingleProcessDataLoaderIter):
+    """torch's own iterator without workers, with a state."""
+
+    def __init__(self, loader: DataLoader, resume: dict | None) -> None:
+        super().__init__(loader)
+        self._begin_pass(loader, resume)
+        self._fast_forward(resume)
+
+
+class _RingIterator(_Checkpointed):
     """One pass over the dataset per ``iter()``, its batches built by worker processes into
     the ring; the workers stay for the next pass with ``persistent_workers``. An
     ``IterableDataset``'s pass ends once every worker's stream has ended; a worker whose
@@ -183,7 +296,7 @@ class _RingIterator(_BaseDataLoaderIter):
     sampler's iterator; each pass hands that iterator to the pipeline, which draws from it as
     the workers need batches (an endless sampler is fine)."""
 
-    def __init__(self, loader: DataLoader) -> None:
+    def __init__(self, loader: DataLoader, resume: dict | None) -> None:
         super().__init__(loader)
         self._in_order = loader.in_order
         self._plan = SamplerPlan(self._index_sampler, as_task=as_task)
@@ -213,13 +326,17 @@ class _RingIterator(_BaseDataLoaderIter):
         self._stopped: list = []  # the worker processes, once shut down
         self._dead: WorkerDied | None = None  # a worker that died, without its traceback
         self._epoch = -1
+        self._resume_first = resume
         self._reset(loader, first_iter=True)
+        self._fast_forward(resume)
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         """A new pass: torch's ``_reset`` makes the index sampler's iterator, the pipeline
         drops what is left of the pass before and gives the workers the first batches. The
         workers start here the first time, and again if an earlier failure stopped them."""
         super()._reset(loader, first_iter)
+        resume, self._resume_first = self._resume_first, None
+        self._begin_pass(loader, resume)
         dead = self._dead
         if dead is not None:
             restarts = "" if dead.starting else (
@@ -276,6 +393,17 @@ class _RingIterator(_BaseDataLoaderIter):
         except (ShmSeqError, KeyboardInterrupt, SystemExit):
             self._shutdown_workers()  # a failure of the pipeline, or Ctrl-C: nothing left running
             raise
+
+    def _handed_ahead(self) -> list[int]:
+        """The cursor's batches handed over ahead of their turn, and those a resumed pass
+        skipped, as positions of the whole pass."""
+        count, before = self._skipped
+        cursor = self._cursor
+        if cursor is None:
+            return []
+        first = _position_in_pass(cursor.position, count, before)
+        return sorted({_position_in_pass(p, count, before) for p in cursor.ahead()} |
+                      {p for p in before if p >= first})
 
     @property
     def pipeline(self) -> Pipeline | None:
@@ -335,6 +463,17 @@ def on_ring(loader: TorchDataLoader, like: DataLoader | None = None) -> TorchDat
     return loader
 
 
+def _position_in_pass(position: int, count: int, before: frozenset[int]) -> int:
+    """Where batch ``position`` of a resumed pass is in the whole pass, which skipped its first
+    ``count`` batches and those at ``before``."""
+    position += count
+    for skipped_at in sorted(before):
+        if skipped_at > position:
+            break
+        position += 1
+    return position
+
+
 def _torchs_words(death: WorkerDied) -> str:
     """A dead worker as torch's loader reports it: by its signal, or as gone."""
     if death.exitcode is not None and death.exitcode < 0:
@@ -343,4 +482,6 @@ def _torchs_words(death: WorkerDied) -> str:
     return f"DataLoader worker (pid(s) {death.pid}) exited unexpectedly"
 
 
-__all__ = ["DataLoader", "RaggedCollate", "on_ring", "slot_collate"]
+StatefulDataLoader = DataLoader  # torchdata's name: its users change one import too
+
+__all__ = ["DataLoader", "RaggedCollate", "StatefulDataLoader", "on_ring", "slot_collate"]

@@ -75,6 +75,10 @@ class Cursor:
         self._pipeline.release(self.epoch, self.position)
         return number, delivery
 
+    def ahead(self) -> frozenset[int]:
+        """The positions handed over before their turn, past ``position``."""
+        return frozenset(self._ahead)
+
     def hand_over(self, number: int, delivery: Delivery) -> object:
         """The batch of a delivery ``next_delivery`` gave, as the consumer gets it."""
         return self._pipeline.hand_over(number, delivery)

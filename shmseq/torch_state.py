@@ -1,0 +1,143 @@
+"""Where a ``shmseq.torch.DataLoader`` stopped, as a plain dict, and how a pass resumes there.
+
+A pass's order is drawn from random generators as its sampler is first read: torch's global
+one (a ``RandomSampler`` without a generator seeds its own from it), the sampler's own
+``generator``, the loader's. ``PassStart`` notes their states just before that first read;
+with the batches handed over since (``num_yielded``) that is where the pass stands, whatever
+the workers (their number does not change which samples form a batch). A resumed pass sets
+the generators back to those states, draws the pass again, and skips the indices of the
+batches handed over before (no batch is built for them); then torch's global generator gets
+the state it had before the resume, which the training loop's own checkpoint restores.
+Generators given to the samplers are left where the uninterrupted pass left them.
+
+A sampler (or batch sampler) with ``state_dict()``/``load_state_dict()`` has its state noted
+with the others, and loaded before the pass is drawn again; one with ``set_epoch`` (torch's
+``DistributedSampler``) has its epoch noted, and set again: a trainer that resumes sets it
+after it made the iterator, or not at all.
+"""
+from __future__ import annotations
+
+import base64
+import contextlib
+import itertools
+from typing import Any, Iterable, Iterator
+
+import torch
+
+VERSION = 1
+
+
+def _encoded(generator: torch.Generator | None) -> str:
+    state = torch.get_rng_state() if generator is None else generator.get_state()
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def _decoded(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def generators_of(*owners: object) -> list[torch.Generator]:
+    """The generators the loader, its sampler and batch sampler (and a batch sampler's sampler)
+    draw from, each once."""
+    found: dict[int, torch.Generator] = {}
+    for owner in owners:
+        for holder in (owner, getattr(owner, "sampler", None)):
+            generator = getattr(holder, "generator", None)
+            if isinstance(generator, torch.Generator):
+                found.setdefault(id(generator), generator)
+    return list(found.values())
+
+
+class Samplers:
+    """The index sampler, and the sampler it batches: which keeps a state of its own, which
+    draws by epoch (``set_epoch``)."""
+
+    def __init__(self, index_sampler: object) -> None:
+        holders: tuple[Any, ...] = (index_sampler, getattr(index_sampler, "sampler", None))
+        self.stateful: Any = next((h for h in holders if callable(getattr(h, "state_dict", None))
+                              and callable(getattr(h, "load_state_dict", None))), None)
+        self.by_epoch: Any = next((h for h in holders if callable(getattr(h, "set_epoch", None))
+                              and isinstance(getattr(h, "epoch", None), int)), None)
+
+    def state(self) -> dict:
+        return {"sampler": None if self.stateful is None else self.stateful.state_dict(),
+                "epoch": None if self.by_epoch is None else self.by_epoch.epoch}
+
+    def restore(self, state: dict) -> None:
+        if self.stateful is not None and state.get("sampler") is not None:
+            self.stateful.load_state_dict(state["sampler"])
+        if self.by_epoch is not None and state.get("epoch") is not None:
+            self.by_epoch.set_epoch(state["epoch"])
+
+
+def snapshot(generators: list[torch.Generator], samplers: Samplers) -> dict:
+    """The states a pass is drawn from (JSON-serialisable)."""
+    return {"torch": _encoded(None), "generators": [_encoded(g) for g in generators],
+            **samplers.state()}
+
+
+def restore_generators(generators: list[torch.Generator], states: list[str]) -> None:
+    if len(states) != len(generators):
+        raise ValueError(f"the state names {len(states)} random generators of the samplers, this "
+                         f"loader has {len(generators)}: build the loader as the saved one was")
+    for generator, state in zip(generators, states):
+        generator.set_state(_decoded(state))
+
+
+class PassStart:
+    """The index sampler's iterator, read through: the generators' states are noted just
+    before its first item is drawn. Holds the generators only (not the loader: the pipeline
+    holds this iterator, and nothing in it may refer back to the loader)."""
+
+    def __init__(self, items: Iterator, generators: list[torch.Generator], samplers: Samplers,
+                 states: dict | None = None) -> None:
+        self._items = items
+        self._generators = generators
+        self._samplers = samplers
+        self.states = states  # noted at the first item (or given: a resumed pass's)
+
+    def __iter__(self) -> PassStart:
+        return self
+
+    def __next__(self) -> Any:
+        if self.states is None:
+            self.states = snapshot(self._generators, self._samplers)
+        return next(self._items)
+
+
+@contextlib.contextmanager
+def drawn_as_saved(generators: list[torch.Generator], states: dict,
+                   samplers: Samplers) -> Iterator[None]:
+    """Inside: the generators and samplers as they were when the saved pass was drawn. After:
+    torch's global generator as it was before."""
+    before = torch.get_rng_state()
+    torch.set_rng_state(_decoded(states["torch"]))
+    restore_generators(generators, states["generators"])
+    samplers.restore(states)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(before)
+
+
+def skipped(items: Iterator, count: int, also: frozenset[int] = frozenset()) -> Iterator:
+    """``items`` past its first ``count`` and those at positions ``also``, its next one drawn
+    now (so that the draw happens where the caller has set the generators)."""
+    rest = (item for position, item in enumerate(items)
+            if position >= count and position not in also)
+    try:
+        first = next(rest)
+    except StopIteration:
+        return iter(())
+    return itertools.chain((first,), rest)
+
+
+def loader_state(num_yielded: int, finished: bool, base_seed: int | None,
+                 pass_states: dict | None, ahead: list[int],
+                 generators: Iterable[torch.Generator]) -> dict:
+    """The state ``DataLoader.state_dict()`` gives: where the pass stands (``ahead``: batches
+    handed over before their turn), and the samplers' generators as they are now (for a
+    resume between passes)."""
+    return {"version": VERSION, "num_yielded": num_yielded, "finished": finished,
+            "base_seed": base_seed, "pass": pass_states, "ahead": ahead,
+            "generators_now": [_encoded(g) for g in generators]}

@@ -1,0 +1,151 @@
+"""Checkpoints through shmseq.torch.DataLoader, as torchdata's StatefulDataLoader has them: a
+state taken between any two batches, loaded into a loader built the same way, gives the batches
+the uninterrupted loader gave, with any number of workers; the state is plain JSON."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch.utils.data import Dataset, IterableDataset, RandomSampler  # noqa: E402
+
+from shmseq.torch import DataLoader, StatefulDataLoader  # noqa: E402
+
+SAMPLES = 40
+
+
+class Numbers(Dataset):
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+class SlowFirstSample(Numbers):
+    def __getitem__(self, index: int) -> int:
+        if index == 0:
+            time.sleep(0.3)
+        return index
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        workers, me = (1, 0) if info is None else (info.num_workers, info.id)
+        return iter(range(me, SAMPLES, workers))
+
+
+def listed(batches) -> list[list[int]]:
+    return [batch.tolist() for batch in batches]
+
+
+def interrupted(make, stop_at: int, epochs: int = 1) -> tuple[list, dict, torch.Tensor, list]:
+    """Run ``make()``'s loader for ``epochs``, its state (and torch's generator) taken after
+    batch ``stop_at`` of the last epoch; what it gave up to that point, and after it."""
+    torch.manual_seed(7)
+    loader = make()
+    before, after, state, rng = [], [], None, None
+    for epoch in range(epochs):
+        for step, batch in enumerate(loader):
+            (after if state is not None else before).append(batch.tolist())
+            torch.rand(3)  # the training loop draws too (dropout, augmentation)
+            if epoch == epochs - 1 and step == stop_at:
+                state, rng = json.loads(json.dumps(loader.state_dict())), torch.get_rng_state()
+    if state is None:  # taken after the last batch, before the end was seen
+        state, rng = json.loads(json.dumps(loader.state_dict())), torch.get_rng_state()
+    return before, state, rng, after
+
+
+def resumed(make, state: dict, rng: torch.Tensor) -> list[list[int]]:
+    torch.manual_seed(12345)  # another run: its generator is the checkpoint's once restored
+    loader = make()
+    loader.load_state_dict(state)
+    torch.set_rng_state(rng)
+    batches = iter(loader)
+    assert torch.equal(torch.get_rng_state(), rng)  # the pass drawn again: not from the loop's
+    return listed(batches)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("stop_at", [0, 3, 9])
+def test_a_pass_resumes_where_its_state_was_taken(workers, stop_at):
+    def make():
+        return DataLoader(Numbers(), batch_size=4, shuffle=True, num_workers=workers)
+    before, state, rng, after = interrupted(make, stop_at)
+    assert resumed(make, state, rng) == after
+    assert sorted(sum(before + after, [])) == list(range(SAMPLES))
+
+
+def test_a_state_taken_at_the_last_batch_resumes_to_an_empty_rest_then_the_next_pass():
+    def make():
+        return DataLoader(Numbers(), batch_size=4, shuffle=True, num_workers=2)
+    torch.manual_seed(7)
+    loader = make()
+    first = listed(loader)
+    state = loader.state_dict()  # after the pass's end was seen
+    rng = torch.get_rng_state()
+    second = listed(loader)
+    again = make()
+    again.load_state_dict(state)
+    torch.set_rng_state(rng)
+    assert listed(again) == second
+    assert first != second
+
+
+def test_a_resume_goes_on_with_another_number_of_workers():
+    before, state, rng, after = interrupted(
+        lambda: DataLoader(Numbers(), batch_size=4, shuffle=True, num_workers=2), 4)
+    for workers in (0, 3):
+        assert resumed(lambda: DataLoader(Numbers(), batch_size=4, shuffle=True,
+                                          num_workers=workers), state, rng) == after
+
+
+def test_a_samplers_own_generator_is_saved_across_passes():
+    def make():
+        generator = torch.Generator().manual_seed(3)
+        return DataLoader(Numbers(), batch_size=5, num_workers=2,
+                          sampler=RandomSampler(Numbers(), generator=generator))
+    torch.manual_seed(0)
+    loader = make()
+    listed(loader)
+    state = loader.state_dict()
+    second = listed(loader)
+    again = make()
+    again.load_state_dict(state)
+    assert listed(again) == second  # not the first pass's order again
+
+
+def test_the_second_epoch_of_persistent_workers_resumes_mid_pass():
+    def make():
+        return DataLoader(Numbers(), batch_size=4, shuffle=True, num_workers=2,
+                          persistent_workers=True)
+    before, state, rng, after = interrupted(make, 5, epochs=2)
+    assert resumed(make, state, rng) == after
+
+
+def test_batches_handed_over_as_they_came_are_not_given_again():
+    def make():
+        return DataLoader(SlowFirstSample(), batch_size=4, num_workers=2, in_order=False)
+    before, state, rng, after = interrupted(make, 3)
+    assert state["ahead"]  # the slow first batch was not handed over yet
+    got = resumed(make, state, rng)
+    assert sorted(sum(before + got, [])) == list(range(SAMPLES))
+
+
+def test_an_iterable_datasets_stream_is_fast_forwarded():
+    def make():
+        return DataLoader(Stream(), batch_size=3, num_workers=2)
+    before, state, rng, after = interrupted(make, 4)
+    assert resumed(make, state, rng) == after
+
+
+def test_torchdatas_name_and_arguments_are_taken():
+    loader = StatefulDataLoader(Numbers(), batch_size=4, num_workers=0, snapshot_every_n_steps=10)
+    assert loader.state_dict()["num_yielded"] == 0
+    loader.load_state_dict({})  # torchdata's "nothing to load"
+    assert len(listed(loader)) == 10
+    with pytest.raises(ValueError, match="snapshot_every_n_steps"):
+        StatefulDataLoader(Numbers(), snapshot_every_n_steps=0)
