@@ -138,7 +138,13 @@ class DataLoader(SampleLoader):
                  worker_restarts: int = 0, max_workers: int | None = None,
                  cpu_budget: float | None = None, memory_budget: int | None = None) -> None:
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-            raise TypeError(f"dataset must have __getitem__ and __len__, got {type(dataset).__name__}")
+            stream = hasattr(dataset, "__iter__")
+            raise TypeError(
+                f"dataset must have __getitem__ and __len__ (samples read by index), got "
+                f"{type(dataset).__name__}" + (
+                    ", a stream of samples (an IterableDataset): shmseq.torch.DataLoader reads "
+                    "one as torch's DataLoader does, each worker iterating its copy, on shmseq's "
+                    "ring" if stream else ""))
         self._check(batch_size, shuffle, num_workers, prefetch, thread_pool)
         self.dataset = dataset
         self.batch_sampler = self._batch_sampler(batch_size, shuffle, sampler, last_batch,

@@ -174,6 +174,7 @@ class ShmSequence:
         self.epoch = 0                   # the epoch the next iteration starts
         self._resume_at = 0               # ... at this batch (set by load_state_dict)
         self._last = (-1, 0)              # (epoch, batches delivered) of the last iteration
+        self._last_ended = False          # ... and whether it saw its epoch's end
         self._open: tuple[int, int] | None = None  # (epoch, first position) being iterated
         self._iterating: tuple[Runtime, object] | None = None  # (runtime, token) of the iteration
         self._claim = threading.Lock()
@@ -357,6 +358,7 @@ class ShmSequence:
         epoch, position = self.epoch, self._resume_at
         self.epoch, self._resume_at = epoch + 1, 0
         self._open = self._last = (epoch, position)
+        self._last_ended = False
         delivered = position
         try:
             for batch in runtime.batches(epoch, position):  # no enumerate(): it keeps the last
@@ -364,6 +366,7 @@ class ShmSequence:
                 self._last = (epoch, delivered)
                 yield batch
                 del batch
+            self._last_ended = True
         except GeneratorExit:
             raise
         except BaseException:
@@ -401,9 +404,12 @@ class ShmSequence:
 
     def state_dict(self) -> dict:
         """Where the consumer is: a run restored from this yields exactly the batches it had not
-        received yet, in the same order."""
+        received yet, in the same order. Taken at an epoch's last batch (inside the loop), it
+        is that epoch's end, as torchdata's loaders have it: the restored run's iteration of
+        that epoch yields nothing, then the next epoch comes; taken once the loop ended, it is
+        the next epoch's start."""
         epoch, delivered = self._last
-        if self._resume_at or epoch < 0 or delivered >= self._plan.length(epoch):
+        if self._resume_at or epoch < 0 or self._last_ended:
             epoch, delivered = self.epoch, self._resume_at  # between epochs
         plan = self._plan
         return self.stage.saved(self, {
@@ -428,6 +434,6 @@ class ShmSequence:
         self._seed = int(state["seed"])
         self._plan.settle_seed(self._seed)
         self.epoch, self._resume_at = int(state["epoch"]), int(state["position"])
-        self._last = (-1, 0)
+        self._last, self._last_ended = (-1, 0), False
         if self._runtime is not None:
             self._runtime.replan()  # batches in flight were planned with the old seed

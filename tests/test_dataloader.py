@@ -274,3 +274,12 @@ def test_resuming_anywhere_continues_the_same_stream(n, size, stop, policy, shuf
     while len(delivered) < len(expected):
         delivered += [b.tolist() for b in resumed]
     assert delivered[:len(expected)] == expected
+
+
+def test_a_stream_of_samples_is_refused_naming_the_front_end_that_reads_one():
+    class Stream:  # an IterableDataset's shape: samples by iteration only
+        def __iter__(self):
+            return iter(range(10))
+
+    with pytest.raises(TypeError, match=r"got Stream, a stream .* shmseq\.torch\.DataLoader"):
+        DataLoader(Stream(), batch_size=2)

@@ -402,3 +402,27 @@ def test_worker_processes_run_torchs_operators_on_one_thread(start_method):
     torch.set_num_threads(2)
     with make(ThreadCount, dset_size=8, start_method=start_method).start() as seq:
         assert {int(n) for batch in seq for n in batch} == {1}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_taken_at_an_epochs_last_batch_resumes_to_its_end_not_its_start(workers):
+    """A loop that checkpoints at the last batch of an epoch and counts epochs itself (calling
+    set_epoch from its counter, as trainers do) goes on with the next epoch, as under
+    torchdata's loaders: the finished epoch is not given again."""
+    def run(seq, epochs, state=None):
+        got, saved = [], None
+        with seq:
+            if state is not None:
+                seq.load_state_dict(state)
+            for epoch in epochs:
+                seq.set_epoch(epoch)
+                for step, batch in enumerate(seq):
+                    got.append((epoch, batch.tolist()))
+                    if saved is None and state is None and step == len(seq) - 1:
+                        saved = seq.state_dict()
+        return got, saved
+
+    full, state = run(make(shuffle=True, seed=5, num_workers=workers), range(2))
+    assert (state["epoch"], state["position"]) == (0, 10)
+    resumed, _ = run(make(shuffle=True, seed=5, num_workers=workers), range(0, 2), state)
+    assert resumed == full[10:]  # nothing of epoch 0, then epoch 1 as the uninterrupted run
