@@ -20,7 +20,6 @@ on after it. What differs on purpose, and why: docs/from-pytorch.md.
 from __future__ import annotations
 
 import signal
-import weakref
 from multiprocessing.context import BaseContext
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, TypeVar, cast
 
@@ -43,8 +42,8 @@ from .engine import (START_WORKERS, BatchTimeout, Cursor, FrontEndHooks, LoaderS
                      default_max_workers)
 from .options import LoaderOptions
 from .torch_collate import RaggedCollate, slot_collate
-from .torch_state import (PassStart, Samplers, drawn_as_saved, generators_of, loader_state,
-                          restore_generators, skipped)
+from .torch_state import (PassRecord, PassStart, Samplers, drawn_as_saved, generators_of,
+                          loader_state, restore_generators, skipped)
 from .torch_worker import Fetcher, as_task, tell_torch
 
 if TYPE_CHECKING:
@@ -112,7 +111,7 @@ class DataLoader(TorchDataLoader[T_co]):
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self._stats = LoaderStats()
         self._resume: dict | None = None  # a loaded mid-pass state, for the next iterator
-        self._latest: weakref.ref | None = None  # the iterator state_dict() describes
+        self._record: PassRecord | None = None  # the pass state_dict() describes
 
     @staticmethod
     def _auto_workers(dataset: object, num_workers: object, max_workers: int | None,
@@ -157,7 +156,6 @@ class DataLoader(TorchDataLoader[T_co]):
                 iterator = make(self, resume)
             finally:
                 torch.set_rng_state(before)
-        self._latest = weakref.ref(iterator)
         return iterator
 
     def state_dict(self) -> dict:
@@ -165,10 +163,9 @@ class DataLoader(TorchDataLoader[T_co]):
         a loader built the same way, its next ``iter()`` goes on from here."""
         if self._resume is not None:
             return dict(self._resume)
-        iterator = None if self._latest is None else self._latest()
-        if iterator is None:
+        if self._record is None:
             return loader_state(0, False, None, None, [], self._generators())
-        return iterator.state()
+        return self._record.state(self._generators())
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()`` at the next ``iter()``: the rest of the pass it was
@@ -228,9 +225,10 @@ class _Checkpointed(_BaseDataLoaderIter):
     """What an iterator of ``DataLoader`` adds to torch's for ``state_dict()``: where its pass
     was drawn from (``PassStart``), and whether it ended; a resumed pass drawn again."""
 
+    _in_order = True  # batches handed over in order (torch's in_order, with workers)
     _pass: PassStart
+    _record: PassRecord
     _generators: list[torch.Generator]
-    _finished = False
     _skipped: tuple[int, frozenset[int]] = (0, frozenset())  # a resumed pass's: the batches
     # handed over before it, in order and ahead of their turn (in_order=False)
 
@@ -239,7 +237,6 @@ class _Checkpointed(_BaseDataLoaderIter):
         ``PassStart``; resumed, draw the saved pass again past the batches handed over."""
         self._generators = generators_of(loader, loader.sampler, loader.batch_sampler)
         samplers = Samplers(self._index_sampler)
-        self._finished = False
         if resume is None:
             self._pass = PassStart(self._sampler_iter, self._generators, samplers)
         else:
@@ -251,6 +248,7 @@ class _Checkpointed(_BaseDataLoaderIter):
             self._pass = PassStart(items, self._generators, samplers, resume["pass"])
             self._base_seed = resume["base_seed"]
         self._sampler_iter = self._pass
+        self._record = loader._record = PassRecord(self._pass, int(self._base_seed))
 
     def _fast_forward(self, resume: dict | None) -> None:
         """An ``IterableDataset``'s stream has no index to skip: the batches handed over
@@ -259,18 +257,19 @@ class _Checkpointed(_BaseDataLoaderIter):
             for _ in range(resume["num_yielded"]):
                 next(self)
         elif resume is not None:
-            self._num_yielded = resume["num_yielded"]
+            self._num_yielded = self._record.num_yielded = resume["num_yielded"]
+            self._record.ahead = sorted(self._skipped[1])
 
     def __next__(self) -> Any:
         try:
-            return super().__next__()
+            batch = super().__next__()
         except StopIteration:
-            self._finished = True
+            self._record.finished = True
             raise
-
-    def state(self) -> dict:
-        return loader_state(self._num_yielded, self._finished, int(self._base_seed),
-                            self._pass.states, self._handed_ahead(), self._generators)
+        self._record.num_yielded = self._num_yielded
+        if self._skipped[1] or not self._in_order:
+            self._record.ahead = self._handed_ahead()
+        return batch
 
     def _handed_ahead(self) -> list[int]:
         """The batches of the pass handed over before their turn: none, in order."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import itertools
 from typing import Any, Iterable, Iterator
 
@@ -141,3 +142,18 @@ def loader_state(num_yielded: int, finished: bool, base_seed: int | None,
     return {"version": VERSION, "num_yielded": num_yielded, "finished": finished,
             "base_seed": base_seed, "pass": pass_states, "ahead": ahead,
             "generators_now": [_encoded(g) for g in generators]}
+
+
+@dataclasses.dataclass
+class PassRecord:
+    """Where an iterator's pass stands, kept by its loader: a loop left with ``break`` drops
+    the iterator, and ``state_dict()`` must still describe its pass."""
+    start: PassStart
+    base_seed: int
+    num_yielded: int = 0
+    finished: bool = False
+    ahead: list[int] = dataclasses.field(default_factory=list)  # handed before their turn
+
+    def state(self, generators: Iterable[torch.Generator]) -> dict:
+        return loader_state(self.num_yielded, self.finished, self.base_seed, self.start.states,
+                            self.ahead, generators)

@@ -149,3 +149,24 @@ def test_torchdatas_name_and_arguments_are_taken():
     assert len(listed(loader)) == 10
     with pytest.raises(ValueError, match="snapshot_every_n_steps"):
         StatefulDataLoader(Numbers(), snapshot_every_n_steps=0)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loop_left_with_break_is_still_where_the_state_says(workers):
+    """The loop drops its iterator at ``break``: the loader still knows where that pass stood."""
+    def make():
+        return DataLoader(Numbers(), batch_size=4, shuffle=True, num_workers=workers)
+    torch.manual_seed(1)
+    loader = make()
+    got = []
+    for step, batch in enumerate(loader):
+        got.append(batch.tolist())
+        if step == 4:
+            break
+    state = loader.state_dict()
+    assert state["num_yielded"] == 5
+    torch.manual_seed(1)
+    whole = listed(make())
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert got + listed(resumed) == whole
