@@ -132,6 +132,9 @@ class ShmSequence:
         device: makes the ``Device`` each start uses instead of the one ``out_type`` makes:
             a consumer-side stage (``shmseq.decode.DecodeStage``: JPEG decode in the trainer),
             or ``shmseq.testing``'s fakes, to test a pipeline's copies without a GPU.
+        stage: for loaders built on a sequence, their own part around it (a ``Stage``: the
+            plan, and hooks at each start, finish, save and load); ``ShardSequence`` and
+            ``shmseq.DataLoader`` give theirs.
 
     Raises:
         ValueError, TypeError: an argument out of its range or of the wrong type (the message
