@@ -42,8 +42,9 @@ from .engine import (START_WORKERS, BatchTimeout, Cursor, FrontEndHooks, LoaderS
                      default_max_workers)
 from .options import LoaderOptions
 from .torch_collate import RaggedCollate, slot_collate
-from .torch_state import (PassRecord, PassStart, Samplers, drawn_as_saved, generators_of,
-                          loader_state, restore_generators, skipped)
+from .torch_state import (VERSION as STATE_VERSION, PassRecord, PassStart, Samplers,
+                          drawn_as_saved, generators_of, loader_state, restore_generators,
+                          skipped)
 from .torch_worker import Fetcher, as_task, tell_torch
 
 if TYPE_CHECKING:
@@ -172,6 +173,11 @@ class DataLoader(TorchDataLoader[T_co]):
         taken in (nothing, if it was taken after its last batch), or else the next pass."""
         if not state:
             return
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"state with keys {sorted(state)} is not one shmseq.torch.DataLoader.state_dict() "
+                f"gave (version {STATE_VERSION}): a torchdata StatefulDataLoader's state does not "
+                "load here; resume from a state this loader saved, or start the pass afresh")
         restore_generators(self._generators(), state["generators_now"])
         if state["pass"] is None or state["finished"]:
             self._resume = None

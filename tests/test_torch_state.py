@@ -170,3 +170,9 @@ def test_a_loop_left_with_break_is_still_where_the_state_says(workers):
     resumed = make()
     resumed.load_state_dict(state)
     assert got + listed(resumed) == whole
+
+
+def test_a_state_another_loader_made_is_refused_saying_so():
+    loader = DataLoader(Numbers(), batch_size=4)
+    with pytest.raises(ValueError, match="torchdata StatefulDataLoader's state does not load"):
+        loader.load_state_dict({"_snapshot": {}, "_steps_since_snapshot": 0})
