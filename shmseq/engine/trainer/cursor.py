@@ -24,7 +24,7 @@ class Consumer(Protocol):
 
     def open(self, epoch: int, position: int = 0, batches: Iterable | None = None) -> int: ...
 
-    def take_in_pass(self, number: int, epoch: int, position: int) -> object: ...
+    def take(self, number: int, epoch: int, position: int) -> object: ...
 
     def receive(self, number: int, epoch: int, position: int) -> Delivery: ...
 
@@ -55,7 +55,7 @@ class Cursor:
         """The next batch in order (a worker's exception raised in its place)."""
         if self._ahead:
             self._skip_ahead()
-        batch = self._pipeline.take_in_pass(self._zero + self.position, self.epoch, self.position)
+        batch = self._pipeline.take(self._zero + self.position, self.epoch, self.position)
         if batch is PAST_THE_END:
             raise StopIteration
         self.position += 1

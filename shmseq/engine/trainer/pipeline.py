@@ -301,10 +301,10 @@ class Pipeline:
         """The batches of ``epoch`` from ``position`` on, in order."""
         yield from Cursor(self, epoch, position)
 
-    def take_in_pass(self, number: int, epoch: int, position: int) -> object:
-        """``take``, or ``PAST_THE_END`` when ``epoch`` has no batch at ``position`` (asked of
-        the plan only when the stream has not dispatched it: it has no such batch, or its
-        epoch's end is not known yet)."""
+    def take(self, number: int, epoch: int, position: int) -> object:
+        """Batch ``number`` (``position`` of ``epoch``), as the consumer gets it; ``PAST_THE_END``
+        when ``epoch`` has no batch at ``position`` (asked of the plan only when the stream has
+        not dispatched it: it has no such batch, or its epoch's end is not known yet)."""
         def take() -> Delivery | None:
             if self.stream.number_of(epoch, position) is None and \
                     self.plan.batch(epoch, position) is None:
@@ -317,22 +317,15 @@ class Pipeline:
             self.plan.release(epoch, position + 1)
             return self.converter.hand_over(number, delivery)
 
-    def take(self, number: int, epoch: int, position: int) -> object:
-        """Batch ``number`` (``position`` of ``epoch``), as the consumer gets it."""
-        with self._turn:
-            return self.converter.hand_over(number, self._received(number, epoch, position))
-
     def receive(self, number: int, epoch: int, position: int) -> Delivery:
         """The delivery of batch ``number`` (``position`` of ``epoch``): from the output if it is
         there, else once the pool brings it. Raises what keeps it from coming (a timeout, a
         worker's death, the pipeline closed)."""
         with self._turn:
-            return self._received(number, epoch, position)
-
-    def _received(self, number: int, epoch: int, position: int) -> Delivery:
-        delivery = self._first_ready(
-            lambda: self.output.pop(number) or self._past_the_end(epoch, position), epoch, position)
-        self.plan.release(epoch, position + 1)
+            delivery = self._first_ready(
+                lambda: self.output.pop(number) or self._past_the_end(epoch, position), epoch,
+                position)
+            self.plan.release(epoch, position + 1)
         return delivery
 
     def receive_any(self, first_number: int, epoch: int, position: int) -> tuple[int, Delivery]:
