@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import signal
 from multiprocessing.context import BaseContext
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, TypeVar, cast
 
 try:
     import torch
@@ -42,10 +42,12 @@ from .engine import (START_WORKERS, BatchTimeout, Cursor, FrontEndHooks, LoaderS
                      default_max_workers)
 from .options import LoaderOptions
 from .torch_collate import RaggedCollate, slot_collate
+from .torch_dataset_state import load_dataset_state, load_stream_state, snapshot
 from .torch_state import (VERSION as STATE_VERSION, PassRecord, PassStart, Samplers,
-                          drawn_as_saved, generators_of, loader_state, restore_generators,
+                          WorkerRecords, check_workers, drawn_as_saved, generators_of,
+                          kept_torch_rng, loader_state, records_in, restore_generators,
                           skipped)
-from .torch_worker import Fetcher, as_task, tell_torch
+from .torch_worker import Fetcher, Resumed, as_task, tell_torch
 
 if TYPE_CHECKING:
     from .engine import Delivery
@@ -106,12 +108,12 @@ class DataLoader(TorchDataLoader[T_co]):
                          pin_memory_device=pin_memory_device, in_order=in_order)
         check_int("slot_bytes", slot_bytes, 1, optional=True)
         check_int("worker_restarts", worker_restarts, 0)
-        check_int("snapshot_every_n_steps", snapshot_every_n_steps, 1, optional=True)
+        check_int("snapshot_every_n_steps", snapshot_every_n_steps, 0, optional=True)
         self.slot_bytes = slot_bytes
         self.worker_restarts = worker_restarts
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self._stats = LoaderStats()
-        self._resume: dict | None = None  # a loaded mid-pass state, for the next iterator
+        self._resume: dict | None = None  # a loaded state, for the next iterator
         self._record: PassRecord | None = None  # the pass state_dict() describes
 
     @staticmethod
@@ -149,15 +151,7 @@ class DataLoader(TorchDataLoader[T_co]):
         resume, self._resume = self._resume, None
         make = _SingleIterator if self.num_workers == 0 else _RingIterator  # more workers than
         # cores: torch's constructor warned
-        if resume is None:
-            iterator: _Checkpointed = make(self, None)
-        else:  # the draws of a new iterator leave torch's generator as the training loop has it
-            before = torch.get_rng_state()
-            try:
-                iterator = make(self, resume)
-            finally:
-                torch.set_rng_state(before)
-        return iterator
+        return make(self, resume)
 
     def state_dict(self) -> dict:
         """Where the loader stands (torchdata's ``StatefulDataLoader.state_dict``): loaded into
@@ -165,7 +159,9 @@ class DataLoader(TorchDataLoader[T_co]):
         if self._resume is not None:
             return dict(self._resume)
         if self._record is None:
-            return loader_state(0, False, None, None, [], self._generators())
+            workers = WorkerRecords(self.num_workers, self._is_iterable())
+            return loader_state(False, 0, False, None, None, [], self._generators(),
+                                workers.state())
         return self._record.state(self._generators())
 
     def load_state_dict(self, state: dict) -> None:
@@ -178,15 +174,21 @@ class DataLoader(TorchDataLoader[T_co]):
                 f"state with keys {sorted(state)} is not one shmseq.torch.DataLoader.state_dict() "
                 f"gave (version {STATE_VERSION}): a torchdata StatefulDataLoader's state does not "
                 "load here; resume from a state this loader saved, or start the pass afresh")
+        check_workers(state, self.num_workers, self._is_iterable())
         restore_generators(self._generators(), state["generators_now"])
-        if state["pass"] is None or state["finished"]:
-            self._resume = None
-            return
         self.close()  # persistent workers: the resumed pass is a new iterator's
         self._resume = dict(state)
 
     def _generators(self) -> list[torch.Generator]:
         return generators_of(self, self.sampler, self.batch_sampler)
+
+    def _is_iterable(self) -> bool:
+        return self._dataset_kind == _DatasetKind.Iterable
+
+    def _carries_datasets(self) -> bool:
+        """Whether a dataset's state carries over from one pass to the next: the same object
+        reads every pass (no workers), or a persistent worker's copy does."""
+        return self.num_workers == 0 or self.persistent_workers
 
     def tuned_arguments(self) -> dict[str, object]:
         """The arguments that make a loader tune its workers as this one does (``on_ring``'s
@@ -240,10 +242,14 @@ class _Checkpointed(_BaseDataLoaderIter):
 
     def _begin_pass(self, loader: DataLoader, resume: dict | None) -> None:
         """After torch's ``_reset`` made the index sampler's iterator: read it through a
-        ``PassStart``; resumed, draw the saved pass again past the batches handed over."""
+        ``PassStart``; resumed mid-pass, draw the saved pass again past the batches handed
+        over (a map-style dataset's: a stream is fast-forwarded by its workers)."""
         self._generators = generators_of(loader, loader.sampler, loader.batch_sampler)
         samplers = Samplers(self._index_sampler)
-        if resume is None:
+        if _mid_pass(resume):
+            assert resume is not None
+            self._base_seed = resume["base_seed"]
+        if not _mid_pass(resume) or resume["pass"] is None:  # none drawn: draw it now
             self._pass = PassStart(self._sampler_iter, self._generators, samplers)
         else:
             ahead = frozenset(resume["ahead"])
@@ -252,17 +258,26 @@ class _Checkpointed(_BaseDataLoaderIter):
             with drawn_as_saved(self._generators, resume["pass"], samplers):
                 items = skipped(iter(self._index_sampler), *self._skipped)
             self._pass = PassStart(items, self._generators, samplers, resume["pass"])
-            self._base_seed = resume["base_seed"]
         self._sampler_iter = self._pass
-        self._record = loader._record = PassRecord(self._pass, int(self._base_seed))
+        self._record = loader._record = PassRecord(self._pass, int(self._base_seed),
+                                                   self._workers_from(loader, resume))
 
-    def _fast_forward(self, resume: dict | None) -> None:
-        """An ``IterableDataset``'s stream has no index to skip: the batches handed over
-        before are built again, and dropped."""
-        if resume is not None and self._dataset_kind == _DatasetKind.Iterable:
-            for _ in range(resume["num_yielded"]):
-                next(self)
-        elif resume is not None:
+    def _workers_from(self, loader: DataLoader, resume: dict | None) -> WorkerRecords:
+        """Where the pass's datasets start: as saved (resumed mid-pass), as the pass before
+        left them (when they carry their states over), or afresh."""
+        iterable = self._dataset_kind == _DatasetKind.Iterable
+        if resume is not None:
+            saved = WorkerRecords(loader.num_workers, iterable, resume)
+            return saved if _mid_pass(resume) or not loader._carries_datasets() else \
+                saved.next_pass()
+        if loader._record is not None and loader._carries_datasets():
+            return loader._record.workers.next_pass()
+        return WorkerRecords(loader.num_workers, iterable)
+
+    def _count_handed(self, resume: dict | None) -> None:
+        """A pass resumed mid-way has handed over the saved batches already."""
+        if _mid_pass(resume):
+            assert resume is not None
             self._num_yielded = self._record.num_yielded = resume["num_yielded"]
             self._record.ahead = sorted(self._skipped[1])
 
@@ -286,9 +301,37 @@ class _SingleIterator(_Checkpointed, _SingleProcessDataLoaderIter):
     """torch's own iterator without workers, with a state."""
 
     def __init__(self, loader: DataLoader, resume: dict | None) -> None:
-        super().__init__(loader)
-        self._begin_pass(loader, resume)
-        self._fast_forward(resume)
+        if resume is None:
+            super().__init__(loader)
+            self._begin_pass(loader, None)
+        else:
+            self._init_resumed(loader, resume)
+        self._record.workers.take = self._take_record
+
+    def _init_resumed(self, loader: DataLoader, resume: dict) -> None:
+        """torch's ``__init__`` for a resumed pass, the dataset's state loaded before its
+        stream is made and the stream's after; the dataset's randomness, if its state holds
+        it, is what torch's generator is left with, else the training loop's."""
+        with kept_torch_rng():
+            _BaseDataLoaderIter.__init__(self, loader)
+            self._begin_pass(loader, resume)
+        record = records_in(resume)[0]
+        load_dataset_state(self._dataset, record)  # the same object every pass reads
+        self._dataset_fetcher = _DatasetKind.create_fetcher(
+            self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn,
+            self._drop_last)
+        if _mid_pass(resume) and self._dataset_kind == _DatasetKind.Iterable:
+            load_stream_state(self._dataset_fetcher, record,
+                              [None] * (loader.batch_size or 0) if self._auto_collation
+                              else None)
+        self._count_handed(resume)
+
+    def _take_record(self) -> dict:
+        """The dataset's record as it stands: read in this process, exactly at the batches
+        handed over."""
+        handed = self._num_yielded
+        return {**snapshot(0, self._dataset_kind, self._dataset, self._dataset_fetcher),
+                "fetched": handed, "handed": handed}
 
 
 class _RingIterator(_Checkpointed):
@@ -302,14 +345,20 @@ class _RingIterator(_Checkpointed):
     the workers need batches (an endless sampler is fine)."""
 
     def __init__(self, loader: DataLoader, resume: dict | None) -> None:
+        with kept_torch_rng(resume is not None):  # resumed, the new iterator's draws leave
+            self._start(loader, resume)  # torch's generator as the training loop has it
+
+    def _start(self, loader: DataLoader, resume: dict | None) -> None:
         super().__init__(loader)
         self._in_order = loader.in_order
         self._plan = SamplerPlan(self._index_sampler, as_task=as_task)
         context = loader.multiprocessing_context
         assert loader.prefetch_factor is not None  # torch's default with workers: 2
         tuned = loader.max_workers is not None
+        every = loader.snapshot_every_n_steps
         self._worker = Fetcher(self._dataset, self._dataset_kind, self._auto_collation,
-                                self._collate_fn, self._drop_last)
+                               self._collate_fn, self._drop_last,
+                               every and max(1, every // self._num_workers))
         self._options = LoaderOptions(
             "auto" if tuned else self._num_workers,
             max_workers=loader.max_workers, cpu_budget=loader.cpu_budget,
@@ -333,7 +382,7 @@ class _RingIterator(_Checkpointed):
         self._epoch = -1
         self._resume_first = resume
         self._reset(loader, first_iter=True)
-        self._fast_forward(resume)
+        self._count_handed(resume)
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         """A new pass: torch's ``_reset`` makes the index sampler's iterator, the pipeline
@@ -358,9 +407,31 @@ class _RingIterator(_Checkpointed):
                                       self._plan, self._epoch, stats=self._stats)
             self._closer = closing_finalizer(self, self._pipeline)
         items, epoch = self._sampler_iter, self._epoch
+        first_worker = 0
+        if resume is not None:
+            items, first_worker = self._resumed(loader, resume, items)
         if self._dataset_kind == _DatasetKind.Iterable:  # each task says which pass it is of
             items = ((epoch, item) for item in items)  # (not self: no cycle through the plan)
-        self._cursor: Cursor | None = Cursor(self._pipeline, epoch, 0, items)
+        self._cursor: Cursor | None = Cursor(self._pipeline, epoch, 0, items, first_worker)
+
+    def _resumed(self, loader: DataLoader, resume: dict,
+                 items: Iterator) -> tuple[Iterator, int]:
+        """A resumed pass's items, the first to each worker with the saved records of the
+        workers' datasets (``Resumed``), and the worker whose turn is first: the one that
+        was next when the state was saved."""
+        records = records_in(resume)
+        mid_pass = _mid_pass(resume)
+        if not mid_pass and not (loader._carries_datasets() and any(
+                record["dataset_state"] is not None for record in records.values())):
+            return items, 0
+        first_worker = 0
+        if mid_pass:
+            first_worker = (resume.get("next_worker", 0) if
+                            self._dataset_kind == _DatasetKind.Iterable else
+                            self._skipped[0] % self._num_workers)
+        count = self._num_workers
+        return ((Resumed(records, item, not mid_pass) if position < count else item
+                 for position, item in enumerate(items)), first_worker)
 
     def _next_data(self) -> Any:
         while True:
@@ -368,6 +439,7 @@ class _RingIterator(_Checkpointed):
             if cursor is None:
                 raise StopIteration
             number, delivery = self._next_delivery(cursor)
+            self._record.workers.noted(delivery.noted)
             if not delivery.ended:  # else a worker's stream had ended: nothing to hand over
                 return cursor.hand_over(number, delivery)
 
@@ -466,6 +538,12 @@ def on_ring(loader: TorchDataLoader, like: DataLoader | None = None) -> TorchDat
         return rebuilt
     loader.base_dataloader = rebuilt
     return loader
+
+
+def _mid_pass(state: dict | None) -> bool:
+    """Whether a loaded state was saved inside a pass, once its iterator was made (else
+    between two, or before any)."""
+    return state is not None and state["began"] and not state["finished"]
 
 
 def _position_in_pass(position: int, count: int, before: frozenset[int]) -> int:

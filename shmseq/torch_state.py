@@ -21,11 +21,13 @@ import base64
 import contextlib
 import dataclasses
 import itertools
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-VERSION = 1
+from .torch_dataset_state import empty_record, has_state
+
+VERSION = 2
 
 
 def _encoded(generator: torch.Generator | None) -> str:
@@ -121,6 +123,18 @@ def drawn_as_saved(generators: list[torch.Generator], states: dict,
         torch.set_rng_state(before)
 
 
+@contextlib.contextmanager
+def kept_torch_rng(keep: bool = True) -> Iterator[None]:
+    """Torch's global generator as it was before, after (``keep``): a resumed iterator's own
+    draws (its base seed) were made before the checkpoint the training loop restored."""
+    before = torch.get_rng_state() if keep else None
+    try:
+        yield
+    finally:
+        if before is not None:
+            torch.set_rng_state(before)
+
+
 def skipped(items: Iterator, count: int, also: frozenset[int] = frozenset()) -> Iterator:
     """``items`` past its first ``count`` and those at positions ``also``, its next one drawn
     now (so that the draw happens where the caller has set the generators)."""
@@ -133,15 +147,89 @@ def skipped(items: Iterator, count: int, also: frozenset[int] = frozenset()) -> 
     return itertools.chain((first,), rest)
 
 
-def loader_state(num_yielded: int, finished: bool, base_seed: int | None,
+def loader_state(began: bool, num_yielded: int, finished: bool, base_seed: int | None,
                  pass_states: dict | None, ahead: list[int],
-                 generators: Iterable[torch.Generator]) -> dict:
-    """The state ``DataLoader.state_dict()`` gives: where the pass stands (``ahead``: batches
-    handed over before their turn), and the samplers' generators as they are now (for a
-    resume between passes)."""
-    return {"version": VERSION, "num_yielded": num_yielded, "finished": finished,
+                 generators: Iterable[torch.Generator], datasets: dict) -> dict:
+    """The state ``DataLoader.state_dict()`` gives: whether an iterator began a pass, where the
+    pass stands (``pass_states``: None until its first batch is drawn; ``ahead``: batches
+    handed over before their turn), the samplers' generators as they are now (for a resume
+    between passes), and where each worker's dataset stands (``WorkerRecords.state``)."""
+    return {"version": VERSION, "began": began, "num_yielded": num_yielded, "finished": finished,
             "base_seed": base_seed, "pass": pass_states, "ahead": ahead,
-            "generators_now": [_encoded(g) for g in generators]}
+            "generators_now": [_encoded(g) for g in generators], **datasets}
+
+
+class WorkerRecords:
+    """Where each worker's dataset stands, as of the batches handed over: its latest record
+    (``torch_dataset_state``) and its batches handed over in the pass, from the notes that come
+    with them; and the worker whose turn is next. Kept as torchdata keeps its workers'
+    snapshots (``_snapshot``, ``_worker_snapshots``, ``worker_<id>``): code that reads a
+    dataset's state there finds it. Without workers, the one record is taken when asked."""
+
+    def __init__(self, num_workers: int, iterable: bool, loaded: dict | None = None,
+                 take: Callable[[], dict] | None = None) -> None:
+        self.num_workers = num_workers
+        self.take = take  # without workers: the record as it is now
+        records = None if loaded is None else records_in(loaded)
+        self.records: dict[int, dict] = records or {
+            worker: empty_record(worker, iterable) for worker in range(max(num_workers, 1))}
+        self.next_worker = 0 if loaded is None else loaded.get("next_worker", 0)
+
+    def noted(self, note: object) -> None:
+        """A batch handed over (or a worker's end of stream met), with its worker's note
+        (``Fetcher.pop_state``; None: nothing to keep). A record is replaced, never changed:
+        a state given before stays as it was."""
+        if not isinstance(note, dict):
+            return
+        worker = note["worker_id"]
+        record = dict(self.records[worker])
+        if note["snapshot"] is not None:
+            record.update(note["snapshot"], fetched=note["fetched"])
+        if not note["ended"]:
+            record["handed"] = note["fetched"]
+            self.next_worker = (worker + 1) % max(self.num_workers, 1)
+        self.records[worker] = record
+
+    def next_pass(self) -> WorkerRecords:
+        """The records a new pass starts from when the datasets carry their states over
+        (persistent workers, or none): their datasets' states, no stream's."""
+        following = WorkerRecords(self.num_workers, False)
+        following.records = {worker: {**record, "fetched": 0, "handed": 0, "fetcher_state":
+                                      record["fetcher_state"] and {"dataset_iter_state": None,
+                                                                   "fetcher_ended": False}}
+                             for worker, record in self.records.items()}
+        return following
+
+    def state(self) -> dict:
+        if self.num_workers == 0:
+            return {"num_workers": 0, **(self.records[0] if self.take is None else self.take())}
+        return {"num_workers": self.num_workers, "next_worker": self.next_worker,
+                "_snapshot": {"_worker_snapshots": {
+                    f"worker_{worker}": record for worker, record in self.records.items()}}}
+
+
+def records_in(state: dict) -> dict[int, dict]:
+    """The workers' records a state holds, by worker id (one, saved without workers)."""
+    if "_snapshot" in state:
+        return {record["worker_id"]: record
+                for record in state["_snapshot"]["_worker_snapshots"].values()}
+    return {0: {key: state[key] for key in ("dataset_state", "fetcher_state", "fetched",
+                                            "handed")} | {"worker_id": 0}}
+
+
+def check_workers(state: dict, num_workers: int, iterable: bool) -> None:
+    """A state resumes with another number of workers only for a map-style dataset without a
+    state of its own: a stream is split among the workers, and a dataset's state (its
+    randomness, say) is one worker's."""
+    saved = state["num_workers"]
+    stateful = any(has_state(record) for record in records_in(state).values())
+    if saved == num_workers or not (stateful or iterable and state["num_yielded"]):
+        return
+    why = ("its stream is split among the workers" if iterable else
+           "each worker's dataset has a state of its own")
+    raise ValueError(f"the state was saved with num_workers={saved}, this loader has "
+                     f"num_workers={num_workers}, and the dataset's {why}: resume with "
+                     f"num_workers={saved}")
 
 
 @dataclasses.dataclass
@@ -150,10 +238,11 @@ class PassRecord:
     the iterator, and ``state_dict()`` must still describe its pass."""
     start: PassStart
     base_seed: int
+    workers: WorkerRecords
     num_yielded: int = 0
     finished: bool = False
     ahead: list[int] = dataclasses.field(default_factory=list)  # handed before their turn
 
     def state(self, generators: Iterable[torch.Generator]) -> dict:
-        return loader_state(self.num_yielded, self.finished, self.base_seed, self.start.states,
-                            self.ahead, generators)
+        return loader_state(True, self.num_yielded, self.finished, self.base_seed,
+                            self.start.states, self.ahead, generators, self.workers.state())

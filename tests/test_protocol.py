@@ -28,8 +28,8 @@ from shmseq.engine.common.hooks import WorkerStart
 from shmseq.engine.common.layout import read_batch
 from shmseq.engine.common.protocol import (Attached, Build, Built, Counted, Done, Ended,
                                            ErrorReport, Failed, Hooks, InitFailed, MapRing,
-                                           Overflow, Place, Plan, Ready, Rebuild, Skipped, Stop,
-                                           TakeWorker, Worker)
+                                           Noted, Overflow, Place, Plan, Ready, Rebuild, Skipped,
+                                           Stop, TakeWorker, Worker)
 from shmseq.engine.common.wire import FrameReader, framed
 from shmseq.engine.trainer.plan import EpochPlan, SamplerPlan, as_index_array
 from shmseq.engine.trainer.ring import Ring
@@ -139,6 +139,7 @@ SAMPLES = {
     Done: Done(3, 1, 640, 0.5, 0.25, 0.125),
     Overflow: Overflow(3, 1, np.arange(10_000, dtype=np.uint8), 0.5, 0.25),
     Failed: Failed(4, 2, REPORT), Ended: Ended(5, None), Skipped: Skipped(6, ["why"]),
+    Noted: Noted(6, {"worker_id": 0}),
     Counted: Counted({"remote_requests": 2}), InitFailed: InitFailed(1, REPORT),
 }
 
@@ -302,10 +303,11 @@ def test_hooks_is_where_every_optional_hook_of_a_worker_is_looked_up():
     """Every member of ``Worker`` but ``__getitem__`` (the worker is ``obj`` itself) is one of
     ``Hooks``' attributes: the user's own where given, a default otherwise."""
     optional = set(declared(Worker)) - {"__getitem__"}
-    assert optional == {"fill_batch", "pop_skipped", "pop_counts", "dataset", "pickled_parts",
-                        "unpicklable"}
+    assert optional == {"fill_batch", "pop_skipped", "pop_counts", "pop_state", "dataset",
+                        "pickled_parts", "unpicklable"}
     bare = Hooks(IndexWorker())
     assert (bare.fill_batch, bare.dataset, bare.unpicklable) == (None, None, None)
+    assert bare.pop_state() is None
     assert (bare.pop_skipped(), bare.pop_counts(), bare.pickled_parts()) == ([], {}, {})
     talking = TalkingWorker()
     talking.last = 0

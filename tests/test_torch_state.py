@@ -3,6 +3,7 @@ state taken between any two batches, loaded into a loader built the same way, gi
 the uninterrupted loader gave, with any number of workers; the state is plain JSON."""
 from __future__ import annotations
 
+import base64
 import json
 import time
 
@@ -36,6 +37,80 @@ class Stream(IterableDataset):
         info = torch.utils.data.get_worker_info()
         workers, me = (1, 0) if info is None else (info.num_workers, info.id)
         return iter(range(me, SAMPLES, workers))
+
+
+def _saved(generator_state: torch.Tensor) -> str:
+    return base64.b64encode(generator_state.numpy().tobytes()).decode("ascii")
+
+
+def _loaded(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+class Draws:
+    """A worker's share of a stream, drawn with its worker's torch generator; it saves and
+    loads where it is, and the generator (torchdata's ``Stateful``)."""
+
+    def __init__(self, samples: list[int]) -> None:
+        self.samples, self.drawn = samples, 0
+
+    def __iter__(self) -> "Draws":
+        return self
+
+    def __next__(self) -> int:
+        if self.drawn == len(self.samples):
+            raise StopIteration
+        self.drawn += 1
+        return self.samples[int(torch.randint(len(self.samples), (1,)))]
+
+    def state_dict(self) -> dict:
+        return {"drawn": self.drawn, "generator": _saved(torch.get_rng_state())}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.drawn = state["drawn"]
+        torch.set_rng_state(_loaded(state["generator"]))
+
+
+class UnevenStreams(IterableDataset):
+    """Worker ``k`` streams ``SIZES[k]`` samples (the first none), through a ``Draws``."""
+    SIZES = (0, 23, 11)
+
+    def __iter__(self) -> Draws:
+        info = torch.utils.data.get_worker_info()
+        me = 0 if info is None else info.id
+        first = sum(self.SIZES[:me])
+        return Draws(list(range(first, first + self.SIZES[me])))
+
+
+class CountedPasses(IterableDataset):
+    """A dataset whose state (the passes it finished) changes what it streams: it carries over
+    from pass to pass in a persistent worker."""
+
+    def __init__(self) -> None:
+        self.passes = 0
+
+    def __iter__(self):
+        yield from (self.passes * 100 + sample for sample in range(6))
+        self.passes += 1
+
+    def state_dict(self) -> dict:
+        return {"passes": self.passes}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.passes = state["passes"]
+
+
+class NoisyNumbers(Numbers):
+    """Each sample drawn with its worker's torch generator, which the dataset's state holds."""
+
+    def __getitem__(self, index: int) -> int:
+        return index * 1000 + int(torch.randint(1000, (1,)))
+
+    def state_dict(self) -> dict:
+        return {"generator": _saved(torch.get_rng_state())}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(_loaded(state["generator"]))
 
 
 def listed(batches) -> list[list[int]]:
@@ -148,7 +223,7 @@ def test_torchdatas_name_and_arguments_are_taken():
     loader.load_state_dict({})  # torchdata's "nothing to load"
     assert len(listed(loader)) == 10
     with pytest.raises(ValueError, match="snapshot_every_n_steps"):
-        StatefulDataLoader(Numbers(), snapshot_every_n_steps=0)
+        StatefulDataLoader(Numbers(), snapshot_every_n_steps=-1)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -176,3 +251,55 @@ def test_a_state_another_loader_made_is_refused_saying_so():
     loader = DataLoader(Numbers(), batch_size=4)
     with pytest.raises(ValueError, match="torchdata StatefulDataLoader's state does not load"):
         loader.load_state_dict({"_snapshot": {}, "_steps_since_snapshot": 0})
+
+
+@pytest.mark.parametrize("workers, every", [(0, 1), (3, 1), (3, 4), (3, 0)])
+@pytest.mark.parametrize("stop_at", [0, 4, 9])
+def test_a_streams_own_state_is_loaded_in_its_worker_and_nothing_handed_is_built_again(
+        workers, every, stop_at):
+    """Each worker's stream saves its own state (every ``snapshot_every_n_steps`` batches; 0:
+    never, fast-forwarded from its start); resumed, the workers load theirs, fast-forward
+    the batches handed over since without building them, and deal on from the worker that
+    was next: worker 0's stream is empty, worker 2's ends before worker 1's."""
+    def make():
+        return StatefulDataLoader(UnevenStreams(), batch_size=2, num_workers=workers,
+                                  snapshot_every_n_steps=every)
+    before, state, rng, after = interrupted(make, stop_at)
+    loader = make()
+    loader.load_state_dict(state)
+    torch.set_rng_state(rng)
+    assert listed(loader) == after
+    if workers:
+        assert loader.stats.batches == len(after)  # none of those handed over before
+
+
+def test_a_streams_state_is_where_torchdata_keeps_its_workers_snapshots():
+    loader = StatefulDataLoader(UnevenStreams(), batch_size=2, num_workers=3)
+    batches = iter(loader)
+    for _ in range(4):
+        next(batches)
+    snapshots = json.loads(json.dumps(loader.state_dict()))["_snapshot"]["_worker_snapshots"]
+    assert sorted(snapshots) == ["worker_0", "worker_1", "worker_2"]
+    assert snapshots["worker_1"]["fetcher_state"]["dataset_iter_state"]["drawn"] == 4
+    assert snapshots["worker_0"]["fetcher_state"]["fetcher_ended"]
+
+
+@pytest.mark.parametrize("stop_at", [2, 6])
+def test_a_map_style_datasets_state_is_loaded_in_the_worker_that_saved_it(stop_at):
+    def make(workers=2):
+        return DataLoader(NoisyNumbers(), batch_size=4, num_workers=workers)
+    before, state, rng, after = interrupted(make, stop_at)
+    assert resumed(make, state, rng) == after
+    with pytest.raises(ValueError, match="num_workers=2, this loader has num_workers=3"):
+        make(3).load_state_dict(state)
+
+
+def test_a_persistent_workers_dataset_state_carries_over_to_the_next_pass():
+    def make():
+        return DataLoader(CountedPasses(), batch_size=3, num_workers=1, persistent_workers=True)
+    loader = make()
+    assert listed(loader) == [[0, 1, 2], [3, 4, 5]]
+    state = loader.state_dict()  # between passes: the dataset has finished one
+    again = make()
+    again.load_state_dict(state)
+    assert listed(again) == listed(loader) == [[100, 101, 102], [103, 104, 105]]

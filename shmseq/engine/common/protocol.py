@@ -8,8 +8,8 @@ The consumer's thread and each worker talk through two pipes (wire.py frames the
 * from a worker (worker/loop.py sends, trainer/pool.py reads in the consumer's thread while it
   waits): ``Ready`` and ``Attached`` once; for each task ``Done``, ``Overflow``, ``Failed`` or
   ``Ended``, perhaps after ``Built`` (a batch built without a slot, held until ``Place``),
-  and preceded in the same write by ``Counted`` and ``Skipped`` when the worker has them to
-  tell; ``InitFailed`` when the worker object could not be made.
+  and preceded in the same write by ``Counted``, ``Skipped`` and ``Noted`` when the worker
+  has them to tell; ``InitFailed`` when the worker object could not be made.
 
 ``Build`` and ``Done``, the two messages every batch costs, travel as fixed binary records;
 the others are pickled as plain tuples. Each message is matched by its type where it is
@@ -145,6 +145,14 @@ class Skipped(NamedTuple):
     samples: list
 
 
+class Noted(NamedTuple):
+    """What the worker noted of its own state after batch ``number`` (its ``pop_state``: a
+    front end's, say a dataset's state for a checkpoint), for the front end: sent just before
+    the batch's own reply (or its ``Ended``)."""
+    number: int
+    state: object
+
+
 class Counted(NamedTuple):
     """What the worker counted since its last batch (``LoaderStats`` field -> increment):
     sent just before a batch's reply."""
@@ -158,8 +166,8 @@ class InitFailed(NamedTuple):
 
 
 ToWorker = Build | Rebuild | MapRing | Place | TakeWorker | Stop
-FromWorker = (Ready | Attached | Built | Done | Overflow | Failed | Ended | Skipped | Counted
-              | InitFailed)
+FromWorker = (Ready | Attached | Built | Done | Overflow | Failed | Ended | Skipped | Noted
+              | Counted | InitFailed)
 
 
 # -- inside the consumer's thread -----------------------------------------------------------------
@@ -181,6 +189,7 @@ class Reply(NamedTuple):
     overflowed: bool = False
     ended: bool = False  # no batch: the worker's stream ended (``Ended``), or it died
     skipped: tuple = ()  # samples the worker's skip policy left out, why (counted when delivered)
+    noted: object = None  # what the worker noted of its state with it (``Noted``), for the front end
 
 
 class Delivery(NamedTuple):
@@ -194,6 +203,7 @@ class Delivery(NamedTuple):
     error: Callable[[], BaseException] | None = None  # makes the error (see ``Reply``)
     ended: bool = False     # no batch: a worker's stream had ended (a stream's pass skips it)
     skipped: tuple = ()     # what the worker's skip policy left out of it (see ``Reply``)
+    noted: object = None    # what its worker noted of its state with it (see ``Reply``)
 
 
 # -- the user's objects ---------------------------------------------------------------------------
@@ -219,6 +229,10 @@ class Worker(Protocol):
         """After each batch: what the worker counted since it was last asked (``LoaderStats``
         field -> increment; remote reads, say)."""
 
+    def pop_state(self) -> object:
+        """After each batch, and at the end of its stream: what the front end keeps of the
+        worker's state with that batch (a dataset's, for a checkpoint); None: nothing."""
+
     # Read on the worker as the user gave it (a class or an instance), not on the object made:
     dataset: object  # a worker process's torch.utils.data.get_worker_info().dataset
 
@@ -242,9 +256,14 @@ class Hooks:
         self.fill_batch: Callable | None = getattr(obj, "fill_batch", None)
         self.pop_skipped: Callable[[], list[str]] = getattr(obj, "pop_skipped", list)
         self.pop_counts: Callable[[], dict[str, float]] = getattr(obj, "pop_counts", dict)
+        self.pop_state: Callable[[], object] = getattr(obj, "pop_state", _nothing)
         self.dataset: object = getattr(obj, "dataset", None)
         self.pickled_parts: Callable[[], dict[str, object]] = getattr(obj, "pickled_parts", dict)
         self.unpicklable: Callable[..., Exception] | None = getattr(obj, "unpicklable", None)
+
+
+def _nothing() -> None:
+    """A worker without ``pop_state`` notes nothing."""
 
 
 class Plan(Protocol):

@@ -17,8 +17,8 @@ import struct
 import numpy as np
 
 from .protocol import (Attached, Build, Built, Counted, Done, Ended, Failed, FromWorker, InitFailed,
-                       MapRing, Overflow, Place, Ready, Rebuild, Skipped, Stop, TakeWorker,
-                       ToWorker)
+                       MapRing, Noted, Overflow, Place, Ready, Rebuild, Skipped, Stop,
+                       TakeWorker, ToWorker)
 
 _BUILD = struct.Struct("!qq")         # number, slot (-1: none, a batch built before the ring)
 _DONE = struct.Struct("<qqqddd")      # number, slot, bytes written, seconds spent, on a CPU,
@@ -35,7 +35,8 @@ _new = tuple.__new__  # a message made from its fields, as NamedTuple's _make bu
 
 Message = ToWorker | FromWorker
 _KINDS: tuple[type[Message], ...] = (Build, Rebuild, MapRing, Place, TakeWorker, Stop,
-          Ready, Attached, Built, Done, Overflow, Failed, Ended, Skipped, Counted, InitFailed)
+          Ready, Attached, Built, Done, Overflow, Failed, Ended, Skipped, Counted, InitFailed,
+          Noted)
 _NUMBERS = {kind: number for number, kind in enumerate(_KINDS)}
 
 

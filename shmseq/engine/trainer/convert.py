@@ -137,7 +137,7 @@ class HandOver:
 def without_batch(reply: Reply) -> Delivery:
     """The delivery of a reply that carries no batch: a stream's end, or the error to raise."""
     if reply.ended:
-        return Delivery(None, ended=True)
+        return Delivery(None, ended=True, noted=reply.noted)
     assert reply.error is not None, "a reply with a batch"
     return Delivery(None, error=reply.error)
 
@@ -179,7 +179,7 @@ class Converter(HandOver):
         in_slot = slot is not None and copy is None and reader.arrays > 0
         return Delivery(batch, copy, slot if in_slot else None,
                         len(region) if reply.overflowed else 0, reader.nbytes,
-                        skipped=reply.skipped)
+                        skipped=reply.skipped, noted=reply.noted)
 
     def _handed(self, number: int, delivery: Delivery) -> object:
         if delivery.payload_bytes:

@@ -22,7 +22,8 @@ class Consumer(Protocol):
     """What a cursor asks of its pipeline (``Pipeline``), from the consumer's thread."""
     plan: Plan
 
-    def open(self, epoch: int, position: int = 0, batches: Iterable | None = None) -> int: ...
+    def open(self, epoch: int, position: int = 0, batches: Iterable | None = None,
+             first_worker: int = 0) -> int: ...
 
     def take(self, number: int, epoch: int, position: int) -> object: ...
 
@@ -38,14 +39,16 @@ class Consumer(Protocol):
 
 class Cursor:
     """One pass (``epoch``) read from ``position`` on; ``batches``: the plan's for it, when the
-    plan draws them as it goes (a sampler's iterator)."""
+    plan draws them as it goes (a sampler's iterator); ``first_worker``: with batches dealt in
+    turn, the worker that builds the first (a resumed pass's: the one that was next)."""
 
     def __init__(self, pipeline: Consumer, epoch: int, position: int = 0,
-                 batches: Iterable | None = None) -> None:
+                 batches: Iterable | None = None, first_worker: int = 0) -> None:
         self._pipeline = pipeline
         self.epoch = epoch
         self.position = position  # the first batch of the pass not handed over yet
-        self._zero = pipeline.open(epoch, position, batches) - position  # the number of batch 0
+        self._zero = pipeline.open(epoch, position, batches, first_worker) - position  # the
+        # number of batch 0
         self._ahead: set[int] = set()  # positions handed over before their turn
 
     def __iter__(self) -> Cursor:

@@ -74,13 +74,15 @@ class Dispatch:
         self.in_turn = in_turn
         self.pace = Pace(n_slots)
         self._turn = 0  # the worker after the last one given a task in turn
+        self._first_worker = 0  # the worker given the pass's first batch, in turn
         self._ended: set[int] = set()  # workers whose stream ended in this pass
         self.pass_first = 0  # the number of the pass's first batch
 
     def choose(self, task: Task, pack: bool) -> WorkerHandle | None:
         """The worker for a task; None if none takes tasks (gone: their sentinels say why).
 
-        In turn (``in_turn``): worker ``position % num_workers``, or the next one that takes
+        In turn (``in_turn``): worker ``position % num_workers`` (counted from the pass's first
+        worker: a resumed pass goes on with the worker that was next), or the next one that takes
         tasks; once a worker's stream ended, the next one round the cycle whose stream has not
         (torch's order for an ``IterableDataset``). Else the least-busy worker that has started
         (a replacement still starting, 0.2 s when spawned, would hold up the batches given to
@@ -90,7 +92,8 @@ class Dispatch:
         than the batches themselves."""
         workers = self.roster.working
         if self.in_turn:  # a worker's id is its place
-            first = self._turn if self._ended else task.position % len(workers)
+            first = (self._turn if self._ended else
+                     (task.position + self._first_worker) % len(workers))
             for at in (*range(first, len(workers)), *range(first)):
                 if workers[at].accepting and at not in self._ended:
                     return workers[at]
@@ -109,10 +112,12 @@ class Dispatch:
         self.roster.send(chosen, build_frame(task.number, slot, task.indices))  # a Build
         self.stream.advance()
 
-    def begin_pass(self, first_number: int) -> None:
-        """A new pass starts with batch ``first_number``: every worker's stream starts again."""
+    def begin_pass(self, first_number: int, first_worker: int = 0) -> None:
+        """A new pass starts with batch ``first_number``, given in turn to ``first_worker``:
+        every worker's stream starts again."""
         self._ended.clear()
         self.pass_first = first_number
+        self._first_worker = first_worker
 
     def stream_ended(self, wid: int) -> None:
         """Worker ``wid`` has no batch left in this pass: the tasks go round the others, as

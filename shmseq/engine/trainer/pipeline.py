@@ -284,16 +284,18 @@ class Pipeline:
         self._turn.refuse_inherited()
         return self._turn.lock
 
-    def open(self, epoch: int, position: int = 0, batches: Iterable | None = None) -> int:
+    def open(self, epoch: int, position: int = 0, batches: Iterable | None = None,
+             first_worker: int = 0) -> int:
         """The consumer starts ``epoch`` at ``position`` (with the plan's ``batches`` for it,
-        when given): the number of that batch. Deliveries of earlier epochs are dropped, and the
-        workers are given the epoch's first batches at once."""
+        when given; dealt in turn from ``first_worker``): the number of that batch. Deliveries
+        of earlier epochs are dropped, and the workers are given the epoch's first batches at
+        once."""
         with self._consumers_turn():
             self.output.check()
             number = self.stream.open(epoch, position, batches)
             self.output.drop_below(number)
             assert self.pool is not None  # made with the pipeline
-            self.pool.begin_pass(number)
+            self.pool.begin_pass(number, first_worker)
             self._step()  # the workers start on the epoch's first batches at once
             return number
 

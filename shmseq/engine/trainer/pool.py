@@ -28,7 +28,7 @@ from multiprocessing.context import BaseContext
 from ..common.errors import raised_in_worker
 from ..common.hooks import WorkerStart
 from ..common.protocol import (Attached, Built, Counted, Done, Ended, Failed, FromWorker,
-                               InitFailed, Overflow, Ready, Reply, Skipped)
+                               InitFailed, Noted, Overflow, Ready, Reply, Skipped)
 from .deaths import Deaths, brief
 from .dispatch import PACK_BELOW_S, Dispatch, FirstBatches, Pace, SlotDispatch
 from .plan import BatchStream
@@ -60,6 +60,7 @@ class WorkerPool:
         self._waker = waker
         self._stopped = False
         self._skipped: dict[int, tuple] = {}  # batch number -> what its worker left out
+        self._noted: dict[int, object] = {}  # batch number -> what its worker noted with it
         self._events = Events()
         self._events.watch(waker.fileno(), (Watched.WAKER, None))
         self._roster = Roster(worker, backend=backend, context=context,
@@ -159,14 +160,16 @@ class WorkerPool:
                 stats.worker_cpu_s += cpu
                 stats.worker_idle_s += idle
                 self._stage.written(slot)
-                received.append(Reply(number, slot, skipped=self._skipped.pop(number, ())))
+                received.append(Reply(number, slot, skipped=self._skipped.pop(number, ()),
+                                      noted=self._noted.pop(number, None)))
             case Overflow(number, slot, payload, busy, cpu):
                 self._closed(handle, number)
                 self.stats.worker_busy_s += busy
                 self.stats.worker_cpu_s += cpu
                 overflowed = self._stage.overflowed(slot, payload)
                 received.append(Reply(number, None, payload, overflowed=overflowed,
-                                      skipped=self._skipped.pop(number, ())))
+                                      skipped=self._skipped.pop(number, ()),
+                                      noted=self._noted.pop(number, None)))
             case Failed(number, slot, error):
                 indices = self._closed(handle, number)
                 self._stage.give_back(slot)
@@ -180,13 +183,16 @@ class WorkerPool:
             case Ended(number, slot):
                 self._closed(handle, number)
                 self._stage.give_back(slot)
-                received.append(Reply(number, None, ended=True))
+                received.append(Reply(number, None, ended=True,
+                                      noted=self._noted.pop(number, None)))
                 if number >= self._dispatch.pass_first:
                     self._dispatch.stream_ended(handle.wid)
             case Counted(counts):  # a worker's counts (remote reads); its batch's reply follows
                 self.stats.add_counts(counts)
             case Skipped(number, samples):  # the batch's own reply follows in the same write
                 self._skipped[number] = tuple(samples)
+            case Noted(number, state):  # the batch's own reply follows in the same write
+                self._noted[number] = state
             case Ready():
                 if handle.state is STARTING:  # else it was told to leave meanwhile
                     handle.move(READY)
@@ -203,9 +209,10 @@ class WorkerPool:
         self._roster.stop_if_done(handle)
         return indices
 
-    def begin_pass(self, first_number: int) -> None:
-        """A new pass starts with batch ``first_number``: every worker's stream starts again."""
-        self._dispatch.begin_pass(first_number)
+    def begin_pass(self, first_number: int, first_worker: int = 0) -> None:
+        """A new pass starts with batch ``first_number`` (given in turn to ``first_worker``):
+        every worker's stream starts again."""
+        self._dispatch.begin_pass(first_number, first_worker)
 
     # -- resizing --------------------------------------------------------------------------------
     @property

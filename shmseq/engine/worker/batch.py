@@ -25,7 +25,8 @@ import numpy as np
 
 from ..common.errors import ShmSeqError, UnsupportedBatch, add_note
 from ..common.layout import SlotAllocator, SlotOverflow, encode_batch, packed_size, write_batch
-from ..common.protocol import Counted, Ended, ErrorReport, Failed, Hooks, Overflow, Skipped
+from ..common.protocol import (Counted, Ended, ErrorReport, Failed, Hooks, Noted, Overflow,
+                               Skipped)
 from ..common.ragged import Ragged, is_tensor
 from ..common.segments import WorkerRing
 from ..common.wire import done_frame, framed
@@ -196,6 +197,12 @@ def counted_frame(worker: Hooks, meter: MemoryMeter | None) -> bytes:
     return framed(Counted(counts)) if counts else b""
 
 
+def noted_frame(worker: Hooks, number: int) -> bytes:
+    """What the worker notes of its state with batch ``number`` (its ``pop_state``), if any."""
+    state = worker.pop_state()
+    return b"" if state is None else framed(Noted(number, state))
+
+
 def describe_exception(exc: BaseException) -> ErrorReport:
     """What crosses back to the consumer about a failure: type, message, traceback, the object."""
     try:
@@ -217,7 +224,7 @@ class Held(NamedTuple):
     number: int
     batch: object
     size: int        # bytes it takes in a slot
-    told: bytes      # the ``Skipped`` frame that goes with its reply, if any
+    told: bytes      # the ``Skipped`` and ``Noted`` frames that go with its reply, if any
     seconds: float   # how long building it took,
     cpu_seconds: float  # and on a CPU
 
@@ -252,12 +259,12 @@ def run_task(worker: Hooks, slots: Slots, number: int, slot: int | None,
         batch, allocator = build_batch(worker, indices, None if target is None else target.region,
                                        first)
         skipped = worker.pop_skipped()
-        told = framed(Skipped(number, skipped)) if skipped else b""
+        told = (framed(Skipped(number, skipped)) if skipped else b"") + noted_frame(worker, number)
         if target is None:
             return Held(number, batch, packed_size(batch), told, *clocks.spent())
         return _written(number, target, batch, allocator, told, clocks)
     except StreamEnded:
-        return framed(Ended(number, slot))
+        return noted_frame(worker, number) + framed(Ended(number, slot))
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the consumer
         return _failed(number, slot, exc)
 
