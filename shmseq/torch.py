@@ -537,6 +537,8 @@ def on_ring(loader: TorchDataLoader, like: DataLoader | None = None) -> TorchDat
     if base is loader:
         return rebuilt
     loader.base_dataloader = rebuilt
+    if hasattr(loader, "dl_state_dict"):  # a stateful adapter: until its first batch, its
+        loader.dl_state_dict = rebuilt.state_dict()  # state_dict() is the replaced loader's
     return loader
 
 

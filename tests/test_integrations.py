@@ -4,7 +4,8 @@ shmseq.torch's in the same runs: every rank's samples, step counts, validation a
 the same under both loaders, and shmseq's batches come through its ring.
 
 The examples (examples/lightning_ddp.py, examples/accelerate_ddp.py) write each rank's record
-as JSON; the tests compare them and print the table the docs quote.
+as JSON; the tests compare them and print the table the docs quote. Accelerate's checkpoints of
+a stateful loader (``use_stateful_dataloader``) are checked in this process, on one CPU rank.
 """
 import importlib.util
 import json
@@ -200,3 +201,59 @@ def test_accelerate_sees_the_same_runs_from_both_loaders_prepared_or_not(tmp_pat
             for part in ("full", "resumed"):
                 for key in ("batches", "steps", "gathered"):
                     assert ours[part][key] == theirs[part][key], f"{mode} {part} {key} differ"
+
+
+ACCELERATE_SAMPLES, ACCELERATE_EPOCHS = 16, 2  # 4 batches of 4 an epoch
+
+
+def accelerate_run(save_at: dict[int, Path], load: Path | None = None) -> tuple[list, int]:
+    """Train a linear model for 2 epochs with Accelerate's stateful loaders
+    (``use_stateful_dataloader``), shmseq's loader prepared and put back on the ring:
+    ``accelerator.save_state`` into ``save_at[k]`` after ``k`` steps (0: before the first
+    batch), or ``load_state`` from ``load`` first, as a restarted job does. Each batch's sample
+    indices and loss, and the batches that came through the ring."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, set_seed
+
+    from shmseq.torch import DataLoader, on_ring
+    from torch_datasets import Counting
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+        use_stateful_dataloader=True))
+    set_seed(0)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.002)
+    loader = DataLoader(Counting(ACCELERATE_SAMPLES), batch_size=4, shuffle=True, num_workers=2)
+    model, optimizer, prepared = accelerator.prepare(model, optimizer, loader)
+    prepared = on_ring(prepared, like=loader)
+    if load is not None:
+        accelerator.load_state(str(load))
+    if 0 in save_at:
+        accelerator.save_state(str(save_at[0]))
+    seen: list = []
+    for _ in range(ACCELERATE_EPOCHS):
+        for batch in prepared:
+            loss = model(batch.float()[:, None]).pow(2).mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            seen.append((batch.tolist(), loss.item()))
+            if len(seen) in save_at:
+                accelerator.save_state(str(save_at[len(seen)]))
+    return seen, prepared.base_dataloader.stats.batches
+
+
+@pytest.mark.timeout(60)
+def test_accelerate_saves_and_loads_a_stateful_loaders_state_on_the_ring(tmp_path):
+    """A state saved mid-epoch, and one saved before the loader's first batch, resume to the
+    uninterrupted run's batches and losses, every batch through the ring."""
+    installed("accelerate")
+    installed("torchdata")  # Accelerate's use_stateful_dataloader needs it
+    saved = {0: tmp_path / "start", 3: tmp_path / "step-3"}
+    full, ring = accelerate_run(saved)
+    assert ring == len(full) == ACCELERATE_EPOCHS * ACCELERATE_SAMPLES // 4
+    for step, state in saved.items():
+        resumed, ring = accelerate_run({}, load=state)
+        assert resumed == full[step:], f"resumed after step {step}"
+        assert ring == len(resumed)
