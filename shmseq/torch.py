@@ -43,6 +43,7 @@ from .engine import (START_WORKERS, BatchTimeout, Cursor, FrontEndHooks, LoaderS
 from .options import LoaderOptions
 from .torch_collate import RaggedCollate, slot_collate
 from .torch_dataset_state import load_dataset_state, load_stream_state, snapshot
+from .torch_spread import Spread, dealt_again, rest_of_pass, spread_of
 from .torch_state import (VERSION as STATE_VERSION, PassRecord, PassStart, Samplers,
                           WorkerRecords, check_workers, drawn_as_saved, generators_of,
                           kept_torch_rng, loader_state, records_in, restore_generators,
@@ -239,6 +240,7 @@ class _Checkpointed(_BaseDataLoaderIter):
     _generators: list[torch.Generator]
     _skipped: tuple[int, frozenset[int]] = (0, frozenset())  # a resumed pass's: the batches
     # handed over before it, in order and ahead of their turn (in_order=False)
+    _dealt_again = False  # a resumed pass whose rest was dealt to another world size
 
     def _begin_pass(self, loader: DataLoader, resume: dict | None) -> None:
         """After torch's ``_reset`` made the index sampler's iterator: read it through a
@@ -246,21 +248,34 @@ class _Checkpointed(_BaseDataLoaderIter):
         over (a map-style dataset's: a stream is fast-forwarded by its workers)."""
         self._generators = generators_of(loader, loader.sampler, loader.batch_sampler)
         samplers = Samplers(self._index_sampler)
-        if _mid_pass(resume):
-            assert resume is not None
+        spread = spread_of(self._index_sampler)
+        if resume is not None and _mid_pass(resume):
             self._base_seed = resume["base_seed"]
-        if not _mid_pass(resume) or resume["pass"] is None:  # none drawn: draw it now
+        if resume is None or not _mid_pass(resume) or resume["pass"] is None:  # none drawn yet
             self._pass = PassStart(self._sampler_iter, self._generators, samplers)
+        else:
+            spread = self._draw_again(resume, samplers, spread)
+        self._sampler_iter = self._pass
+        self._record = loader._record = PassRecord(self._pass, int(self._base_seed),
+                                                   self._workers_from(loader, resume), spread)
+
+    def _draw_again(self, resume: dict, samplers: Samplers,
+                    spread: Spread | None) -> Spread | None:
+        """The saved pass drawn again past the batches handed over; or, saved on another world
+        size with a ``DistributedSampler``, what the ranks had not read of it dealt again."""
+        saved = resume.get("distributed")
+        if saved is not None and dealt_again(self._index_sampler, saved):
+            samplers.restore(resume["pass"])
+            spread, items = rest_of_pass(self._index_sampler, saved)
+            self._dealt_again = True
         else:
             ahead = frozenset(resume["ahead"])
             if self._dataset_kind != _DatasetKind.Iterable:
                 self._skipped = (resume["num_yielded"] - len(ahead), ahead)
             with drawn_as_saved(self._generators, resume["pass"], samplers):
                 items = skipped(iter(self._index_sampler), *self._skipped)
-            self._pass = PassStart(items, self._generators, samplers, resume["pass"])
-        self._sampler_iter = self._pass
-        self._record = loader._record = PassRecord(self._pass, int(self._base_seed),
-                                                   self._workers_from(loader, resume))
+        self._pass = PassStart(items, self._generators, samplers, resume["pass"])
+        return spread
 
     def _workers_from(self, loader: DataLoader, resume: dict | None) -> WorkerRecords:
         """Where the pass's datasets start: as saved (resumed mid-pass), as the pass before
@@ -275,8 +290,9 @@ class _Checkpointed(_BaseDataLoaderIter):
         return WorkerRecords(loader.num_workers, iterable)
 
     def _count_handed(self, resume: dict | None) -> None:
-        """A pass resumed mid-way has handed over the saved batches already."""
-        if _mid_pass(resume):
+        """A pass resumed mid-way has handed over the saved batches already (not one whose
+        rest was dealt again: its batches are new)."""
+        if _mid_pass(resume) and not self._dealt_again:
             assert resume is not None
             self._num_yielded = self._record.num_yielded = resume["num_yielded"]
             self._record.ahead = sorted(self._skipped[1])

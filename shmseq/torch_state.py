@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from .torch_dataset_state import empty_record, has_state
+from .torch_spread import Spread
 
 VERSION = 2
 
@@ -239,10 +240,13 @@ class PassRecord:
     start: PassStart
     base_seed: int
     workers: WorkerRecords
+    spread: Spread | None = None  # a DistributedSampler's pass, as all the ranks read it
     num_yielded: int = 0
     finished: bool = False
     ahead: list[int] = dataclasses.field(default_factory=list)  # handed before their turn
 
     def state(self, generators: Iterable[torch.Generator]) -> dict:
+        distributed = None if self.spread is None else self.spread.state(self.num_yielded)
         return loader_state(True, self.num_yielded, self.finished, self.base_seed,
-                            self.start.states, self.ahead, generators, self.workers.state())
+                            self.start.states, self.ahead, generators,
+                            {**self.workers.state(), "distributed": distributed})

@@ -4,6 +4,7 @@ the uninterrupted loader gave, with any number of workers; the state is plain JS
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import time
 
@@ -11,6 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from torch.utils.data import Dataset, IterableDataset, RandomSampler  # noqa: E402
+from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 from shmseq.torch import DataLoader, StatefulDataLoader  # noqa: E402
 
@@ -303,3 +305,57 @@ def test_a_persistent_workers_dataset_state_carries_over_to_the_next_pass():
     again = make()
     again.load_state_dict(state)
     assert listed(again) == listed(loader) == [[100, 101, 102], [103, 104, 105]]
+
+
+class Count(Dataset):
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def on_rank(world: int, rank: int, workers: int = 0) -> DataLoader:
+    """Rank ``rank`` of ``world``'s loader over 42 samples, epoch 1 of a DistributedSampler."""
+    sampler = DistributedSampler(Count(42), num_replicas=world, rank=rank, shuffle=True, seed=5)
+    sampler.set_epoch(1)
+    return DataLoader(Count(42), batch_size=4, sampler=sampler, num_workers=workers)
+
+
+def read_on_ranks(world: int, states: list[dict] | None, steps: int | None) -> tuple[list, list]:
+    """Each rank's loader, resumed from the saved states (any rank's: they agree on where the
+    ranks stand), read for ``steps`` batches (None: to the end); what they read, and their
+    states then."""
+    read, saved = [], []
+    for rank in range(world):
+        loader = on_rank(world, rank, workers=2 if rank == 0 else 0)
+        if states is not None:
+            loader.load_state_dict(states[rank % len(states)])
+        batches = listed(itertools.islice(loader, steps))
+        read.append(sum(batches, []))
+        saved.append(json.loads(json.dumps(loader.state_dict())))
+    return read, saved
+
+
+@pytest.mark.parametrize("new_world", [1, 3])
+def test_a_distributed_pass_resumes_on_another_world_size_reading_the_rest_once(new_world):
+    """Two ranks read 3 batches each of epoch 1 (24 of 42 samples); resumed on ``new_world``
+    ranks, they read the other 18, each once, in equal steps, and then a later checkpoint of
+    that pass resumes on two ranks again; the next epoch is the sampler's own."""
+    first, states = read_on_ranks(2, None, 3)
+    assert {state["distributed"]["consumed"] for state in states} == {24}
+    second, states = read_on_ranks(new_world, states, 1)
+    third, _ = read_on_ranks(2, states, None)
+    read = sum(first + second + third, [])
+    assert sorted(read) == list(range(42))
+    assert len({len(share) for share in third}) == 1  # as many steps on every rank
+    loader = on_rank(new_world, 0)
+    loader.load_state_dict(states[0])
+    listed(loader)
+    loader.sampler.set_epoch(2)
+    fresh = on_rank(new_world, 0)
+    fresh.sampler.set_epoch(2)
+    assert listed(loader) == listed(fresh)
