@@ -1,7 +1,8 @@
 """Hugging Face's ``Trainer`` fed by torch's DataLoader and by shmseq's ring: a tiny causal
 language model built from a config (nothing downloaded) trained and evaluated with two
 workers, persistent or not, gives the same losses step for step, and shmseq's batches, train
-and eval, come through its ring."""
+and eval, come through its ring; resumed from a checkpoint taken mid-epoch, the rest of that
+epoch comes through the ring too, without building the batches it skips."""
 import os
 import warnings
 
@@ -51,18 +52,22 @@ def ring_batches(transformers):
     return RingBatches()
 
 
-def trainer_of(transformers, trainer_class, output_dir, callbacks=(), **arguments):
-    """A trainer of a tiny GPT-2 built from a config (4 steps, evaluating every 2), its
-    ``TrainingArguments`` given ``arguments`` beside these."""
+def trainer_of(transformers, trainer_class, output_dir, callbacks=(), train_dataset=None,
+               **arguments):
+    """A trainer of a tiny GPT-2 built from a config (4 steps, evaluating every 2, of 32
+    sequences unless ``train_dataset`` is given), its ``TrainingArguments`` these updated with
+    ``arguments``."""
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2, bos_token_id=0,
         eos_token_id=0))
-    args = transformers.TrainingArguments(
-        output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=4,
-        per_device_eval_batch_size=4, eval_strategy="steps", eval_steps=2, logging_steps=1,
-        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0, **arguments)
-    return trainer_class(model=model, args=args, train_dataset=data.TokenSequences(32),
+    settings = dict(output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=4,
+                    per_device_eval_batch_size=4, eval_strategy="steps", eval_steps=2,
+                    logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                    disable_tqdm=True, seed=0)
+    args = transformers.TrainingArguments(**{**settings, **arguments})
+    return trainer_class(model=model, args=args,
+                         train_dataset=train_dataset or data.TokenSequences(32),
                          eval_dataset=data.TokenSequences(8), callbacks=list(callbacks))
 
 
@@ -112,3 +117,54 @@ def test_a_trainer_without_workers_says_once_that_its_batches_bypass_the_ring(tr
     assert "dataloader_num_workers=0" in told[0] and "dataloader_num_workers=2" in told[0]
     assert all(trainer.loaders[kind].num_workers == 0 and trainer.loaders[kind].stats.batches == 0
                for kind in ("train", "eval"))
+
+
+class RecordedTokens(data.TokenSequences):
+    """``TokenSequences`` that appends each index it builds to the file ``record``: the
+    worker processes' record of the samples they built."""
+
+    def __init__(self, n: int, record: str):
+        super().__init__(n)
+        self.record = record
+
+    def __getitem__(self, i):
+        with open(self.record, "a") as record:  # one short write: lines never interleave
+            record.write(f"{i}\n")
+        return super().__getitem__(i)
+
+
+def built(record) -> list[int]:
+    return [int(line) for line in record.read_text().split()]
+
+
+def losses(trainer, after: int = 0) -> list[tuple[int, float]]:
+    return [(entry["step"], entry["loss"]) for entry in trainer.state.log_history
+            if "loss" in entry and entry["step"] > after]
+
+
+EPOCH, SAVED_AT = 8, 3  # steps of 4 sequences: an epoch of 32
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_a_trainer_resumed_mid_epoch_reads_the_rest_of_it_through_the_ring(
+        persistent_workers, transformers, tmp_path):
+    """Resumed from the checkpoint of step 3, the trainer trains on the epoch's last 5 batches
+    with the uninterrupted run's losses; they come through the ring, and the workers build
+    their 20 samples only: the 12 of the batches skipped are not built."""
+    from shmseq.transformers import Trainer as RingTrainer
+    settings = dict(max_steps=EPOCH, eval_strategy="no", save_strategy="steps",
+                    save_steps=SAVED_AT, dataloader_num_workers=2,
+                    dataloader_persistent_workers=persistent_workers)
+    full = trainer_of(transformers, RingTrainer, tmp_path / "full", train_dataset=RecordedTokens(
+        32, str(tmp_path / "full.txt")), **settings)
+    full.train()
+    record = tmp_path / "resumed.txt"
+    resumed = trainer_of(transformers, RingTrainer, tmp_path / "resumed",
+                         train_dataset=RecordedTokens(32, str(record)), **settings)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{SAVED_AT}"))
+    assert losses(resumed, after=SAVED_AT) == losses(full, after=SAVED_AT)
+    assert len(losses(full, after=SAVED_AT)) == EPOCH - SAVED_AT
+    assert resumed.loaders["train"].stats.batches == EPOCH - SAVED_AT, "the rest, on the ring"
+    samples = built(record)
+    assert len(samples) == len(set(samples)) == 4 * (EPOCH - SAVED_AT), "only the rest, once"
