@@ -14,6 +14,7 @@ import numpy as np
 
 from .checks import check_bool, check_int, check_num_workers
 from .engine import SamplerPlan, SlotAllocator, as_ndarray, default_max_workers, is_tensor, stack_into
+from .sampler_state import SamplerPasses
 from .samplers import BatchSampler, RandomSampler, SequentialSampler
 from .sequence import Batching, ShmSequence, Stage
 
@@ -44,6 +45,23 @@ def default_batchify(samples: list, out: SlotAllocator | None = None) -> object:
     return stack_into(cast("list[np.ndarray]", arrays), out)  # as the first: else stacking fails
 
 
+def check_dataset(dataset: object) -> None:
+    """A dataset whose samples are read by index. A stream of samples is refused here, not at
+    its first batch: a torch ``IterableDataset`` has ``__getitem__`` (torch's, which raises),
+    and may have a ``__len__``."""
+    data = sys.modules.get("torch.utils.data")  # loaded wherever a torch dataset exists
+    stream = data is not None and isinstance(dataset, data.IterableDataset)
+    if not stream and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        return
+    stream = stream or hasattr(dataset, "__iter__")
+    raise TypeError(
+        f"dataset must have __getitem__ and __len__ (samples read by index), got "
+        f"{type(dataset).__name__}" + (
+            ", a stream of samples (an IterableDataset): shmseq.torch.DataLoader reads one as "
+            "torch's DataLoader does, each worker iterating its copy, on shmseq's ring, with "
+            "state_dict() checkpoints" if stream else ""))
+
+
 class SampleWorker:
     """Runs in each worker: fetches the samples of a batch and batchifies them into the slot."""
 
@@ -70,15 +88,31 @@ class SampleWorker:
 
 
 class SamplerStage(Stage):
-    """A loader's batches drawn from its batch sampler, when it has one."""
+    """A loader's batches drawn from its batch sampler, when it has one; its state then says
+    what the sampler's pass is drawn from (``shmseq.sampler_state``), so that a resume draws
+    the pass the saved run drew, or the one it would have drawn next."""
 
     def __init__(self, batch_sampler: Iterable | None) -> None:
-        self.batch_sampler = batch_sampler
+        self.passes = None if batch_sampler is None else SamplerPasses(batch_sampler)
 
     def plan(self, batching: Batching) -> Plan:
-        if self.batch_sampler is None:
+        if self.passes is None:
             return super().plan(batching)
-        return SamplerPlan(self.batch_sampler)
+        return SamplerPlan(self.passes.batch_sampler, passes=self.passes.draw)
+
+    def saved(self, sequence: ShmSequence, state: dict) -> dict:
+        """With the sampler's: a state other than the next iteration's start is inside (or at
+        the end of) the pass drawn last, which a resume draws again."""
+        if self.passes is None:
+            return state
+        drawn = (state["epoch"], state["position"]) != sequence.resume_point
+        return {**state, "sampler": self.passes.state(state["epoch"], drawn)}
+
+    def loading(self, sequence: ShmSequence, state: dict) -> dict:
+        """The sampler's, for the next pass (a state saved without one has nothing to set)."""
+        if self.passes is not None and state.get("sampler") is not None:
+            self.passes.load(state["sampler"])
+        return state
 
 
 class SampleLoader(ShmSequence):
@@ -137,14 +171,7 @@ class DataLoader(SampleLoader):
                  slot_bytes: int | None = None, start_method: str | None = None,
                  worker_restarts: int = 0, max_workers: int | None = None,
                  cpu_budget: float | None = None, memory_budget: int | None = None) -> None:
-        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
-            stream = hasattr(dataset, "__iter__")
-            raise TypeError(
-                f"dataset must have __getitem__ and __len__ (samples read by index), got "
-                f"{type(dataset).__name__}" + (
-                    ", a stream of samples (an IterableDataset): shmseq.torch.DataLoader reads "
-                    "one as torch's DataLoader does, each worker iterating its copy, on shmseq's "
-                    "ring" if stream else ""))
+        check_dataset(dataset)
         self._check(batch_size, shuffle, num_workers, prefetch, thread_pool)
         self.dataset = dataset
         self.batch_sampler = self._batch_sampler(batch_size, shuffle, sampler, last_batch,

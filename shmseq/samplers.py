@@ -56,6 +56,13 @@ class BatchSampler:
         """The sampler batched (``set_epoch`` reaches it through here, as through torch's)."""
         return self._sampler
 
+    def state_dict(self) -> dict:
+        """The samples carried into the next pass (rollover): a loader's state keeps them."""
+        return {"carried": [int(index) for index in self._carried]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._carried = list(state["carried"])
+
     def __iter__(self) -> Iterator[list[int]]:
         batch, self._carried = self._carried, []
         for index in self._sampler:

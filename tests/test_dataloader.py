@@ -1,4 +1,5 @@
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -282,4 +283,220 @@ def test_a_stream_of_samples_is_refused_naming_the_front_end_that_reads_one():
             return iter(range(10))
 
     with pytest.raises(TypeError, match=r"got Stream, a stream .* shmseq\.torch\.DataLoader"):
+        DataLoader(Stream(), batch_size=2)
+
+
+# -- a user's sampler in the state ----------------------------------------------------------------
+class PassCounting:
+    """A sampler whose order is a function of the passes it drew, which only its own state
+    tells (no generator among its attributes); drawn at ``iter()``, not at the first item."""
+
+    def __init__(self, length):
+        self.length, self.passes = length, 0
+
+    def __iter__(self):
+        self.passes += 1
+        return iter(np.random.default_rng(self.passes).permutation(self.length).tolist())
+
+    def __len__(self):
+        return self.length
+
+    def state_dict(self):
+        return {"passes": self.passes}
+
+    def load_state_dict(self, state):
+        self.passes = state["passes"]
+
+
+class OneByOne:
+    """A sampler drawing each index from its own generator only as it is asked for: where the
+    generator stands depends on how far the pass was read."""
+
+    def __init__(self, length):
+        self.length, self.rng = length, np.random.default_rng(0)
+
+    def __iter__(self):
+        for _ in range(self.length):
+            yield int(self.rng.integers(self.length))
+
+    def __len__(self):
+        return self.length
+
+
+class GlobalNumpy:
+    """A sampler drawing from numpy's global generator, as MXNet's ``RandomSampler`` does."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __iter__(self):
+        return iter(np.random.permutation(self.length).tolist())
+
+    def __len__(self):
+        return self.length
+
+
+def torch_random(length):
+    torch = pytest.importorskip("torch")
+    generator = torch.Generator()
+    generator.manual_seed(0)
+    return torch.utils.data.RandomSampler(range(length), generator=generator)
+
+
+SAMPLED = {  # each makes a loader's arguments: 23 samples, batches of 4, a new order each pass
+    "torch generator": lambda: {"sampler": torch_random(23), "batch_size": 4},
+    "drawn as needed": lambda: {"sampler": OneByOne(23), "batch_size": 4},
+    "shmseq RandomSampler": lambda: {"sampler": RandomSampler(23, seed=0), "batch_size": 4},
+    "shmseq rollover": lambda: {"sampler": RandomSampler(23, seed=0), "batch_size": 4,
+                                "last_batch": "rollover"},
+    "own state": lambda: {"sampler": PassCounting(23), "batch_size": 4},
+    "batch sampler": lambda: {"batch_sampler": BatchSampler(RandomSampler(23, seed=0), 4)},
+}
+
+
+def _interrupted(make, stop, after_loop=False, epochs=3):
+    """The batches of ``epochs`` uninterrupted epochs, and those of a run stopped after ``stop``
+    batches (inside the loop; ``after_loop``: once that epoch's loop ended) whose state went
+    through JSON into a new loader built the same way, which then went on."""
+    with make() as reference:
+        expected = [b for _ in range(epochs) for b in listed(reference)]
+    delivered = []
+    with make() as first:
+        while len(delivered) < stop:
+            for batch in first:
+                delivered.append(np.asarray(batch).tolist())
+                if len(delivered) == stop and not after_loop:
+                    break
+        state = json.loads(json.dumps(first.state_dict()))
+    resumed = make()
+    resumed.load_state_dict(state)
+    with resumed:
+        for _ in range(epochs + 1):
+            delivered += listed(resumed)
+    return expected, delivered[:len(expected)]
+
+
+@pytest.mark.parametrize("sampled", SAMPLED)
+@pytest.mark.parametrize("stop, after_loop", [
+    (6, True),    # after the first epoch: the second epoch's order, not the first's again
+    (3, False),   # mid-epoch: the rest of that epoch
+    (9, False),   # mid-epoch, in the second epoch
+    (12, False),  # at the second epoch's last batch, inside the loop: nothing more of it
+])
+def test_a_samplers_generators_and_state_are_saved_and_a_resume_draws_what_was_not(
+        sampled, stop, after_loop):
+    def make():
+        return DataLoader(np.arange(23), **SAMPLED[sampled]())
+
+    expected, got = _interrupted(make, stop, after_loop)
+    assert got == expected
+
+
+@pytest.mark.parametrize("sampled", ["drawn as needed", "shmseq rollover"])
+@pytest.mark.parametrize("stop", [2, 8])
+def test_a_resume_with_workers_draws_the_samplers_pass_as_the_saved_run_did(sampled, stop):
+    def make():
+        return DataLoader(np.arange(23), num_workers=2, **SAMPLED[sampled]())
+
+    expected, got = _interrupted(make, stop)
+    assert got == expected
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch"])
+def test_a_pass_drawn_from_a_global_generator_resumes_and_leaves_it_as_the_loop_has_it(library):
+    if library == "torch":
+        torch = pytest.importorskip("torch")
+        seed, get_state = torch.manual_seed, lambda: torch.get_rng_state().tolist()
+        sampler = functools.partial(torch.utils.data.RandomSampler, range(23))  # seeds from it
+    else:
+        seed, get_state = np.random.seed, lambda: np.random.get_state()[1].tolist()
+        sampler = functools.partial(GlobalNumpy, 23)
+    seed(1)
+    with DataLoader(np.arange(23), batch_size=4, sampler=sampler()) as reference:
+        expected = listed(reference)
+    seed(1)
+    with DataLoader(np.arange(23), batch_size=4, sampler=sampler()) as first:
+        for step, _ in enumerate(first):
+            if step == 1:
+                state = json.loads(json.dumps(first.state_dict()))
+                break
+    seed(99)  # the training loop's own state, restored from its checkpoint
+    loop_has = get_state()
+    resumed = DataLoader(np.arange(23), batch_size=4, sampler=sampler())
+    resumed.load_state_dict(state)
+    with resumed:
+        assert listed(resumed) == expected[2:] and get_state() == loop_has
+
+
+def test_a_distributed_samplers_epoch_is_in_the_state():
+    """A loop that sets the sampler's epoch after each epoch, not before: the resumed pass is
+    drawn with the epoch it was drawn with, not the new sampler's."""
+    torch = pytest.importorskip("torch")
+
+    def make():
+        sampler = torch.utils.data.DistributedSampler(range(23), num_replicas=1, rank=0, seed=0)
+        return DataLoader(np.arange(23), batch_size=4, sampler=sampler)
+
+    with make() as reference:
+        reference.set_epoch(3)
+        expected = listed(reference)
+    with make() as first:
+        first.set_epoch(3)
+        for step, _ in enumerate(first):
+            if step == 1:
+                state = first.state_dict()
+                break
+    resumed = make()
+    resumed.load_state_dict(state)
+    with resumed:
+        assert listed(resumed) == expected[2:]
+
+
+def test_a_state_of_another_samplers_generators_is_refused():
+    state = DataLoader(TEN, batch_size=2, sampler=RandomSampler(10, seed=0)).state_dict()
+    other = DataLoader(TEN, batch_size=2, sampler=SequentialSampler(10))
+    with pytest.raises(ValueError, match="1 random generator.* this loader's samplers hold 0"):
+        other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("sampled", [None, "shmseq RandomSampler"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_taken_at_an_epochs_last_batch_resumes_to_its_end(sampled, workers):
+    """As ``ShmSequence``'s: a loop that counts epochs itself goes on with the next one."""
+    def make():
+        arguments = SAMPLED[sampled]() if sampled else {"batch_size": 4, "shuffle": True, "seed": 5}
+        return DataLoader(np.arange(23), num_workers=workers, **arguments)
+
+    def run(loader, epochs, state=None):
+        got, saved = [], None
+        with loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            for epoch in epochs:
+                loader.set_epoch(epoch)
+                for step, batch in enumerate(loader):
+                    got.append((epoch, batch.tolist()))
+                    if state is None and epoch == 1 and step == len(loader) - 1:
+                        saved = loader.state_dict()
+        return got, saved
+
+    full, state = run(make(), range(3))
+    assert (state["epoch"], state["position"]) == (1, 6)
+    resumed, _ = run(make(), range(1, 3), state)
+    assert resumed == full[12:]  # nothing more of epoch 1, then epoch 2 as the uninterrupted run
+
+
+def test_an_iterable_dataset_is_refused_naming_the_front_end_that_reads_one():
+    """Even with a ``__len__``: its ``__getitem__`` is torch's, which raises."""
+    torch = pytest.importorskip("torch")
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+        def __len__(self):
+            return 10
+
+    with pytest.raises(TypeError, match=r"dataset .* got Stream, .*IterableDataset.*"
+                                        r"shmseq\.torch\.DataLoader"):
         DataLoader(Stream(), batch_size=2)

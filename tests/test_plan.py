@@ -151,6 +151,20 @@ def test_a_pass_given_to_the_plan_replaces_the_samplers():
     assert sampler_plan.batch(0, 3) is None and sampler_plan.length(0) == 3
 
 
+def test_each_pass_is_made_by_passes_when_given():
+    made = []
+
+    def passes(epoch):
+        made.append(epoch)
+        return iter([[epoch]])
+
+    sampler_plan = SamplerPlan([[0, 1]], passes=passes)
+    sampler_plan.open(3)
+    assert sampler_plan.batch(3, 0).tolist() == [3] and made == [3]
+    sampler_plan.open(4, iter([[9]]))  # a pass given to the plan replaces both
+    assert sampler_plan.batch(4, 0).tolist() == [9] and made == [3]
+
+
 def test_a_sampler_without_len_says_so():
     with pytest.raises(TypeError, match="has no len"):
         SamplerPlan(iter([[0]])).length(0)

@@ -244,7 +244,9 @@ class SamplerPlan:
     asks for them, and forgotten once the consumer has them: a sampler may never end.
 
     ``as_task`` makes each item of the sampler what a worker is sent (``as_batch``: int64
-    indices). The sampler decides the batches' size, order and last batch itself, and deals
+    indices); ``passes(epoch)``, when given, makes each epoch's pass instead of
+    ``iter(batch_sampler)`` (a front end's that notes what the pass is drawn from, for its
+    state). The sampler decides the batches' size, order and last batch itself, and deals
     them to ranks if it does."""
 
     batch_size: int | None = None
@@ -252,9 +254,11 @@ class SamplerPlan:
     last_batch: str | None = None
     rank, world_size = 0, 1
 
-    def __init__(self, batch_sampler: Iterable, as_task: Callable[[Any], object] = as_batch) -> None:
+    def __init__(self, batch_sampler: Iterable, as_task: Callable[[Any], object] = as_batch,
+                 passes: Callable[[int], Iterable] | None = None) -> None:
         self.batch_sampler = batch_sampler
         self._as_task = as_task
+        self._passes = passes
         self._epoch: int | None = None
         self._pass: Iterator | None = None  # the open pass's iterator, until it ends
         self._drawn: collections.deque[object] = collections.deque()
@@ -263,7 +267,9 @@ class SamplerPlan:
 
     def open(self, epoch: int, batches: Iterable | None = None) -> None:
         """A new pass of the sampler (or of ``batches``, an iterator of the sampler's items)."""
-        self._pass = iter(self.batch_sampler if batches is None else batches)
+        if batches is None:
+            batches = self.batch_sampler if self._passes is None else self._passes(epoch)
+        self._pass = iter(batches)
         self._epoch, self._first = epoch, 0
         self._drawn.clear()
         self.version += 1
