@@ -42,7 +42,8 @@ from .engine import (START_WORKERS, BatchTimeout, Cursor, FrontEndHooks, LoaderS
                      default_max_workers)
 from .options import LoaderOptions
 from .torch_collate import RaggedCollate, slot_collate
-from .torch_dataset_state import load_dataset_state, load_stream_state, snapshot
+from .torch_dataset_state import (load_dataset_state, load_iterator_state, load_stream_state,
+                                  snapshot)
 from .torch_spread import Spread, dealt_again, rest_of_pass, spread_of
 from .torch_state import (VERSION as STATE_VERSION, PassRecord, PassStart, Samplers,
                           WorkerRecords, check_workers, drawn_as_saved, generators_of,
@@ -328,19 +329,26 @@ class _SingleIterator(_Checkpointed, _SingleProcessDataLoaderIter):
         """torch's ``__init__`` for a resumed pass, the dataset's state loaded before its
         stream is made and the stream's after; the dataset's randomness, if its state holds
         it, is what torch's generator is left with, else the training loop's."""
-        with kept_torch_rng():
+        with kept_torch_rng(_mid_pass(resume)):
             _BaseDataLoaderIter.__init__(self, loader)
             self._begin_pass(loader, resume)
         record = records_in(resume)[0]
         load_dataset_state(self._dataset, record)  # the same object every pass reads
-        self._dataset_fetcher = _DatasetKind.create_fetcher(
-            self._dataset_kind, self._dataset, self._auto_collation, self._collate_fn,
-            self._drop_last)
-        if _mid_pass(resume) and self._dataset_kind == _DatasetKind.Iterable:
+        self._dataset_fetcher = self._new_fetcher()
+        iterable = self._dataset_kind == _DatasetKind.Iterable
+        if iterable and _mid_pass(resume):
             load_stream_state(self._dataset_fetcher, record,
                               [None] * (loader.batch_size or 0) if self._auto_collation
                               else None)
+        elif iterable:  # between passes: the ended stream's state (its randomness, say), then
+            load_iterator_state(self._dataset_fetcher, record)  # the new pass's stream, as one
+            self._dataset_fetcher = self._new_fetcher()  # loader goes on from pass to pass
         self._count_handed(resume)
+
+    def _new_fetcher(self) -> Any:
+        return _DatasetKind.create_fetcher(self._dataset_kind, self._dataset,
+                                           self._auto_collation, self._collate_fn,
+                                           self._drop_last)
 
     def _take_record(self) -> dict:
         """The dataset's record as it stands: read in this process, exactly at the batches
@@ -361,8 +369,8 @@ class _RingIterator(_Checkpointed):
     the workers need batches (an endless sampler is fine)."""
 
     def __init__(self, loader: DataLoader, resume: dict | None) -> None:
-        with kept_torch_rng(resume is not None):  # resumed, the new iterator's draws leave
-            self._start(loader, resume)  # torch's generator as the training loop has it
+        with kept_torch_rng(_mid_pass(resume)):  # resumed mid-pass, the new iterator's draws
+            self._start(loader, resume)  # leave torch's generator as the training loop has it
 
     def _start(self, loader: DataLoader, resume: dict | None) -> None:
         super().__init__(loader)

@@ -61,13 +61,18 @@ def load_dataset_state(dataset: object, record: dict) -> None:
         dataset.load_state_dict(record["dataset_state"])  # type: ignore[attr-defined]
 
 
+def load_iterator_state(fetcher: Any, record: dict) -> None:
+    """After ``iter(dataset)``: the stream's own state, if the record has one."""
+    iterator_state = (record["fetcher_state"] or {}).get("dataset_iter_state")
+    if iterator_state is not None:
+        fetcher.dataset_iter.load_state_dict(iterator_state)
+
+
 def load_stream_state(fetcher: Any, record: dict, item: object) -> None:
     """After ``iter(dataset)``: the stream's own state, then the batches handed over since
     that state was taken (or since the pass began, without one) fetched and dropped.
     ``item``: what one batch is fetched with."""
-    iterator_state = (record["fetcher_state"] or {}).get("dataset_iter_state")
-    if iterator_state is not None:
-        fetcher.dataset_iter.load_state_dict(iterator_state)
+    load_iterator_state(fetcher, record)
     skip = record["handed"] - (record["fetched"] if has_state(record) else 0)
     collate_fn, fetcher.collate_fn = fetcher.collate_fn, _dropped
     try:

@@ -13,8 +13,8 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from .engine import SlotAllocator, StreamEnded, WorkerInfo, get_worker_info
 from .torch_collate import slot_collate
-from .torch_dataset_state import (is_stateful, load_dataset_state, load_stream_state,
-                                  snapshot)
+from .torch_dataset_state import (is_stateful, load_dataset_state, load_iterator_state,
+                                  load_stream_state, snapshot)
 
 if TYPE_CHECKING:
     from torch.utils.data._utils.fetch import _BaseDatasetFetcher
@@ -119,8 +119,12 @@ class Fetcher:
             load_dataset_state(self.dataset, record)
         if self._fetcher is None or self.kind == _DatasetKind.Iterable:
             self._fetcher = self._new_fetcher()
-        if record is not None and self.kind == _DatasetKind.Iterable and \
-                not resumed.between_passes:
+        if record is None or self.kind != _DatasetKind.Iterable:
+            return
+        if resumed.between_passes:  # the ended stream's state (its randomness, say), then the
+            load_iterator_state(self._fetcher, record)  # new pass's stream, as a persistent
+            self._fetcher = self._new_fetcher()  # worker goes on from one to the next
+        else:
             load_stream_state(self._fetcher, record, item)
             self._fetched = record["handed"]
 

@@ -359,3 +359,18 @@ def test_a_distributed_pass_resumes_on_another_world_size_reading_the_rest_once(
     fresh = on_rank(new_world, 0)
     fresh.sampler.set_epoch(2)
     assert listed(loader) == listed(fresh)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_loaded_between_passes_leaves_the_next_passes_drawn_as_usual(workers):
+    """Only a resume mid-pass puts torch's generator back after the iterator's draws: between
+    passes they are the draws the uninterrupted run makes there, and each pass draws anew."""
+    def make():
+        return DataLoader(Numbers(), batch_size=4, shuffle=True, num_workers=workers)
+    torch.manual_seed(0)
+    uninterrupted = listed(make())
+    torch.manual_seed(0)
+    loader = make()
+    loader.load_state_dict(make().state_dict())
+    first = listed(loader)
+    assert first == uninterrupted and listed(loader) != first
