@@ -47,7 +47,7 @@ from .torch_dataset_state import (load_dataset_state, load_iterator_state, load_
 from .torch_spread import Spread, dealt_again, rest_of_pass, spread_of
 from .torch_state import (VERSION as STATE_VERSION, PassRecord, PassStart, Samplers,
                           WorkerRecords, check_workers, drawn_as_saved, generators_of,
-                          kept_torch_rng, loader_state, records_in, restore_generators,
+                          draws_now, kept_torch_rng, loader_state, records_in, restore_now,
                           skipped)
 from .torch_worker import Fetcher, Resumed, as_task, tell_torch
 
@@ -77,7 +77,7 @@ class DataLoader(TorchDataLoader[T_co]):
     Checkpoints, as torchdata's ``StatefulDataLoader``: ``state_dict()`` between any two
     batches (a plain, JSON-serialisable dict), ``load_state_dict()`` before ``iter()``; the
     resumed loader yields the batches the uninterrupted one would have, with any number of
-    workers (``snapshot_every_n_steps`` is accepted: every state is exact). See
+    workers (``snapshot_every_n_steps``: how often a worker's stream notes its own state). See
     ``shmseq.torch_state``.
     """
 
@@ -160,11 +160,11 @@ class DataLoader(TorchDataLoader[T_co]):
         a loader built the same way, its next ``iter()`` goes on from here."""
         if self._resume is not None:
             return dict(self._resume)
+        now = draws_now(self._generators(), Samplers(self._index_sampler))
         if self._record is None:
             workers = WorkerRecords(self.num_workers, self._is_iterable())
-            return loader_state(False, 0, False, None, None, [], self._generators(),
-                                workers.state())
-        return self._record.state(self._generators())
+            return loader_state(False, 0, False, None, None, [], now, workers.state())
+        return self._record.state(now)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from ``state_dict()`` at the next ``iter()``: the rest of the pass it was
@@ -177,7 +177,7 @@ class DataLoader(TorchDataLoader[T_co]):
                 f"gave (version {STATE_VERSION}): a torchdata StatefulDataLoader's state does not "
                 "load here; resume from a state this loader saved, or start the pass afresh")
         check_workers(state, self.num_workers, self._is_iterable())
-        restore_generators(self._generators(), state["generators_now"])
+        restore_now(state, self._generators(), Samplers(self._index_sampler), _mid_pass(state))
         self.close()  # persistent workers: the resumed pass is a new iterator's
         self._resume = dict(state)
 
@@ -329,14 +329,17 @@ class _SingleIterator(_Checkpointed, _SingleProcessDataLoaderIter):
         """torch's ``__init__`` for a resumed pass, the dataset's state loaded before its
         stream is made and the stream's after; the dataset's randomness, if its state holds
         it, is what torch's generator is left with, else the training loop's."""
-        with kept_torch_rng(_mid_pass(resume)):
+        record, mid_pass = records_in(resume)[0], _mid_pass(resume)
+        if not mid_pass:  # the pass's draws come after it, as when one loader goes on
+            load_dataset_state(loader.dataset, record)  # (the same object every pass reads)
+        with kept_torch_rng(mid_pass):
             _BaseDataLoaderIter.__init__(self, loader)
             self._begin_pass(loader, resume)
-        record = records_in(resume)[0]
-        load_dataset_state(self._dataset, record)  # the same object every pass reads
+        if mid_pass:
+            load_dataset_state(self._dataset, record)
         self._dataset_fetcher = self._new_fetcher()
         iterable = self._dataset_kind == _DatasetKind.Iterable
-        if iterable and _mid_pass(resume):
+        if iterable and mid_pass:
             load_stream_state(self._dataset_fetcher, record,
                               [None] * (loader.batch_size or 0) if self._auto_collation
                               else None)
@@ -369,11 +372,17 @@ class _RingIterator(_Checkpointed):
     the workers need batches (an endless sampler is fine)."""
 
     def __init__(self, loader: DataLoader, resume: dict | None) -> None:
+        goes_on = resume is not None and (_mid_pass(resume) or resume["finished"] and
+                                          loader.persistent_workers)
+        with kept_torch_rng(goes_on):  # the saved iterator drew its base seed before the state
+            super().__init__(loader)  # (its persistent workers draw none for the next pass)
+        if goes_on:
+            assert resume is not None
+            self._base_seed = resume["base_seed"]
         with kept_torch_rng(_mid_pass(resume)):  # resumed mid-pass, the new iterator's draws
             self._start(loader, resume)  # leave torch's generator as the training loop has it
 
     def _start(self, loader: DataLoader, resume: dict | None) -> None:
-        super().__init__(loader)
         self._in_order = loader.in_order
         self._plan = SamplerPlan(self._index_sampler, as_task=as_task)
         context = loader.multiprocessing_context

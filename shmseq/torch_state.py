@@ -21,7 +21,7 @@ import base64
 import contextlib
 import dataclasses
 import itertools
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -74,7 +74,7 @@ class Samplers:
             self.by_epoch.set_epoch(state["epoch"])
 
 
-def snapshot(generators: list[torch.Generator], samplers: Samplers) -> dict:
+def draws_now(generators: list[torch.Generator], samplers: Samplers) -> dict:
     """The states a pass is drawn from (JSON-serialisable)."""
     return {"torch": _encoded(None), "generators": [_encoded(g) for g in generators],
             **samplers.state()}
@@ -105,7 +105,7 @@ class PassStart:
 
     def __next__(self) -> Any:
         if self.states is None:
-            self.states = snapshot(self._generators, self._samplers)
+            self.states = draws_now(self._generators, self._samplers)
         return next(self._items)
 
 
@@ -149,15 +149,25 @@ def skipped(items: Iterator, count: int, also: frozenset[int] = frozenset()) -> 
 
 
 def loader_state(began: bool, num_yielded: int, finished: bool, base_seed: int | None,
-                 pass_states: dict | None, ahead: list[int],
-                 generators: Iterable[torch.Generator], datasets: dict) -> dict:
+                 pass_states: dict | None, ahead: list[int], now: dict, datasets: dict) -> dict:
     """The state ``DataLoader.state_dict()`` gives: whether an iterator began a pass, where the
     pass stands (``pass_states``: None until its first batch is drawn; ``ahead``: batches
-    handed over before their turn), the samplers' generators as they are now (for a resume
-    between passes), and where each worker's dataset stands (``WorkerRecords.state``)."""
+    handed over before their turn), the generators and samplers as they are ``now`` (what a
+    resume between passes draws the next pass from), and where each worker's dataset stands
+    (``WorkerRecords.state``)."""
     return {"version": VERSION, "began": began, "num_yielded": num_yielded, "finished": finished,
-            "base_seed": base_seed, "pass": pass_states, "ahead": ahead,
-            "generators_now": [_encoded(g) for g in generators], **datasets}
+            "base_seed": base_seed, "pass": pass_states, "ahead": ahead, "now": now, **datasets}
+
+
+def restore_now(state: dict, generators: list[torch.Generator], samplers: Samplers,
+                mid_pass: bool) -> None:
+    """At ``load_state_dict``: the samplers' generators as they were when the state was taken;
+    between passes also torch's and the samplers' own states, which the next pass is drawn
+    from as the uninterrupted run drew it (a pass resumed mid-way draws from its start's)."""
+    restore_generators(generators, state["now"]["generators"])
+    if not mid_pass:
+        torch.set_rng_state(_decoded(state["now"]["torch"]))
+        samplers.restore(state["now"])
 
 
 class WorkerRecords:
@@ -245,8 +255,8 @@ class PassRecord:
     finished: bool = False
     ahead: list[int] = dataclasses.field(default_factory=list)  # handed before their turn
 
-    def state(self, generators: Iterable[torch.Generator]) -> dict:
+    def state(self, now: dict) -> dict:
         distributed = None if self.spread is None else self.spread.state(self.num_yielded)
         return loader_state(True, self.num_yielded, self.finished, self.base_seed,
-                            self.start.states, self.ahead, generators,
+                            self.start.states, self.ahead, now,
                             {**self.workers.state(), "distributed": distributed})

@@ -11,7 +11,7 @@ import time
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch.utils.data import Dataset, IterableDataset, RandomSampler  # noqa: E402
+from torch.utils.data import Dataset, IterableDataset, RandomSampler, Sampler  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 from shmseq.torch import DataLoader, StatefulDataLoader  # noqa: E402
@@ -374,3 +374,55 @@ def test_a_state_loaded_between_passes_leaves_the_next_passes_drawn_as_usual(wor
     loader.load_state_dict(make().state_dict())
     first = listed(loader)
     assert first == uninterrupted and listed(loader) != first
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_state_taken_between_passes_resumes_to_the_next_pass_whatever_the_loop_drew(persistent):
+    """The next pass is drawn from torch's generator as it was when the state was taken (and,
+    with persistent workers, as their iterator goes on: no new base seed)."""
+    def make():
+        return DataLoader(Numbers(), batch_size=4, shuffle=True, num_workers=2,
+                          persistent_workers=persistent)
+    torch.manual_seed(0)
+    loader = make()
+    listed(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    second = listed(loader)
+    torch.rand(5)  # the loop draws on, and does not restore its generator
+    again = make()
+    again.load_state_dict(state)
+    assert listed(again) == second
+
+
+class PassCounting(Sampler):
+    """A sampler whose order is drawn from its own state: the passes it began."""
+
+    def __init__(self) -> None:
+        self.passes = 0
+
+    def __iter__(self):
+        self.passes += 1
+        generator = torch.Generator().manual_seed(self.passes)
+        return iter(torch.randperm(SAMPLES, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def state_dict(self) -> dict:
+        return {"passes": self.passes}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.passes = state["passes"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_samplers_own_state_taken_between_passes_resumes_to_the_next_pass(workers):
+    def make():
+        return DataLoader(Numbers(), batch_size=4, sampler=PassCounting(), num_workers=workers)
+    loader = make()
+    listed(loader)
+    state = loader.state_dict()
+    second = listed(loader)
+    again = make()
+    again.load_state_dict(state)
+    assert listed(again) == second
