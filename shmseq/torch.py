@@ -42,8 +42,8 @@ from .engine import (START_WORKERS, BatchTimeout, Cursor, FrontEndHooks, LoaderS
                      default_max_workers)
 from .options import LoaderOptions
 from .torch_collate import RaggedCollate, slot_collate
-from .torch_dataset_state import (load_dataset_state, load_iterator_state, load_stream_state,
-                                  snapshot)
+from .torch_dataset_state import (has_state, load_dataset_state, load_iterator_state,
+                                  load_stream_state, snapshot)
 from .torch_spread import Spread, dealt_again, rest_of_pass, spread_of
 from .torch_state import (VERSION as STATE_VERSION, PassRecord, PassStart, Samplers,
                           WorkerRecords, check_workers, drawn_as_saved, generators_of,
@@ -455,7 +455,7 @@ class _RingIterator(_Checkpointed):
         records = records_in(resume)
         mid_pass = _mid_pass(resume)
         if not mid_pass and not (loader._carries_datasets() and any(
-                record["dataset_state"] is not None for record in records.values())):
+                has_state(record) for record in records.values())):
             return items, 0
         first_worker = 0
         if mid_pass:
@@ -482,6 +482,8 @@ class _RingIterator(_Checkpointed):
         try:
             return cursor.next_delivery(self._in_order)
         except StopIteration:
+            for ended in cursor.ended_past_the_end():  # the streams' states at their ends
+                self._record.workers.noted(ended.noted)
             if not self._persistent_workers:
                 self._shutdown_workers()
             raise

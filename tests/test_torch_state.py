@@ -426,3 +426,18 @@ def test_a_samplers_own_state_taken_between_passes_resumes_to_the_next_pass(work
     again = make()
     again.load_state_dict(state)
     assert listed(again) == second
+
+
+def test_a_persistent_workers_streams_carry_their_ends_state_into_the_next_pass():
+    """Each stream's state at its end (noted past the pass's last batch, the workers' randomness
+    in it) is what a resume between passes loads: the next pass is the uninterrupted one's."""
+    def make():
+        return StatefulDataLoader(UnevenStreams(), batch_size=2, num_workers=3,
+                                  persistent_workers=True, snapshot_every_n_steps=10)
+    loader = make()
+    listed(loader)
+    state = loader.state_dict()
+    second = listed(loader)
+    again = make()
+    again.load_state_dict(state)
+    assert listed(again) == second

@@ -74,6 +74,14 @@ class OrderedOutput:
         assert delivery is not None  # it was there
         return number, delivery
 
+    def pop_ended(self, first_number: int) -> list[Delivery]:
+        """The ended deliveries (workers' streams that ended) numbered from ``first_number``."""
+        numbers = sorted(number for number, delivery in self._items.items()
+                         if number >= first_number and delivery.ended)
+        ended = [self._items.pop(number) for number in numbers]
+        self.waiting = len(self._items)
+        return ended
+
     def drop_below(self, number: float) -> None:
         """Forget deliveries before ``number`` (an epoch left early): their leases die here."""
         self.floor = max(self.floor, number)

@@ -34,6 +34,8 @@ class Consumer(Protocol):
 
     def hand_over(self, number: int, delivery: Delivery) -> object: ...
 
+    def ended_past(self, number: int) -> list[Delivery]: ...
+
     def release(self, epoch: int, position: int) -> None: ...
 
 
@@ -85,6 +87,11 @@ class Cursor:
     def hand_over(self, number: int, delivery: Delivery) -> object:
         """The batch of a delivery ``next_delivery`` gave, as the consumer gets it."""
         return self._pipeline.hand_over(number, delivery)
+
+    def ended_past_the_end(self) -> list[Delivery]:
+        """Once the pass has ended: its workers' ended streams that came after its last batch
+        (what those workers noted of their state), each once."""
+        return self._pipeline.ended_past(self._zero + self.position)
 
     def _check_more(self) -> None:
         """Past the batches handed over ahead of their turn; ``StopIteration`` past the last."""

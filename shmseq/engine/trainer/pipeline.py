@@ -342,6 +342,12 @@ class Pipeline:
         with self._turn:
             return self._first_ready(take, epoch, position)
 
+    def ended_past(self, number: int) -> list[Delivery]:
+        """The ended streams' deliveries from batch ``number`` on, past a pass's end: the
+        consumer reads no batch there, but their workers' notes are its to keep."""
+        with self._turn:
+            return self.output.pop_ended(number)
+
     def _past_the_end(self, epoch: int, position: int) -> Delivery | None:
         """An ended delivery for a batch its pass will never have (a stream's pass ended
         before it, once every worker's stream did), else None."""
