@@ -406,6 +406,8 @@ class _RingIterator(_Checkpointed):
             worker_restarts=loader.worker_restarts)
         # a tuned count of workers cannot deal batches in turn: the turns would change with it
         self._hooks = FrontEndHooks(deal_in_turn=not tuned, start_lazily=True,
+                                    open_in_turn=None if loader.in_order else
+                                    self._num_workers * loader.prefetch_factor,
                                     on_worker_start=tell_torch,
                                     fresh_start="make a new DataLoader in the child")
         self._stats = loader.stats

@@ -458,6 +458,18 @@ def test_in_order_false_yields_batches_as_they_are_ready():
     assert [batch.tolist() for batch in agree(run)] == [[2, 3], [6, 7], [0, 1], [4, 5]]
 
 
+def test_in_order_false_deals_each_batch_to_a_worker_with_room():
+    """With ``in_order=False`` a batch goes to the next worker that holds fewer than its share
+    of the open batches: while one is stuck on a slow sample, the other takes them all."""
+    def run(Loader):
+        first = []
+        for batch in Loader(data.SlowFirst(12), batch_size=1, num_workers=2, in_order=False):
+            first.append(batch)  # kept, as a loop that collects them does
+            if len(first) == 4:
+                return [batch.tolist() for batch in first]
+    assert agree(run) == [[1], [3], [4], [5]]  # 2 and its slow 0 stay with the first
+
+
 def test_an_exhausted_iterator_stays_exhausted_and_knows_its_length():
     def run(Loader):
         loader = Loader(data.Counting(6), batch_size=4, num_workers=2)

@@ -16,6 +16,8 @@ class FrontEndHooks:
     """Given once, in the ``PipelineSpec``; ``on_worker_start`` travels to every worker, so it
     must pickle (a module-level function)."""
     deal_in_turn: bool = False   # batch k of a pass goes to worker k % num_workers
+    open_in_turn: int | None = None  # dealt in turn, to the next worker with room: each holds at
+    # most its share of this many open batches (torch's in_order=False)
     start_lazily: bool = False   # the pipeline is made without waiting for its workers
     on_worker_start: Callable[..., None] | None = None  # (WorkerInfo, dataset), in
     # each worker process once it is seeded, before the user's worker_init_fn

@@ -64,14 +64,17 @@ class Pace:
 class Dispatch:
     """Sends tasks to the workers. ``in_turn``: batch ``k`` of an epoch goes to worker
     ``k % num_workers``, as torch's DataLoader deals them (a worker's random stream then meets
-    the same batches as under torch's loader)."""
+    the same batches as under torch's loader); with ``open_in_turn``, to the next worker round
+    the cycle that holds fewer than its share of that many open batches, as torch's loader
+    deals them with ``in_order=False``."""
 
     def __init__(self, roster: Roster, stream: BatchStream, stats: LoaderStats,
-                 in_turn: bool, n_slots: int) -> None:
+                 in_turn: bool, n_slots: int, open_in_turn: int | None = None) -> None:
         self.roster = roster
         self.stream = stream
         self.stats = stats
         self.in_turn = in_turn
+        self.open_in_turn = open_in_turn
         self.pace = Pace(n_slots)
         self._turn = 0  # the worker after the last one given a task in turn
         self._first_worker = 0  # the worker given the pass's first batch, in turn
@@ -92,16 +95,25 @@ class Dispatch:
         than the batches themselves."""
         workers = self.roster.working
         if self.in_turn:  # a worker's id is its place
-            first = (self._turn if self._ended else
+            first = (self._turn if self._ended or self.open_in_turn is not None else
                      (task.position + self._first_worker) % len(workers))
+            room = self._room(len(workers))
             for at in (*range(first, len(workers)), *range(first)):
-                if workers[at].accepting and at not in self._ended:
-                    return workers[at]
+                handle = workers[at]
+                if handle.accepting and at not in self._ended and len(handle.open) < room:
+                    return handle
             return None
         taking = [handle for handle in workers if handle.accepting]
         if not taking:
             return None
         return taking[0] if pack else min(taking, key=lambda h: (not h.started, len(h.open)))
+
+    def _room(self, workers: int) -> float:
+        """The open batches a worker may hold when dealt in turn: its share of
+        ``open_in_turn`` among the workers whose stream goes on; else no bound."""
+        if self.open_in_turn is None:
+            return float("inf")
+        return self.open_in_turn // max(1, workers - len(self._ended))
 
     def send(self, chosen: WorkerHandle, task: Task, slot: int | None) -> None:
         """Task ``task`` to ``chosen``, with ``slot`` (None: without one), taken from the
@@ -117,7 +129,7 @@ class Dispatch:
         every worker's stream starts again."""
         self._ended.clear()
         self.pass_first = first_number
-        self._first_worker = first_worker
+        self._first_worker = self._turn = first_worker
 
     def stream_ended(self, wid: int) -> None:
         """Worker ``wid`` has no batch left in this pass: the tasks go round the others, as

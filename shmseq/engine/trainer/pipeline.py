@@ -133,6 +133,7 @@ class Pipeline:
                                    stream=self.stream, waker=self.waker, stats=self.stats,
                                    base_seed=spec.base_seed, start=spec.worker_start,
                                    restarts=spec.restarts, in_turn=spec.hooks.deal_in_turn,
+                                   open_in_turn=spec.hooks.open_in_turn,
                                    max_workers=spec.max_workers)
             if spec.slot_bytes is not None:
                 self._run_up_front(spec.slot_bytes)

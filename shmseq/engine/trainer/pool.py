@@ -51,7 +51,7 @@ class WorkerPool:
     def __init__(self, worker: object, *, num_workers: int, n_slots: int, backend: str,
                  context: BaseContext, stream: BatchStream, waker: Waker, stats: LoaderStats,
                  base_seed: int = 0, start: WorkerStart = WorkerStart(),
-                 restarts: int = 0, in_turn: bool = False,
+                 restarts: int = 0, in_turn: bool = False, open_in_turn: int | None = None,
                  max_workers: int | None = None) -> None:
         """``max_workers``: the most workers ``resize`` may run (None: ``num_workers``); each
         worker's ``WorkerInfo.num_workers`` says it."""
@@ -67,7 +67,7 @@ class WorkerPool:
                               start=start,
                               max_workers=num_workers if max_workers is None else max_workers,
                               base_seed=base_seed, waker=waker, events=self._events, stats=stats)
-        self._dispatch = Dispatch(self._roster, stream, stats, in_turn, n_slots)
+        self._dispatch = Dispatch(self._roster, stream, stats, in_turn, n_slots, open_in_turn)
         self._stage: FirstBatches | SlotDispatch = FirstBatches(self._dispatch, n_slots)
         self._deaths = Deaths(self._roster, self._dispatch, stats, restarts)
         try:
