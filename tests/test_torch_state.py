@@ -136,6 +136,21 @@ def interrupted(make, stop_at: int, epochs: int = 1) -> tuple[list, dict, torch.
     return before, state, rng, after
 
 
+def next_pass_both_ways(make, loop_draws: bool = False) -> tuple[list, list]:
+    """A pass of ``make()``'s loader, its state taken then (through JSON), and its next pass;
+    and that state loaded into a new loader (after the loop drew on, with ``loop_draws``, its
+    generator not restored), the pass it gives."""
+    loader = make()
+    listed(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    second = listed(loader)
+    if loop_draws:
+        torch.rand(5)
+    again = make()
+    again.load_state_dict(state)
+    return second, listed(again)
+
+
 def resumed(make, state: dict, rng: torch.Tensor) -> list[list[int]]:
     torch.manual_seed(12345)  # another run: its generator is the checkpoint's once restored
     loader = make()
@@ -186,13 +201,8 @@ def test_a_samplers_own_generator_is_saved_across_passes():
         return DataLoader(Numbers(), batch_size=5, num_workers=2,
                           sampler=RandomSampler(Numbers(), generator=generator))
     torch.manual_seed(0)
-    loader = make()
-    listed(loader)
-    state = loader.state_dict()
-    second = listed(loader)
-    again = make()
-    again.load_state_dict(state)
-    assert listed(again) == second  # not the first pass's order again
+    second, resumed_to = next_pass_both_ways(make)
+    assert resumed_to == second  # not the first pass's order again
 
 
 def test_the_second_epoch_of_persistent_workers_resumes_mid_pass():
@@ -384,14 +394,8 @@ def test_a_state_taken_between_passes_resumes_to_the_next_pass_whatever_the_loop
         return DataLoader(Numbers(), batch_size=4, shuffle=True, num_workers=2,
                           persistent_workers=persistent)
     torch.manual_seed(0)
-    loader = make()
-    listed(loader)
-    state = json.loads(json.dumps(loader.state_dict()))
-    second = listed(loader)
-    torch.rand(5)  # the loop draws on, and does not restore its generator
-    again = make()
-    again.load_state_dict(state)
-    assert listed(again) == second
+    second, resumed_to = next_pass_both_ways(make, loop_draws=True)
+    assert resumed_to == second
 
 
 class PassCounting(Sampler):
@@ -419,13 +423,8 @@ class PassCounting(Sampler):
 def test_a_samplers_own_state_taken_between_passes_resumes_to_the_next_pass(workers):
     def make():
         return DataLoader(Numbers(), batch_size=4, sampler=PassCounting(), num_workers=workers)
-    loader = make()
-    listed(loader)
-    state = loader.state_dict()
-    second = listed(loader)
-    again = make()
-    again.load_state_dict(state)
-    assert listed(again) == second
+    second, resumed_to = next_pass_both_ways(make)
+    assert resumed_to == second
 
 
 def test_a_persistent_workers_streams_carry_their_ends_state_into_the_next_pass():
@@ -434,10 +433,5 @@ def test_a_persistent_workers_streams_carry_their_ends_state_into_the_next_pass(
     def make():
         return StatefulDataLoader(UnevenStreams(), batch_size=2, num_workers=3,
                                   persistent_workers=True, snapshot_every_n_steps=10)
-    loader = make()
-    listed(loader)
-    state = loader.state_dict()
-    second = listed(loader)
-    again = make()
-    again.load_state_dict(state)
-    assert listed(again) == second
+    second, resumed_to = next_pass_both_ways(make)
+    assert resumed_to == second
