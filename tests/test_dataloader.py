@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 from shmseq import (BatchSampler, DataLoader, RandomSampler, SequentialSampler, ShmSequence,
                     default_batchify)
 from shmseq.testing import ring_of
+from sequences import run_checkpointing_at_last_batch
 from workers import IndexWorker, InitReporter, PairDataset, SeedReporter, record_init, record_seed
 
 TEN = np.arange(10)
@@ -467,22 +468,9 @@ def test_a_state_taken_at_an_epochs_last_batch_resumes_to_its_end(sampled, worke
         arguments = SAMPLED[sampled]() if sampled else {"batch_size": 4, "shuffle": True, "seed": 5}
         return DataLoader(np.arange(23), num_workers=workers, **arguments)
 
-    def run(loader, epochs, state=None):
-        got, saved = [], None
-        with loader:
-            if state is not None:
-                loader.load_state_dict(state)
-            for epoch in epochs:
-                loader.set_epoch(epoch)
-                for step, batch in enumerate(loader):
-                    got.append((epoch, batch.tolist()))
-                    if state is None and epoch == 1 and step == len(loader) - 1:
-                        saved = loader.state_dict()
-        return got, saved
-
-    full, state = run(make(), range(3))
+    full, state = run_checkpointing_at_last_batch(make(), range(3), at_epoch=1)
     assert (state["epoch"], state["position"]) == (1, 6)
-    resumed, _ = run(make(), range(1, 3), state)
+    resumed, _ = run_checkpointing_at_last_batch(make(), range(1, 3), state)
     assert resumed == full[12:]  # nothing more of epoch 1, then epoch 2 as the uninterrupted run
 
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from shmseq import WorkerError
 from shmseq.testing import planned_batches, ring_of
-from sequences import make
+from sequences import make, run_checkpointing_at_last_batch
 from workers import DtypeWorker, FillWorker, ImageWorker, Pair, SizedWorker, WhoBuilt
 
 
@@ -409,20 +409,9 @@ def test_a_state_taken_at_an_epochs_last_batch_resumes_to_its_end_not_its_start(
     """A loop that checkpoints at the last batch of an epoch and counts epochs itself (calling
     set_epoch from its counter, as trainers do) goes on with the next epoch, as under
     torchdata's loaders: the finished epoch is not given again."""
-    def run(seq, epochs, state=None):
-        got, saved = [], None
-        with seq:
-            if state is not None:
-                seq.load_state_dict(state)
-            for epoch in epochs:
-                seq.set_epoch(epoch)
-                for step, batch in enumerate(seq):
-                    got.append((epoch, batch.tolist()))
-                    if saved is None and state is None and step == len(seq) - 1:
-                        saved = seq.state_dict()
-        return got, saved
-
-    full, state = run(make(shuffle=True, seed=5, num_workers=workers), range(2))
+    full, state = run_checkpointing_at_last_batch(make(shuffle=True, seed=5,
+                                                       num_workers=workers), range(2))
     assert (state["epoch"], state["position"]) == (0, 10)
-    resumed, _ = run(make(shuffle=True, seed=5, num_workers=workers), range(0, 2), state)
+    resumed, _ = run_checkpointing_at_last_batch(make(shuffle=True, seed=5, num_workers=workers),
+                                                 range(0, 2), state)
     assert resumed == full[10:]  # nothing of epoch 0, then epoch 1 as the uninterrupted run
