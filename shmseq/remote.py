@@ -8,12 +8,14 @@ What the shard reader and the node-local shard cache call::
         a file's read (none when it ends before ``start``). One request per attempt.
     fetch(url, path, *, storage_options=None, counters=None, policy=None, stop=None) -> int
         the whole object into the local file ``path``, in ranges of ``FETCH_CHUNK_BYTES``, each
-        retried on its own; written under a temporary name in ``path``'s folder and renamed, so
-        a reader never sees part of an object. Returns its size. ``stop`` (a
-        ``threading.Event``): once set, the fetch ends within ``STOP_POLL_S``, its request
-        cancelled, its back-off cut short, nothing written, with ``FetchStopped``; so that a
-        loader that closes does not wait for fetches nobody needs any more (a request may
-        take ``timeout`` seconds, and a retried one several times that).
+        retried on its own (over HTTP, a server that ignores Range answers the first with the
+        whole object: taken whatever its size, written as it comes, each ``FETCH_CHUNK_BYTES`` of
+        it within the policy's timeout, as a range would be); written under a temporary name in
+        ``path``'s folder and renamed, so a reader never sees part of an object. Returns its
+        size. ``stop`` (a ``threading.Event``): once set, the fetch ends within ``STOP_POLL_S``,
+        its request cancelled, its back-off cut short, nothing written, with ``FetchStopped``;
+        so that a loader that closes does not wait for fetches nobody needs any more (a request
+        may take ``timeout`` seconds, and a retried one several times that).
     size(url, *, storage_options=None, counters=None, policy=None) -> int
     version(url, *, storage_options=None, counters=None, policy=None, stop=None) -> str: the object's
         size and ETag (or generation, version id, time of change): a shard cache's way to see
@@ -37,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import os
 import shutil
@@ -46,15 +49,17 @@ import time
 from typing import IO, Any, Callable, Coroutine, TypeVar
 
 from .remote_answers import (DENIED_CODES, MESSAGE_CHARS, MISSING_CODES, RETRIED_CODES, RETRIED_STATUS,
-                             TRANSIENT, _BadAnswer, _failure, _http_range, _judge, _tries, reason)
+                             TRANSIENT, RangeIgnored, _BadAnswer, _failure, _http_fetch,
+                             _http_range, _judge, _tries, reason)
 from .remote_policy import DEFAULT_POLICY, SEQUENCE_SHARE, Counters, RemotePolicy, fit_to_timeout
 
 __all__ = ["DEFAULT_POLICY", "DENIED_CODES", "FETCH_CHUNK_BYTES", "MESSAGE_CHARS", "MISSING_CODES",
            "RETRIED_CODES", "RETRIED_STATUS", "SEQUENCE_SHARE", "STOP_POLL_S", "TRANSIENT",
-           "VERSION_KEYS", "Counters", "FetchStopped", "RemotePolicy", "fetch", "fit_to_timeout",
-           "is_remote", "open_file", "read_range", "reason", "size", "version"]
+           "VERSION_KEYS", "Counters", "FetchStopped", "RangeIgnored", "RemotePolicy", "fetch",
+           "fit_to_timeout", "is_remote", "open_file", "read_range", "reason", "size", "version"]
 
 FETCH_CHUNK_BYTES = 32 << 20  # one request of a whole-object fetch: memory held, and a retry's loss
+# (a server that ignores Range sends the whole object at once: written as it comes, not held)
 STOP_POLL_S = 0.05  # how often a request that can be stopped looks at its stop event
 _S3 = ("s3", "s3a")
 T = TypeVar("T")
@@ -99,18 +104,26 @@ def _range(fs: Any, path: str, start: int, end: int, timeout: float | None,
     never more than asked."""
     if end <= start:
         return b""
-    try:
-        if _is_http(fs):
-            return _await(fs, _http_range(fs, path, start, end), timeout, stop, path)
-        data = _call(fs, "cat_file", path, timeout, stop, start=start, end=end)
-    except Exception as exc:  # noqa: BLE001 - judged, and raised again unless past the end
-        if _judge(exc)[0] != "range":
-            raise
-        return b""
+    if _is_http(fs):
+        return _or_nothing(lambda: _await(fs, _http_range(fs, path, start, end), timeout, stop,
+                                          path), b"")
+    data = _or_nothing(lambda: _call(fs, "cat_file", path, timeout, stop, start=start, end=end),
+                       b"")
     if len(data) > end - start:
         raise _BadAnswer("failed", f"asked for bytes {start}-{end} ({end - start:,} bytes), "
                                    f"the server sent {len(data):,}")
     return data
+
+
+def _or_nothing(request: Callable[[], T], nothing: T) -> T:
+    """``request()``, or ``nothing`` where the object ends before the bytes it asks for (HTTP
+    416): a fetch's last chunk, when the object's size is a multiple of the chunk's."""
+    try:
+        return request()
+    except Exception as exc:  # noqa: BLE001 - judged, and raised again unless past the end
+        if _judge(exc)[0] != "range":
+            raise
+        return nothing
 
 
 def _is_http(fs: Any) -> bool:
@@ -143,15 +156,56 @@ def fetch(url: str, path: str | os.PathLike, *, storage_options: dict | None = N
 
 def _fetch_ranges(url: str, out: IO[bytes], storage_options: dict | None, counters: Counters | None,
                   policy: RemotePolicy | None, stop: threading.Event | None) -> int:
-    """Chunk after chunk until one comes short: no request for the size first."""
-    start = 0
-    while True:
-        data = read_range(url, start, start + FETCH_CHUNK_BYTES, storage_options=storage_options,
-                          counters=counters, policy=policy, stop=stop)
+    """Chunk after chunk until one comes short (no request for the size first), each retried
+    on its own; over HTTP, a server that ignores Range answers the first with the whole object,
+    taken as it comes (``_http_fetch``)."""
+    fs, path = _filesystem(url, storage_options)
+    counters, policy = counters or Counters(), policy or DEFAULT_POLICY
+    end, done = 0, False
+    while not done:
+        end, done = _with_retries(url, functools.partial(_fetch_chunk, fs, path, out, end,
+                                                         counters, stop), policy, counters, stop)
+    return end
+
+
+def _fetch_chunk(fs: Any, path: str, out: IO[bytes], start: int, counters: Counters,
+                 stop: threading.Event | None, timeout: float | None) -> tuple[int, bool]:
+    """One attempt at the fetch's chunk from byte ``start``, written to ``out`` after the chunks
+    before it (what an attempt before it wrote goes first): where the bytes written end, and
+    whether the object is whole with them."""
+    out.seek(start)
+    out.truncate()
+    if _is_http(fs):  # each chunk of the answer within ``timeout``, by ``_http_fetch``
+        writer = _LoopWriter(out)
+        try:
+            came, everything = _or_nothing(lambda: _await(fs, _http_fetch(
+                fs, path, start, FETCH_CHUNK_BYTES, writer, timeout), None, stop, path), (0, False))
+        finally:
+            writer.close()
+    else:
+        data = _range(fs, path, start, start + FETCH_CHUNK_BYTES, timeout, stop)
         out.write(data)
-        start += len(data)
-        if len(data) < FETCH_CHUNK_BYTES:
-            return start
+        came, everything = len(data), False
+    counters.add(bytes=came)
+    return start + came, everything or came < FETCH_CHUNK_BYTES
+
+
+class _LoopWriter:
+    """``out.write`` for a request on fsspec's event loop, until ``close()``: a stopped fetch's
+    request is cancelled on the loop in the loop's own time, and may still be writing the
+    pieces that have come when its caller closes (and removes) the file; those are dropped."""
+
+    def __init__(self, out: IO[bytes]) -> None:
+        self._out, self._lock, self._open = out, threading.Lock(), True
+
+    def __call__(self, piece: bytes) -> None:
+        with self._lock:
+            if self._open:
+                self._out.write(piece)
+
+    def close(self) -> None:
+        with self._lock:
+            self._open = False
 
 
 def size(url: str, *, storage_options: dict | None = None, counters: Counters | None = None,

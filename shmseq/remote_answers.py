@@ -2,8 +2,11 @@
 for, or a failure judged transient or not and worded for the user.
 
 An HTTP range is asked on fsspec's session and its answer checked against its status and
-Content-Range (``_http_range``): fsspec's ``cat_file`` hands back whatever body came. A failure
-is sorted by ``_judge`` and raised by ``_failure``, naming the URL once.
+Content-Range (``_http_range``): fsspec's ``cat_file`` hands back whatever body came. A fetch's
+range (``_http_fetch``) takes a 200 with the whole object too, whatever its size, written as it
+comes: a server that ignores Range (``python -m http.server``, some CDNs and proxies) serves a
+node cache's fetches, though not a read of part of an object (``RangeIgnored``). A failure is
+sorted by ``_judge`` and raised by ``_failure``, naming the URL once.
 
 Transient (retried): a connection refused, reset or dropped (a server restarting; refused is
 retried too, since a worker process that never reached the server yet cannot tell a restart
@@ -11,10 +14,10 @@ from a wrong port), a body cut short (the connection closed before Content-Lengt
 a timeout, HTTP 408, 429 and 5xx, S3's SlowDown, InternalError, ServiceUnavailable and
 RequestTimeout. Not transient (raised at once): a missing object (``FileNotFoundError``: 404,
 NoSuchKey), access denied (``PermissionError``: 401, 403, AccessDenied), an answer that is not
-the bytes asked for (HTTP checks the status and Content-Range: a Range ignored, a range
-answered short, more bytes than asked or than announced), any other answer. After the last
-attempt: ``TimeoutError``, ``ConnectionError`` or ``OSError``. Every error names the URL once,
-what happened (counts of bytes, never the bytes), the attempts and the time they took.
+the bytes asked for (HTTP checks the status and Content-Range: a range answered short, more
+bytes than asked or than announced; a Range ignored, ``RangeIgnored``), any other answer. After
+the last attempt: ``TimeoutError``, ``ConnectionError`` or ``OSError``. Every error names the
+URL once, what happened (counts of bytes, never the bytes), the attempts and the time they took.
 """
 from __future__ import annotations
 
@@ -22,8 +25,9 @@ import asyncio
 import contextlib
 import errno
 import functools
+import math
 import re
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 
 from .remote_policy import RemotePolicy
 
@@ -38,6 +42,7 @@ DENIED_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNo
                           "ExpiredToken", "AllAccessDisabled", "403"})
 TRANSIENT = ("busy", "timeout", "connection", "cut")
 MESSAGE_CHARS = 200  # of a library's error text quoted in a message: its first line, at most this
+T = TypeVar("T")
 
 
 class _BadAnswer(Exception):
@@ -49,21 +54,67 @@ class _BadAnswer(Exception):
         self.kind = kind
 
 
-async def _http_range(fs: Any, path: str, start: int, end: int) -> bytes:
-    """Bytes ``start`` to ``end`` over HTTP, on fsspec's session with its options, checked
-    against the answer's status and Content-Range: fsspec's ``cat_file`` hands back whatever
-    body came, so that a server that ignores Range, or answers a range short, would pass for
-    an object that ends early (and a shard reader then contradict itself)."""
+class RangeIgnored(OSError):
+    """A server answered a range of an object with the whole object: it ignores Range requests,
+    which reading part of an object needs (a fetch of the whole object does not). ``answer``
+    says what came, without the URL or what to do, for a caller that says what to do in its
+    own terms (the shard reader: its node cache)."""
+
+    def __init__(self, url: str, answer: str) -> None:
+        super().__init__(f"{url}: {answer}: reading part of an object needs a server that "
+                         "honours Range requests")
+        self.url, self.answer = url, answer
+
+    def __reduce__(self) -> tuple:
+        return RangeIgnored, (self.url, self.answer)
+
+
+class _Clock:
+    """When the awaited steps of one request must end: ``timeout`` seconds after it began (None:
+    no bound here, the caller's ``asyncio.wait_for`` bounds it), and again after each ``window``
+    bytes of its body that came in time. So that a whole object that a server sends where a
+    fetch asked for a range of ``window`` bytes gets, for each ``window`` bytes of it, the time a
+    range would: it is taken whatever its size, and a stall is still cut short."""
+
+    def __init__(self, timeout: float | None, window: int | None = None) -> None:
+        self.timeout = timeout
+        self.window = math.inf if window is None else window
+        self._renew_at = self.window
+        self._ends = self._from_now()
+
+    def _from_now(self) -> float | None:
+        return None if self.timeout is None else asyncio.get_running_loop().time() + self.timeout
+
+    async def within(self, step: Awaitable[T]) -> T:
+        """``step``, cancelled (``asyncio.TimeoutError``) if it runs past the bound."""
+        if self._ends is None:
+            return await step
+        return await asyncio.wait_for(step, max(self._ends - asyncio.get_running_loop().time(), 0))
+
+    def came(self, count: int) -> None:
+        """``count`` bytes of the body came so far: a whole window more renews the bound."""
+        if count >= self._renew_at:
+            self._renew_at, self._ends = count + self.window, self._from_now()
+
+
+@contextlib.asynccontextmanager
+async def _http_get(fs: Any, path: str, start: int, end: int,
+                    clock: _Clock) -> AsyncIterator[ClientResponse]:
+    """The answer to ``Range: bytes=start-(end - 1)`` on fsspec's session with its options, its
+    head within ``clock``, for the block to read its body: a 404 raised as
+    ``FileNotFoundError``, another error status as aiohttp raises it, and bytes past the end of
+    a body (aiohttp's parser finds them) said so, counted and never quoted."""
     from aiohttp import ClientResponseError
     options = dict(fs.kwargs)
     options["headers"] = {**options.get("headers", {}), "Range": f"bytes={start}-{end - 1}"}
     session = await fs.set_session()
     try:
-        async with session.get(getattr(fs, "encode_url", str)(path), **options) as answer:
+        answer = await clock.within(session.get(getattr(fs, "encode_url", str)(path), **options))
+        async with answer:
             if answer.status == 404:
                 raise FileNotFoundError(errno.ENOENT, "not found", path)
             answer.raise_for_status()
-            body = await _body(answer)
+            yield answer
     except ClientResponseError as exc:
         parsed = [link for link in _chain(exc) if isinstance(link, _parser_errors())]
         if not parsed:
@@ -73,23 +124,70 @@ async def _http_range(fs: Any, path: str, start: int, end: int) -> bytes:
                                    "end of its body, which is not HTTP "
                                    f"({_first_line(_parser_message(parsed[0]))}); check the "
                                    "server, or a proxy before it") from exc
-    return _ranged(start, end, answer.status, answer.headers.get("Content-Range"), body)
 
 
-async def _body(answer: ClientResponse) -> bytes:
-    """The answer's body; one cut short (the connection closed before Content-Length bytes
-    came) is said so, with the counts."""
-    from aiohttp import ClientPayloadError
+async def _http_range(fs: Any, path: str, start: int, end: int) -> bytes:
+    """Bytes ``start`` to ``end`` over HTTP, checked against the answer's status and
+    Content-Range: fsspec's ``cat_file`` hands back whatever body came, so that a server that
+    ignores Range, or answers a range short, would pass for an object that ends early (and a
+    shard reader then contradict itself). Bounded by the caller's timeout."""
+    clock = _Clock(None)
+    async with _http_get(fs, path, start, end, clock) as answer:
+        return await _range_body(answer, start, end, clock)
+
+
+async def _http_fetch(fs: Any, path: str, start: int, chunk: int, write: Callable[[bytes], object],
+                      timeout: float | None) -> tuple[int, bool]:
+    """One request of a whole object's fetch: ``chunk`` bytes from ``start`` asked for and
+    handed to ``write``; (bytes written, whether they are the whole object). A server that
+    ignores Range answers the first request (``start`` 0) with 200 and the whole object: taken
+    whatever its size, written as it comes (memory stays bounded: aiohttp reads no further
+    ahead than its buffer), each ``chunk`` bytes of it, as the head and a range, within
+    ``timeout`` seconds."""
+    clock = _Clock(timeout, chunk)
+    async with _http_get(fs, path, start, start + chunk, clock) as answer:
+        if answer.status == 200 and start == 0:
+            return await _body(answer, write, clock), True
+        data = await _range_body(answer, start, start + chunk, clock)
+    write(data)
+    return len(data), False
+
+
+async def _range_body(answer: ClientResponse, start: int, end: int, clock: _Clock) -> bytes:
+    """The bytes asked for from an answer to a range (``_ranged`` checks them); a 200 that is
+    not the whole object from its start within the bytes asked for is refused before its body
+    is read: a server that ignores Range would send a whole shard for each sample."""
+    size = answer.content_length
+    if answer.status == 200 and (start > 0 or (size is not None and size > end - start)):
+        raise _ignored(start, end, size)
     parts: list[bytes] = []
+    await _body(answer, parts.append, clock)
+    return _ranged(start, end, answer.status, answer.headers.get("Content-Range"), b"".join(parts))
+
+
+async def _body(answer: ClientResponse, write: Callable[[bytes], object], clock: _Clock) -> int:
+    """The answer's body to ``write`` as it comes, each step within ``clock``; its size. One cut
+    short (the connection closed before Content-Length bytes came) is said so, with the counts."""
+    from aiohttp import ClientPayloadError
+    came = 0
     try:
-        async for part in answer.content.iter_any():
-            parts.append(part)
+        while piece := await clock.within(answer.content.readany()):
+            write(piece)
+            came += len(piece)
+            clock.came(came)
     except ClientPayloadError as exc:
-        came, told = sum(map(len, parts)), answer.content_length
+        told = answer.content_length
         of = "" if told is None else f" of the {told:,}"
         raise _BadAnswer("cut", f"the connection closed after {came:,}{of} bytes of its "
                                 "answer's body") from exc
-    return b"".join(parts)
+    return came
+
+
+def _ignored(start: int, end: int, size: int | None) -> _BadAnswer:
+    """A range answered with the whole object (of ``size`` bytes, if the answer said)."""
+    whole = "the whole object" if size is None else f"the whole object, {size:,} bytes"
+    return _BadAnswer("ignored", f"the server ignored the Range request for bytes {start}-{end} "
+                                 f"(it answered 200 with {whole})")
 
 
 def _ranged(start: int, end: int, status: int, content_range: str | None, body: bytes) -> bytes:
@@ -98,13 +196,10 @@ def _ranged(start: int, end: int, status: int, content_range: str | None, body: 
     start (a server that ignores Range) only where it holds the whole object, fewer bytes
     than asked."""
     asked = end - start
-    ignores = ("it ignores Range requests; serve the shards from one that honours them (any "
-               "object store or web server does)")
     if status == 200:
         if start == 0 and len(body) <= asked:
             return body  # the whole object, which ends before ``end``
-        raise _BadAnswer("failed", f"asked for bytes {start}-{end}, the server answered 200 "
-                                   f"with the whole object ({len(body):,} bytes): {ignores}")
+        raise _ignored(start, end, len(body))
     span = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", content_range or "")
     if status != 206 or span is None or int(span[1]) != start or (
             int(span[2]) + 1 - start != len(body)):
@@ -138,6 +233,8 @@ def _failure(url: str, kind: str, cause: str, tries: str, policy: RemotePolicy) 
     the object itself), then what happened, the attempts (``tries``) and what to do."""
     if kind == "missing":
         return FileNotFoundError(errno.ENOENT, cause, url)
+    if kind == "ignored":
+        return RangeIgnored(url, cause)
     if kind == "denied":
         return PermissionError(errno.EACCES, f"access denied ({cause}): check the credentials "
                                "given in storage_options", url)
@@ -173,7 +270,8 @@ def reason(exc: BaseException, url: str) -> str:
 
 def _judge(exc: BaseException) -> tuple[str, str]:
     """(kind, cause) of a failed request: ``missing``, ``denied``, ``range`` (nothing there),
-    ``busy``, ``timeout``, ``connection``, ``cut`` (the last four transient) or ``failed``.
+    ``ignored`` (a range answered with the whole object), ``busy``, ``timeout``, ``connection``,
+    ``cut`` (the last four transient) or ``failed``.
     This module's own finding (``_BadAnswer``) decides first, then an HTTP answer that is not
     HTTP (aiohttp reports it as a 400 of its own, quoting the bytes), then an answer from the
     server anywhere in the exception's chain; otherwise its types do (fsspec's HTTP file system

@@ -2,6 +2,8 @@
 over HTTP, ``web`` is its URL, ``s3`` is moto's S3. A test module imports the ones it uses.
 ``RawServer`` (in ``serving(lambda _: RawServer(folder, fault))``) answers as a faulty server
 does: it stalls, cuts a body short, ignores Range, answers short, or sends bytes after a body.
+``PlainServer`` is Python's own ``http.server`` (``python -m http.server``), which ignores Range
+and streams whole files from disk: what a large shard from such a server takes.
 
 Each stops its server after the test, then fsspec's event loop thread if the test started it
 (fsspec never stops it; its HTTP sessions and S3 clients are closed first), and fails the test
@@ -9,10 +11,13 @@ if a thread is left."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import http.server
 import os
 import re
 import socket
 import socketserver
+import sys
 import threading
 
 import pytest
@@ -131,6 +136,65 @@ class RawServer:
     def track(self, connection: socket.socket, live: bool) -> None:
         with self._lock:
             (self._connections.add if live else self._connections.discard)(connection)
+
+
+class PlainServer:
+    """The files under ``folder`` as ``python -m http.server`` serves them, on 127.0.0.1
+    (``url``): every GET answered 200 with the whole file, streamed from disk (Range ignored).
+    ``pace``: seconds waited after each ``PIECE`` bytes of a body (a slow link, or with a long
+    wait a stall, cut short by ``stop()``). ``log`` holds (method, path, Range header) of each
+    request."""
+
+    PIECE = 4096
+
+    def __init__(self, folder, pace: float | None = None) -> None:
+        self.log: list[tuple[str, str, str | None]] = []
+        self.pace = pace
+        self.stopping = threading.Event()
+        handler = functools.partial(_PlainHandler, self, directory=os.fspath(folder))
+        self._server = _PlainHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,),
+                                        name="test-plain-server")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self._server.shutdown()
+        self._server.server_close()  # joins the connections' threads
+        self._thread.join(10)
+
+
+class _PlainHTTPServer(http.server.ThreadingHTTPServer):
+    daemon_threads = False  # joined by server_close
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that closes before the whole file was sent (a stopped fetch) is no error."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
+class _PlainHandler(http.server.SimpleHTTPRequestHandler):
+    """``http.server``'s handler, each request logged and not printed, its body paced."""
+
+    def __init__(self, plain: PlainServer, *args, **kwargs) -> None:
+        self.plain = plain
+        super().__init__(*args, **kwargs)
+
+    def send_head(self):
+        self.plain.log.append((self.command, self.path, self.headers.get("Range")))
+        return super().send_head()
+
+    def copyfile(self, source, outputfile) -> None:
+        if self.plain.pace is None:
+            return super().copyfile(source, outputfile)
+        while (piece := source.read(self.plain.PIECE)) and not self.plain.stopping.is_set():
+            outputfile.write(piece)
+            outputfile.flush()
+            self.plain.stopping.wait(self.plain.pace)
+
+    def log_message(self, format, *args) -> None:
+        pass
 
 
 def _head(status: int, phrase: str, length: int, content_range: str | None = None) -> bytes:

@@ -9,12 +9,13 @@ import re
 import sys
 import threading
 import time
+import tracemalloc
 
 import pytest
 
 import shard_data as sd
 import shmseq.shards
-from servers import RawServer, s3, server, serving  # noqa: F401 - fixtures
+from servers import PlainServer, RawServer, s3, server, serving  # noqa: F401 - fixtures
 from shmseq import ShmSeqError, remote
 from shmseq.remote import Counters, RemotePolicy
 from shmseq.shards import ShardError, ShardIndex, ShardReader, ShardSequence
@@ -405,16 +406,99 @@ def test_a_server_that_ignores_range_serves_a_whole_object_and_refuses_a_part(tm
     with faulty(tmp_path, "whole") as whole:
         url = f"{whole.url}/data.bin"
         assert remote.fetch(url, tmp_path / "copy.bin", policy=QUICK) == len(DATA)
-        with pytest.raises(OSError) as info:
+        with pytest.raises(remote.RangeIgnored) as info:
             remote.read_range(url, 5000, 20_000, policy=QUICK)
-    assert str(info.value) == (f"{url}: asked for bytes 5000-20000, the server answered 200 with "
-                               "the whole object (10,240 bytes): it ignores Range requests; serve "
-                               "the shards from one that honours them (any object store or web "
-                               "server does)")
+    assert str(info.value) == (f"{url}: the server ignored the Range request for bytes "
+                               "5000-20000 (it answered 200 with the whole object, 10,240 "
+                               "bytes): reading part of an object needs a server that "
+                               "honours Range requests")
 
 
-SAID = {"whole": r"asked for bytes \d+-\d+, the server answered 200 with the whole object "
-                 r"\([\d,]+ bytes\): it ignores Range requests",
+def test_a_large_object_from_a_server_that_ignores_range_is_streamed_whole(tmp_path):
+    """``python -m http.server`` answers a fetch's first range (32 MiB) with the whole 40 MiB
+    object: taken in that one request, written as it comes, never held in memory (it failed:
+    "asked for bytes 0-33554432, the server answered 200 with the whole object")."""
+    data = os.urandom(1 << 20) * 40
+    (tmp_path / "big.bin").write_bytes(data)
+    with serving(lambda _: PlainServer(tmp_path)) as served:
+        url, counters = f"{served.url}/big.bin", Counters()
+        remote.size(url)  # fsspec's session made, and what it imports
+        tracemalloc.start()
+        try:
+            assert remote.fetch(url, tmp_path / "copy.bin", counters=counters) == len(data)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert (tmp_path / "copy.bin").read_bytes() == data
+    assert peak < 4 << 20, f"the fetch held {peak:,} bytes at most"
+    assert [method for method, path, _ in served.log if path == "/big.bin"] == ["HEAD", "GET"]
+    assert counters.snapshot()["bytes"] == len(data)
+
+
+def test_a_whole_object_in_place_of_a_range_is_timed_chunk_by_chunk(tmp_path, monkeypatch):
+    """Where a fetch asks for a chunk, a server that ignores Range sends the whole object: each
+    chunk's worth of it must come within the policy's timeout, as a range would, not all of it.
+    40 kB in 4 kB pieces 50 ms apart (0.5 s) come whole in chunks of 8 kB under a timeout of
+    0.3 s; a server that stalls after its first piece is cut off, named with the timeout."""
+    monkeypatch.setattr(remote, "FETCH_CHUNK_BYTES", 8192)
+    (tmp_path / "data.bin").write_bytes(DATA * 4)
+    policy = RemotePolicy(attempts=2, timeout=0.3, backoff=0.01)
+    with serving(lambda _: PlainServer(tmp_path, pace=0.05)) as slow:
+        began = time.monotonic()
+        got = remote.fetch(f"{slow.url}/data.bin", tmp_path / "copy.bin", policy=policy)
+        took = time.monotonic() - began
+    assert got == len(DATA) * 4 and (tmp_path / "copy.bin").read_bytes() == DATA * 4
+    assert took > policy.timeout and len(slow.log) == 1
+    with serving(lambda _: PlainServer(tmp_path, pace=30)) as stalled:
+        url = f"{stalled.url}/data.bin"
+        with pytest.raises(TimeoutError) as info:
+            remote.fetch(url, tmp_path / "stalled.bin", policy=policy)
+    assert re.fullmatch(rf"{url}: no answer within 0.3 s \(2 attempts in 0\.\d s\): .*",
+                        str(info.value)), info.value
+    assert not (tmp_path / "stalled.bin").exists()
+
+
+def test_a_whole_object_stopped_as_it_comes_writes_nothing(tmp_path):
+    """A fetch stopped while a server that ignores Range sends the whole object (40 kB in 4 kB
+    pieces 50 ms apart, stopped 0.2 s in) ends at once, and leaves no file."""
+    (tmp_path / "served").mkdir()
+    (tmp_path / "served" / "data.bin").write_bytes(DATA * 4)
+    target = tmp_path / "fetched" / "data.bin"
+    target.parent.mkdir()
+    with serving(lambda _: PlainServer(tmp_path / "served", pace=0.05)) as slow:
+        raised, took = stopped_fetch(f"{slow.url}/data.bin", target)
+    assert isinstance(raised, remote.FetchStopped) and took < 1
+    assert os.listdir(target.parent) == []
+
+
+def test_a_read_in_place_from_a_server_that_ignores_range_says_so_once(tmp_path):
+    """``python -m http.server`` answers a sample's range with the whole shard: the batch fails
+    with one error that names the shard once, the bytes asked for once, that the server ignored
+    the Range request, and what to do: the cache (it said "reading bytes A-B failed: OSError:
+    asked for bytes A-B", and told only to change the server)."""
+    sd.write(tmp_path / "shards", 50, 12)
+    with serving(lambda _: PlainServer(tmp_path)) as served:
+        seq = ShardSequence(f"{served.url}/shards/shards.json", sd.decode, batch_size=8, seed=1,
+                            num_workers=1, out_type="null", timeout=20, remote=QUICK,
+                            shuffle_window=1)
+        with pytest.raises(ShardError) as info:
+            with seq.start():
+                for _ in seq:
+                    pass
+    message = str(info.value)
+    assert re.match(rf"shard {served.url}/shards/train-\d+\.tar: the server ignored the Range "
+                    r"request for bytes \d+-\d+ \(it answered 200 with the whole object, [\d,]+ "
+                    r"bytes\): reading shards in place needs Range requests: pass cache=True to "
+                    r"read them through the node's shard cache \(it fetches whole shards\), or "
+                    r"serve them from a server that honours Range \(object stores and common web "
+                    r"servers do\)$", message), message
+    assert message.count(served.url) == 1 and len(re.findall(r"\d+-\d+", message)) == 1, message
+    asked = [(path, ranged) for method, path, ranged in served.log if path.endswith(".tar")]
+    assert len(asked) == len(set(asked)), asked  # not retried: it would answer the same
+
+
+SAID = {"whole": r"the server ignored the Range request for bytes \d+-\d+ \(it answered 200 "
+                 r"with the whole object, [\d,]+ bytes\): reading shards in place needs Range",
         "short": r"asked for bytes \d+-\d+ \([\d,]+ bytes\) of an object of [\d,]+ bytes, the "
                  r"server sent only [\d,]+: it answers ranges short",
         "extra": r"asked for bytes \d+-\d+ \([\d,]+ bytes\), the server sent more than its "

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 
 from shmseq.shard_cache import cache_folder, default_cache_dir, job_name
 from shmseq.shards import ShardIndex, ShardPlan, ShardSequence, write_shards
-from servers import server, web  # noqa: F401 - the server fixtures
+from servers import PlainServer, server, serving, web  # noqa: F401 - the server fixtures
 from test_shard_plan import index_of, plans as window_plans, rank_batches
 
 SHARDS, PER_SHARD, PAYLOAD = 12, 24, 14000  # 288 samples, shards of 381 kB (+ up to 11 kB of tar)
@@ -169,6 +169,35 @@ def test_a_window_of_samples_over_http_reads_by_range_without_the_cache(server, 
     with seq.start():
         assert sorted(n for batch in epoch_of(seq) for n in batch) == list(range(COUNT))
     assert sum(tar_gets(server).values()) > SHARDS  # a request per run of samples
+
+
+BIG_MEMBER = 10 << 20  # 4 of them: a shard larger than one request of a ranged fetch (32 MiB)
+
+
+def big_decode(sample: dict) -> np.ndarray:
+    """[number, payload length, its first and last byte] of a sample of ``BIG_MEMBER`` bytes."""
+    data = sample["bin"]
+    return np.array([int(sample["id"]), len(data), data[0], data[-1]], np.int64)
+
+
+def test_a_shard_larger_than_a_fetch_request_is_cached_from_a_server_that_ignores_range(
+        tmp_path, cache_dir):
+    """``python -m http.server`` answers every request with the whole file: a 40 MiB shard
+    (more than the 32 MiB one request of a ranged fetch asks for) is taken from that answer,
+    streamed into the cache, checked, and every sample read from it, with one GET."""
+    samples = ({"__key__": f"b{i}", "id": str(i), "bin": bytes([i + 1]) * BIG_MEMBER}
+               for i in range(4))
+    index = write_shards(samples, str(tmp_path / "web" / "big-%03d.tar"), samples_per_shard=4)
+    assert len(index.shards) == 1 and index.shards[0].size > 32 << 20
+    with serving(lambda _: PlainServer(tmp_path)) as served:
+        seq = ShardSequence(f"{served.url}/web/shards.json", big_decode, batch_size=2,
+                            num_workers=1, seed=0, out_type="null", timeout=30,
+                            cache_dir=cache_dir)
+        with seq.start():
+            rows = [row for batch in seq for row in np.asarray(batch).tolist()]
+    assert sorted(rows) == [[i, BIG_MEMBER, i + 1, i + 1] for i in range(4)]
+    gets = [path for method, path, _ in served.log if method == "GET" and path.endswith(".tar")]
+    assert gets == ["/web/big-000.tar"] and seq.stats.shard_fetches == 1
 
 
 # -- the budget ---------------------------------------------------------------------------------

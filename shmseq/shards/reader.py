@@ -19,6 +19,11 @@ from .index import ShardIndex, open_url
 from .tar import ShardError, parse_members
 
 
+IN_PLACE_NEEDS_RANGE = (  # what to do where a server answers a sample's range with its shard
+    "reading shards in place needs Range requests: pass cache=True to read them through the "
+    "node's shard cache (it fetches whole shards), or serve them from a server that honours "
+    "Range (object stores and common web servers do)")
+
 
 class ShardFiles(Protocol):
     """A node's cache of whole shards, as a reader uses it (``shmseq.shards.cache.ShardCache``)."""
@@ -109,6 +114,8 @@ class ShardReader:
             return read(number, begin, end)
         except FileNotFoundError as exc:
             raise ShardError(f"shard {url} is missing ({exc.strerror})") from exc
+        except remote.RangeIgnored as exc:
+            raise ShardError(f"shard {url}: {exc.answer}: {IN_PLACE_NEEDS_RANGE}") from exc
         except UnsafeCacheError:
             raise  # the cache's folder, not the shard: no sample is to blame, none is skipped
         except OSError as exc:
