@@ -47,8 +47,8 @@ from .torch_dataset_state import (has_state, load_dataset_state, load_iterator_s
 from .torch_spread import Spread, dealt_again, rest_of_pass, spread_of
 from .torch_state import (VERSION as STATE_VERSION, PassRecord, PassStart, Samplers,
                           WorkerRecords, check_workers, drawn_as_saved, generators_of,
-                          draws_now, kept_torch_rng, loader_state, records_in, restore_now,
-                          skipped)
+                          draws_now, kept_torch_rng, loader_state, passed_over, records_in,
+                          restore_now)
 from .torch_worker import Fetcher, Resumed, as_task, tell_torch
 
 if TYPE_CHECKING:
@@ -274,7 +274,7 @@ class _Checkpointed(_BaseDataLoaderIter):
             if self._dataset_kind != _DatasetKind.Iterable:
                 self._skipped = (resume["num_yielded"] - len(ahead), ahead)
             with drawn_as_saved(self._generators, resume["pass"], samplers):
-                items = skipped(iter(self._index_sampler), *self._skipped)
+                items = passed_over(self._index_sampler, *self._skipped)
         self._pass = PassStart(items, self._generators, samplers, resume["pass"])
         return spread
 

@@ -21,9 +21,10 @@ import base64
 import contextlib
 import dataclasses
 import itertools
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
+from torch.utils.data import BatchSampler
 
 from .torch_dataset_state import empty_record, has_state
 from .torch_spread import Spread
@@ -134,6 +135,17 @@ def kept_torch_rng(keep: bool = True) -> Iterator[None]:
     finally:
         if before is not None:
             torch.set_rng_state(before)
+
+
+def passed_over(index_sampler: Iterable, count: int, also: frozenset[int]) -> Iterator:
+    """The index sampler's pass past its first ``count`` items and those at positions ``also``,
+    its next item drawn now. A torch ``BatchSampler`` chunks its sampler's items in order, so
+    its first ``count`` batches are passed over as their samples, no batch made of them."""
+    if type(index_sampler) is BatchSampler and not also:
+        size = index_sampler.batch_size
+        rest = itertools.islice(iter(index_sampler.sampler), count * size, None)
+        return skipped(iter(BatchSampler(rest, size, index_sampler.drop_last)), 0)
+    return skipped(iter(index_sampler), count, also)
 
 
 def skipped(items: Iterator, count: int, also: frozenset[int] = frozenset()) -> Iterator:
