@@ -11,7 +11,8 @@ from ..remote import RemotePolicy, fit_to_timeout, is_remote
 from ..sequence import Batching, ShmSequence, Stage
 from .cache import ShardCache
 from .index import ShardIndex, as_shard_index
-from .plan import ShardPlan
+from .nodes import cache_nodes
+from .plan import ShardPlan, as_layout
 from .prefetch import Prefetcher, check_room
 from .worker import ShardWorker
 
@@ -118,13 +119,15 @@ class ShardSequence(ShmSequence):
 class ShardStage(Stage):
     """What a ``ShardSequence`` adds around its ``ShmSequence``: the shard plan; with the
     cache, its room checked at each start and this rank's prefetcher running with the
-    workers; the window and what was consumed in its state."""
+    workers; each rank's node (the ranks sharing its cache folder) told to the plan; the window,
+    the layout and what was consumed in its state."""
 
     def __init__(self, worker: ShardWorker, cache: ShardCache | None, shuffle_window: int | None,
                  shuffle_shards: int | None) -> None:
         self.worker, self.cache = worker, cache
         self.shuffle_window, self.shuffle_shards = shuffle_window, shuffle_shards
         self._prefetcher: Prefetcher | None = None
+        self._nodes: dict[tuple[int, int], list | None] = {}  # (rank, world size) -> rank's node
 
     def plan(self, batching: Batching) -> ShardPlan:
         return ShardPlan(self.worker.reader.index, batching.batch_size,
@@ -141,6 +144,7 @@ class ShardStage(Stage):
         self.cache.prepare()
         plan = cast(ShardPlan, sequence.plan)
         plan.refresh()
+        self._find_nodes(plan)
         options = sequence.options
         assert options.buffer is not None  # a cached sequence's ring has a buffer
         workers = options.max_workers if options.max_workers is not None else options.num_workers
@@ -154,6 +158,17 @@ class ShardStage(Stage):
         if not test:
             self._prefetcher = Prefetcher(self.cache, plan, epoch, position, depth,
                                           self.worker.reader.counters)
+
+    def _find_nodes(self, plan: ShardPlan) -> None:
+        """Tell the plan each rank's node (the ranks sharing a cache folder: only the cache
+        makes nodes), gathered once for this world size: a collective, which every rank reaches
+        as it loads a state or starts."""
+        if self.cache is None:
+            return
+        key = (plan.rank, plan.world_size)
+        if key not in self._nodes:
+            self._nodes = {key: cache_nodes(self.cache.folder) if plan.world_size > 1 else None}
+        plan.set_nodes(self._nodes[key])
 
     def started(self) -> None:
         if self._prefetcher is not None:
@@ -174,26 +189,35 @@ class ShardStage(Stage):
         return self.worker.pop_counts() if self.cache is not None else {}
 
     def saved(self, sequence: ShmSequence, state: dict) -> dict:
-        """The window, and the samples of the epoch that runs before a resume on another world
-        size had taken."""
+        """The window, each rank's node, and the runs of the epoch before a resume on another
+        layout (each one's layout and steps: what they took is dealt from those again)."""
         plan = cast(ShardPlan, sequence.plan)
         return {**state, "shuffle_window": self.shuffle_window,
-                "shuffle_shards": self.shuffle_shards,
-                "consumed_before": plan.consumed(state["epoch"])}
+                "shuffle_shards": self.shuffle_shards, "nodes": list(plan.layout),
+                "consumed_before": [[list(layout), steps]
+                                    for layout, steps in plan.history(state["epoch"])]}
 
     def loading(self, sequence: ShmSequence, state: dict) -> dict:
-        """A state saved on another world size resumes too: every rank had taken the epoch's
-        first ``position x world_size`` batches, and the rest of the epoch is dealt over this
-        run's ranks (the global sample order is kept)."""
+        """A state saved on another layout (world size, or ranks per node) resumes too: every
+        rank of the run that saved it had taken its first ``position`` batches; that run joins
+        the epoch's history, and the rest of the epoch is dealt over this run's nodes and ranks.
+        (A ``consumed_before`` count, as states before node layouts have it, is the epoch's
+        first samples as one rank takes them.)"""
         for name in ("shuffle_window", "shuffle_shards"):
             if state.get(name, getattr(self, name)) != getattr(self, name):
                 raise ValueError(f"state {name}={state[name]!r} does not match this sequence's "
                                  f"{name}={getattr(self, name)!r}: build the sequence as the "
                                  "saved one was")
         plan = cast(ShardPlan, sequence.plan)
-        consumed, saved_ranks = state.get("consumed_before", 0), state.get("world_size", 1)
-        if saved_ranks != plan.world_size:
-            consumed += state["position"] * saved_ranks * state["batch_size"]
-            state = {**state, "world_size": plan.world_size, "position": 0}
-        plan.resume_after(int(state["epoch"]), consumed)
+        self._find_nodes(plan)
+        history = state.get("consumed_before") or []
+        if isinstance(history, int):
+            history = [[[0], history // state["batch_size"]]]
+        saved = as_layout(state.get("nodes") or [0] * state.get("world_size", 1))
+        if saved != plan.layout:
+            history = [*history, [saved, state["position"]]]
+            state = {**state, "world_size": plan.world_size, "nodes": list(plan.layout),
+                     "position": 0}
+        plan.resume_after(int(state["epoch"]), [(as_layout(layout), int(steps))
+                                                 for layout, steps in history])
         return state
