@@ -67,6 +67,9 @@ def main():
                         help="read the shards through the node's shard cache, rooted here "
                              "(remote shards are read through it anyway, in $TMPDIR or /var/tmp "
                              "unless this is given)")
+    parser.add_argument("--cache-bytes", type=int,
+                        help="the node's shard cache budget (default: the data set, at most half "
+                             "the free space)")
     parser.add_argument("--last-batch", choices=("keep", "discard"), default="keep")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds a collective (or a batch) may wait before the run fails")
@@ -82,8 +85,8 @@ def main():
     seq = ShardSequence(args.shards, decode, batch_size=args.batch_size, num_workers=args.workers,
                         seed=args.seed, shuffle_window=args.shuffle_window,
                         shuffle_shards=args.shuffle_shards, cache=True if args.cache_dir else None,
-                        cache_dir=args.cache_dir, out_type="cpu", last_batch=args.last_batch,
-                        timeout=args.timeout)
+                        cache_dir=args.cache_dir, cache_bytes=args.cache_bytes, out_type="cpu",
+                        last_batch=args.last_batch, timeout=args.timeout)
     epochs = []
     with seq:
         for epoch in range(args.epochs):
