@@ -52,7 +52,8 @@ from .trainer.devices import (OUT_TYPES, CudaDevice, Device, GpuTimer, HostDevic
                               resolve_out_type, torch_available)
 from .trainer.inline import Inline
 from .trainer.pipeline import Pipeline, closing_finalizer
-from .trainer.plan import LAST_BATCH_POLICIES, EpochPlan, SamplerPlan, as_index_array
+from .trainer.plan import (LAST_BATCH_POLICIES, EpochPlan, SamplerPlan, as_index_array,
+                           process_group)
 from .trainer.ring import Ring
 from .trainer.spec import PipelineSpec
 from .trainer.stats import LoaderStats
@@ -68,5 +69,6 @@ __all__ = [
     "SkippedSamplesWarning", "SlotAllocator", "StreamEnded", "UnsupportedBatch", "WorkerDied",
     "WorkerError", "WorkerInfo", "Wrap", "as_index_array", "as_ndarray", "closing_finalizer",
     "cuda_available", "default_max_workers", "get_worker_info", "is_tensor", "make_leaf",
-    "map_arrays", "resolve_out_type", "stack_into", "torch_available", "warn_user",
+    "map_arrays", "process_group", "resolve_out_type", "stack_into", "torch_available",
+    "warn_user",
 ]

@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 import socket
 
-from ..engine.trainer.plan import _distributed
+from ..engine import process_group
 
 
 def cache_nodes(folder: str) -> list[tuple[str, str]] | None:
     """Every rank's cache folder as (host, real path), in rank order, gathered from all ranks
     (a collective: every rank calls it); None without ``torch.distributed``."""
-    dist = _distributed()
+    dist = process_group()
     if dist is None:
         return None
     mine = (socket.gethostname(), os.path.realpath(folder))

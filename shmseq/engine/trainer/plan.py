@@ -63,7 +63,7 @@ def as_index_array(dset_size: ArrayLike) -> np.ndarray:
 def distributed_ranks(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
     """(rank, world_size): those given win; else torch.distributed's, once it is initialized;
     else one rank."""
-    dist = _distributed()
+    dist = process_group()
     if dist is not None and (rank is None or world_size is None):
         rank = dist.get_rank() if rank is None else rank
         world_size = dist.get_world_size() if world_size is None else world_size
@@ -73,7 +73,7 @@ def distributed_ranks(rank: int | None = None, world_size: int | None = None) ->
     return rank, world_size
 
 
-def _distributed() -> ModuleType | None:
+def process_group() -> ModuleType | None:
     """``torch.distributed`` when a process group is up (torch is never imported for this)."""
     torch = sys.modules.get("torch")
     dist = getattr(torch, "distributed", None) if torch is not None else None
@@ -131,7 +131,7 @@ class EpochPlan:
         self.seed_settled = True
 
     def _agree_on_seed(self) -> None:
-        dist = _distributed()
+        dist = process_group()
         if dist is None:
             raise ValueError(
                 f"seed must be given to shuffle for world_size={self.world_size} without "
