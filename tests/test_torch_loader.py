@@ -182,7 +182,7 @@ def distributed(monkeypatch):
 
     def start(world_size: int) -> FakeDistributed:
         fake.world_size = world_size
-        monkeypatch.setattr(shmseq.engine.trainer.plan, "_distributed", lambda: fake)
+        monkeypatch.setattr(shmseq.engine.trainer.plan, "process_group", lambda: fake)
         return fake
     return start
 
