@@ -25,7 +25,7 @@ ROOT = Path(__file__).parent.parent
 SAMPLES, EVAL_SAMPLES, BATCH, EPOCHS, SAVE_AT = 30, 21, 4, 3, 5  # 4 steps a rank an epoch
 SIZES = ["--samples", str(SAMPLES), "--batch-size", str(BATCH), "--epochs", str(EPOCHS),
          "--save-at", str(SAVE_AT)]
-RUN_SECONDS = 120
+RUN_SECONDS = 60  # a run takes 8-15 s on 2 cores; one stuck in a fork (see run) costs this
 
 
 def installed(package: str) -> None:
