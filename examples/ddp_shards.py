@@ -49,6 +49,22 @@ def decode(sample: dict):
     return np.frombuffer(sample["x"], np.float32), np.int64(int(sample["cls"])), np.int64(number)
 
 
+def resumed_epoch(seq: ShardSequence, folder: Path | None) -> int:
+    """The epoch to start with: a saved state's (loaded: the rest of that epoch comes first,
+    dealt over this run's nodes and ranks, whatever the saved run's were), else 0."""
+    saved = sorted(folder.glob("rank*.json")) if folder is not None else []
+    if not saved:
+        return 0
+    state = json.loads(saved[0].read_text())
+    seq.load_state_dict(state)
+    return state["epoch"]
+
+
+def save_state(seq: ShardSequence, folder: Path, rank: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"rank{rank}.json").write_text(json.dumps(seq.state_dict()))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", required=True,
@@ -75,6 +91,12 @@ def main():
                         help="seconds a collective (or a batch) may wait before the run fails")
     parser.add_argument("--report", type=Path,
                         help="write each rank's batches (sample numbers) and steps here (JSON)")
+    parser.add_argument("--stop-after", type=int,
+                        help="stop after this many steps of the first epoch, each rank's state "
+                             "saved in --state (a preemption, say)")
+    parser.add_argument("--state", type=Path,
+                        help="the folder of the ranks' states: written with --stop-after, read "
+                             "(any rank's will do) when it holds one, to resume there")
     args = parser.parse_args()
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
@@ -87,9 +109,9 @@ def main():
                         shuffle_shards=args.shuffle_shards, cache=True if args.cache_dir else None,
                         cache_dir=args.cache_dir, cache_bytes=args.cache_bytes, out_type="cpu",
                         last_batch=args.last_batch, timeout=args.timeout)
-    epochs = []
+    epochs, first = [], resumed_epoch(seq, args.state)
     with seq:
-        for epoch in range(args.epochs):
+        for epoch in range(first, args.epochs):
             seq.set_epoch(epoch)
             batches, loss = [], torch.zeros(())
             for x, y, number in seq:
@@ -98,6 +120,9 @@ def main():
                 loss.backward()  # DDP's all-reduce: every rank must take this step
                 optimizer.step()
                 batches.append(number.tolist())
+                if args.stop_after is not None and len(batches) == args.stop_after:
+                    save_state(seq, args.state, rank)
+                    break
             steps = len(batches)
             counts = [None] * dist.get_world_size()
             dist.all_gather_object(counts, steps)
@@ -106,6 +131,8 @@ def main():
             epochs.append({"epoch": epoch, "batches": batches, "steps": steps})
             print(f"rank {rank} epoch {epoch}: {steps} steps, {sum(map(len, batches))} samples, "
                   f"loss {loss.item():.3f}", flush=True)
+            if args.stop_after is not None:
+                break
     if args.report:
         args.report.mkdir(parents=True, exist_ok=True)
         report = {"rank": rank, "world_size": dist.get_world_size(), "epochs": epochs,

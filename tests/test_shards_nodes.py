@@ -29,16 +29,19 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_agents(url: str, tmp_path: Path, nodes: int, ranks: int, budget: int) -> tuple[list[dict], float]:
+def run_agents(url: str, tmp_path: Path, nodes: int, ranks: int, budget: int,
+               *extra: str) -> tuple[list[dict], float]:
     """``nodes`` torchrun agents of ``ranks`` ranks each (one rendezvous on 127.0.0.1), each with
-    a ``TMPDIR`` of its own; each rank's report, and the run's seconds."""
+    a ``TMPDIR`` of its own under ``tmp_path``, ``extra`` arguments for the example; each rank's
+    report, and the run's seconds."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     report, port = tmp_path / "report", free_port()
     command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}",
                f"--nproc_per_node={ranks}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=nodes-{port}", str(EXAMPLE),
                "--shards", url, "--epochs", str(EPOCHS), "--batch-size", str(BATCH),
                "--workers", "1", "--seed", "5", "--last-batch", "discard", "--timeout", "60",
-               "--cache-bytes", str(budget), "--report", str(report)]
+               "--cache-bytes", str(budget), "--report", str(report), *extra]
     began, agents = time.monotonic(), []
     for node in range(nodes):
         tmpdir = tmp_path / f"node{node}"
@@ -82,3 +85,25 @@ def test_nodes_read_their_own_shards_and_the_server_sends_the_data_set_about_onc
         seen = [i for r in ranks_seen for i in samples(r, epoch)]
         assert len(seen) == len(set(seen)) == total  # every sample once (nothing cut here)
     assert not shm_entries({r["pid"] for r in ranks_seen})
+
+
+def test_a_run_stopped_on_2_nodes_x_2_ranks_resumes_on_1_node_x_3_ranks_exactly(tmp_path):
+    """Stopped after 3 steps of the first epoch on 2 nodes of 2 ranks (each rank's state saved),
+    resumed on 1 node of 3 ranks from one rank's state: the rest of that epoch is every sample
+    the first run did not take, once, in as many steps on every rank; then a whole epoch."""
+    folder, state = tmp_path / "web", str(tmp_path / "state")
+    index = ShardIndex.load(str(write_index(folder, (PER_SHARD,) * SHARDS)))
+    budget = sum(shard.size for shard in index.shards) * 3 // 4
+    with serving(lambda servers: servers.FileServer(folder)) as server:
+        url = f"{server.url}/shards.json"
+        stopped, _ = run_agents(url, tmp_path / "stopped", 2, 2, budget, "--stop-after", "3",
+                                "--state", state)
+        resumed, _ = run_agents(url, tmp_path / "resumed", 1, 3, budget, "--state", state)
+    total = SHARDS * PER_SHARD
+    before = [i for r in stopped for i in samples(r, 0)]
+    rest = [i for r in resumed for i in samples(r, 0)]
+    assert len(before) == 4 * 3 * BATCH
+    assert sorted(before + rest) == list(range(total))  # every sample once
+    assert {r["epochs"][0]["steps"] for r in resumed} == {(total - len(before)) // 3 // BATCH}
+    whole = [i for r in resumed for i in samples(r, 1)]
+    assert sorted(whole) == list(range(total))
