@@ -53,13 +53,26 @@ def _is_generator(value: object) -> bool:
         _is_torch_generator(value)
 
 
-def _torch_encoded(state: Any) -> str:
+def torch_state_text(state: Any) -> str:
     """A torch generator's state (a uint8 tensor) as base64 text."""
     return base64.b64encode(state.numpy().tobytes()).decode("ascii")
 
 
-def _torch_decoded(text: str) -> Any:
+def torch_state_of(text: str) -> Any:
+    """The uint8 tensor ``torch_state_text`` wrote."""
     return _torch().frombuffer(bytearray(base64.b64decode(text)), dtype=_torch().uint8)
+
+
+def is_stateful(obj: object) -> bool:
+    """Whether ``obj`` saves and loads a state of its own (torchdata's ``Stateful``)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None))
+
+
+def keeps_epoch(obj: object) -> bool:
+    """Whether ``obj`` draws by epoch (``set_epoch``, as torch's ``DistributedSampler``)."""
+    return callable(getattr(obj, "set_epoch", None)) and isinstance(getattr(obj, "epoch", None),
+                                                                     int)
 
 
 def generator_state(generator: Any) -> str | dict:
@@ -68,7 +81,7 @@ def generator_state(generator: Any) -> str | dict:
         return jsonable(generator.bit_generator.state)
     if isinstance(generator, np.random.RandomState):
         return jsonable(generator.get_state(legacy=False))
-    return _torch_encoded(generator.get_state())
+    return torch_state_text(generator.get_state())
 
 
 def set_generator_state(generator: Any, state: Any) -> None:
@@ -78,20 +91,20 @@ def set_generator_state(generator: Any, state: Any) -> None:
     elif isinstance(generator, np.random.RandomState):
         generator.set_state(state)
     else:
-        generator.set_state(_torch_decoded(str(state)))
+        generator.set_state(torch_state_of(str(state)))
 
 
 def global_states() -> dict:
     """torch's (when loaded) and numpy's global generators' states."""
     torch = _torch()
-    return {"torch": None if torch is None else _torch_encoded(torch.get_rng_state()),
+    return {"torch": None if torch is None else torch_state_text(torch.get_rng_state()),
             "numpy": jsonable(np.random.get_state(legacy=False))}
 
 
 def _set_globals(states: dict) -> None:
     torch = _torch()
     if torch is not None and states.get("torch") is not None:
-        torch.set_rng_state(_torch_decoded(states["torch"]))
+        torch.set_rng_state(torch_state_of(states["torch"]))
     np.random.set_state(states["numpy"])
 
 
@@ -130,12 +143,10 @@ class SamplerStates:
         return list(found.values())
 
     def _stateful(self) -> list:
-        return [h for h in self._holders if callable(getattr(h, "state_dict", None))
-                and callable(getattr(h, "load_state_dict", None))]
+        return [holder for holder in self._holders if is_stateful(holder)]
 
     def _by_epoch(self) -> list:
-        return [h for h in self._holders if callable(getattr(h, "set_epoch", None))
-                and isinstance(getattr(h, "epoch", None), int)]
+        return [holder for holder in self._holders if keeps_epoch(holder)]
 
     def now(self) -> dict:
         """Their states now (a sampler's own is copied: it may hand out the dict it keeps)."""

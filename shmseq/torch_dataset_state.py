@@ -15,11 +15,7 @@ from typing import Any
 
 from torch.utils.data.dataloader import _DatasetKind
 
-
-def is_stateful(obj: object) -> bool:
-    """Whether ``obj`` saves and loads a state of its own (torchdata's ``Stateful``)."""
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None))
+from .sampler_state import is_stateful
 
 
 def _state_of(obj: object) -> object:

@@ -17,7 +17,6 @@ after it made the iterator, or not at all.
 """
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
 import itertools
@@ -26,6 +25,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.utils.data import BatchSampler
 
+from .sampler_state import is_stateful, keeps_epoch, torch_state_of, torch_state_text
 from .torch_dataset_state import empty_record, has_state
 from .torch_spread import Spread
 
@@ -33,12 +33,9 @@ VERSION = 2
 
 
 def _encoded(generator: torch.Generator | None) -> str:
-    state = torch.get_rng_state() if generator is None else generator.get_state()
-    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
-
-
-def _decoded(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+    """A generator's state (None: torch's global one's) as text."""
+    return torch_state_text(torch.get_rng_state() if generator is None else
+                            generator.get_state())
 
 
 def generators_of(*owners: object) -> list[torch.Generator]:
@@ -59,10 +56,8 @@ class Samplers:
 
     def __init__(self, index_sampler: object) -> None:
         holders: tuple[Any, ...] = (index_sampler, getattr(index_sampler, "sampler", None))
-        self.stateful: Any = next((h for h in holders if callable(getattr(h, "state_dict", None))
-                              and callable(getattr(h, "load_state_dict", None))), None)
-        self.by_epoch: Any = next((h for h in holders if callable(getattr(h, "set_epoch", None))
-                              and isinstance(getattr(h, "epoch", None), int)), None)
+        self.stateful: Any = next(filter(is_stateful, holders), None)
+        self.by_epoch: Any = next(filter(keeps_epoch, holders), None)
 
     def state(self) -> dict:
         return {"sampler": None if self.stateful is None else self.stateful.state_dict(),
@@ -86,7 +81,7 @@ def restore_generators(generators: list[torch.Generator], states: list[str]) -> 
         raise ValueError(f"the state names {len(states)} random generators of the samplers, this "
                          f"loader has {len(generators)}: build the loader as the saved one was")
     for generator, state in zip(generators, states):
-        generator.set_state(_decoded(state))
+        generator.set_state(torch_state_of(state))
 
 
 class PassStart:
@@ -116,7 +111,7 @@ def drawn_as_saved(generators: list[torch.Generator], states: dict,
     """Inside: the generators and samplers as they were when the saved pass was drawn. After:
     torch's global generator as it was before."""
     before = torch.get_rng_state()
-    torch.set_rng_state(_decoded(states["torch"]))
+    torch.set_rng_state(torch_state_of(states["torch"]))
     restore_generators(generators, states["generators"])
     samplers.restore(states)
     try:
@@ -178,7 +173,7 @@ def restore_now(state: dict, generators: list[torch.Generator], samplers: Sample
     from as the uninterrupted run drew it (a pass resumed mid-way draws from its start's)."""
     restore_generators(generators, state["now"]["generators"])
     if not mid_pass:
-        torch.set_rng_state(_decoded(state["now"]["torch"]))
+        torch.set_rng_state(torch_state_of(state["now"]["torch"]))
         samplers.restore(state["now"])
 
 

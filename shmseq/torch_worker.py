@@ -13,8 +13,9 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from .engine import SlotAllocator, StreamEnded, WorkerInfo, get_worker_info
 from .torch_collate import slot_collate
-from .torch_dataset_state import (is_stateful, load_dataset_state, load_iterator_state,
-                                  load_stream_state, snapshot)
+from .sampler_state import is_stateful
+from .torch_dataset_state import (load_dataset_state, load_iterator_state, load_stream_state,
+                                  snapshot)
 
 if TYPE_CHECKING:
     from torch.utils.data._utils.fetch import _BaseDatasetFetcher
