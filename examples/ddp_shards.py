@@ -142,7 +142,9 @@ def main():
         if seq.cache is not None:
             stats = seq.stats
             report["cache"] = {"folder": seq.cache.folder, "fetches": stats.shard_fetches,
-                               "refetches": stats.shard_refetches}
+                               "refetches": stats.shard_refetches,
+                               "node_fetch_bytes": stats.node_fetch_bytes,
+                               "node_share_bytes": stats.node_share_bytes}
         (args.report / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 

@@ -78,6 +78,12 @@ def test_nodes_read_their_own_shards_and_the_server_sends_the_data_set_about_onc
           f"{seconds:.1f} s")
     assert len(folders) == nodes  # a cache per node
     assert sent <= 1.1 * data
+    for folder in folders:  # each node's own report: what it fetched against its share
+        node = [r["cache"] for r in ranks_seen if r["cache"]["folder"] == folder]
+        fetched, share = max(c["node_fetch_bytes"] for c in node), node[0]["node_share_bytes"]
+        assert {c["node_share_bytes"] for c in node} == {share}
+        assert 0.9 * data / nodes <= share <= 1.1 * data / nodes
+        assert share <= fetched <= 1.1 * share
     total = SHARDS * PER_SHARD
     for epoch in range(EPOCHS):
         steps = {r["epochs"][epoch]["steps"] for r in ranks_seen}

@@ -262,7 +262,8 @@ class ShardCache(CacheStore):
             tag = int(table["tag"][number]) if epoch is None else max(int(table["tag"][number]), epoch)
             again = int(table["fetched"][number] >= tag)
             Ledger.move(table, number, CACHED, waiting=0, tag=tag, fetched=tag, bytes=size,
-                        stamp=time.time_ns(), checked=self.session, version=version)
+                        stamp=time.time_ns(), checked=self.session, version=version,
+                        got=int(table["got"][number]) + size)
             self.counters.peak(self.ledger.usage(table))  # more than reserved, if the estimate was short
         took = these.take()
         counters.add(**took)

@@ -32,17 +32,30 @@ MOVES = {(ABSENT, FETCHING): "its bytes reserved for a fetch",
 
 LEDGER_RECORD = np.dtype([("state", "i1"), ("waiting", "i1"), ("tag", "<i4"), ("fetched", "<i4"),
                           ("bytes", "<i8"), ("stamp", "<i8"), ("checked", "<i8"),
-                          ("version", "<i8")])
+                          ("version", "<i8"), ("got", "<i8")])
 
 WAIT_POLL_S = 0.01          # how often a worker waiting for a shard or for room looks again
 _RANK_HEADER = 24           # a progress file: the consumer's epoch, its owner's pid, the epoch its
+# batches in flight may reach; then, of every shard, when the rank reads it next (``next_read``)
+NEVER = np.iinfo(np.int64).max  # a shard the rank reads neither in this epoch nor in the next
+
+
+def next_read(epoch: int | np.ndarray, position: int | np.ndarray) -> np.ndarray:
+    """When a rank reads a shard next, as one number that orders (epoch, batch position)."""
+    return (np.asarray(epoch, np.int64) << 32) + np.asarray(position, np.int64)
+
+
+def read_epoch(reads: np.ndarray) -> np.ndarray:
+    """The epoch of each ``next_read`` (never read again: past any epoch)."""
+    return reads >> 32
 
 
 class Ledger:
     """One ``LEDGER_RECORD`` per shard in a file every process maps: ``state`` (ABSENT,
     FETCHING, CACHED), ``waiting`` (a reader waits for room for it), ``tag`` (the epoch it is
     kept for), ``fetched`` (the epoch it was last fetched for), ``bytes`` (cached, or reserved
-    while fetching), ``stamp`` (when it came). Read
+    while fetching), ``stamp`` (when it came), ``got`` (the bytes fetched for it since the
+    ledger was made: the node's fetches, for its report). Read
     freely (a look that may be stale, checked again under the lock); changed only in
     ``changing()``, under the file's flock."""
 
@@ -118,9 +131,10 @@ class Ledger:
 
 class RankBoard:
     """Each local rank's progress, one file each: the epoch its consumer is in and, of every
-    shard, whether its batches left in that epoch read it no more. Eviction waits for every live
-    rank; a rank holds its file's flock while it runs, so a file nobody holds is a finished or
-    dead rank's and counts for nothing."""
+    shard, when its batches read it next (``next_read``: in this epoch, or else in the next).
+    Eviction waits for every live rank and evicts what the node reads latest; a rank holds its
+    file's flock while it runs, so a file nobody holds is a finished or dead rank's and counts
+    for nothing."""
 
     def __init__(self, folder: str, count: int) -> None:
         self.folder = folder
@@ -129,7 +143,7 @@ class RankBoard:
     def path(self, rank: int) -> str:
         return os.path.join(self.folder, f"rank-{rank}")
 
-    def join(self, rank: int, epoch: int, ahead: int, done: np.ndarray) -> "RankProgress":
+    def join(self, rank: int, epoch: int, ahead: int, reads: np.ndarray) -> "RankProgress":
         """This process's place on the board as ``rank``, published at once; raises if a live
         process (another job's, or another sequence of this one's) holds that rank already."""
         deadline = time.monotonic() + 2.0  # a board reader holds a file for a moment only
@@ -143,7 +157,7 @@ class RankBoard:
             time.sleep(WAIT_POLL_S)
         progress = RankProgress(fd, self.count)
         progress.publish_ahead(ahead)
-        progress.publish(epoch, done)
+        progress.publish(epoch, reads)
         return progress
 
     def _owner(self, rank: int) -> int | str:
@@ -152,19 +166,20 @@ class RankBoard:
         return "unknown"
 
     def live(self) -> list[tuple[int, int, np.ndarray]]:
-        """(epoch, ahead, done) of every live rank."""
+        """(epoch, ahead, next reads) of every live rank."""
         found = []
+        size = _RANK_HEADER + 8 * self.count
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.folder):
                 path = os.path.join(self.folder, name)
                 if not is_held(path):
                     continue
                 with open_private_file(path) as file:
-                    data = file.read(_RANK_HEADER + self.count)
-                    if len(data) == _RANK_HEADER + self.count:
+                    data = file.read(size)
+                    if len(data) == size:
                         epoch, _, ahead = np.frombuffer(data[:_RANK_HEADER], np.int64).tolist()
                         found.append((epoch, ahead,
-                                      np.frombuffer(data, np.uint8, offset=_RANK_HEADER)))
+                                      np.frombuffer(data, np.int64, offset=_RANK_HEADER)))
         return found
 
     def expected(self) -> int:
@@ -174,25 +189,26 @@ class RankBoard:
 
 
 class RankProgress:
-    """A rank's own progress file, written in place: the shards' bytes, then the consumer's
-    epoch, so that a reader who catches it half-written sees more kept, never less; and, on the
-    consumer's thread before the batches it covers are dispatched, the epoch they may reach."""
+    """A rank's own progress file, written in place: the shards' next reads, then the
+    consumer's epoch, so that a reader who catches it half-written sees more kept, never less
+    (a read not yet moved on is sooner); and, on the consumer's thread before the batches it
+    covers are dispatched, the epoch they may reach."""
 
     def __init__(self, fd: int, count: int) -> None:
         self.fd = fd
         self.count = count
         self._published: tuple | None = None
         self._ahead: int | None = None
-        os.ftruncate(fd, _RANK_HEADER + count)
+        os.ftruncate(fd, _RANK_HEADER + 8 * count)
         os.pwrite(fd, np.array([-1, os.getpid(), -1], np.int64).tobytes(), 0)
 
-    def publish(self, epoch: int, done: np.ndarray) -> None:
+    def publish(self, epoch: int, reads: np.ndarray) -> None:
         if self._published is not None and self._published[0] == epoch and \
-                np.array_equal(done, self._published[1]):
+                np.array_equal(reads, self._published[1]):
             return
-        os.pwrite(self.fd, done.astype(np.uint8).tobytes(), _RANK_HEADER)
+        os.pwrite(self.fd, reads.astype(np.int64).tobytes(), _RANK_HEADER)
         os.pwrite(self.fd, np.int64(epoch).tobytes(), 0)
-        self._published = epoch, done.copy()
+        self._published = epoch, reads.copy()
 
     def publish_ahead(self, ahead: int) -> None:
         if ahead != self._ahead:
@@ -211,6 +227,14 @@ def evictable(table: np.ndarray, live: list[tuple[int, int, np.ndarray]], expect
     free = table["state"] == CACHED
     if len(live) < expected:  # ranks the launcher started are not on the board yet
         return np.zeros_like(free)
-    for epoch, _, done in live:
-        free &= (epoch > tags) | ((epoch == tags) & (done != 0))
+    for epoch, _, reads in live:
+        free &= (epoch > tags) | ((epoch == tags) & (read_epoch(reads) > epoch))
     return free
+
+
+def node_reads(live: list[tuple[int, int, np.ndarray]], count: int) -> np.ndarray:
+    """When the node reads each shard next: the soonest of its live ranks' next reads."""
+    soonest = np.full(count, NEVER, np.int64)
+    for _, _, reads in live:
+        np.minimum(soonest, reads, out=soonest)
+    return soonest

@@ -116,6 +116,13 @@ class ShardPlan(EpochPlan):
             self._owners[key] = owner
         return self._owners[key]
 
+    def own_shards(self) -> np.ndarray:
+        """The shards this rank's node owns: what its cache fetches (all of them on one node)."""
+        layout = self.layout
+        if max(layout, default=0) == 0:
+            return np.arange(len(self.shard_index.shards))
+        return np.flatnonzero(self.owners(layout) == layout[self.rank])
+
     def _node_streams(self, epoch: int, layout: Layout) -> list[tuple[np.ndarray, np.ndarray]]:
         """Each node's (stream, by shard) of ``epoch``."""
         if max(layout, default=0) == 0:

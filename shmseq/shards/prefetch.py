@@ -13,7 +13,7 @@ import numpy as np
 from .. import remote
 from .cache import BUSY, FULL, ShardCache, estimated_bytes
 from .index import ShardIndex
-from .ledger import CACHED, FETCHING
+from .ledger import CACHED, FETCHING, NEVER, next_read
 from .plan import ShardPlan
 
 
@@ -47,9 +47,13 @@ class ShardUses:
             self._known[key] = first, last
         return self._known[key]
 
-    def done(self, epoch: int, position: int) -> np.ndarray:
-        """1 for every shard the batches from ``position`` on no longer read."""
-        return (self.of(epoch)[1] < position).astype(np.uint8)
+    def reads(self, epoch: int, position: int) -> np.ndarray:
+        """When the batches from ``position`` on read each shard next (``next_read``): its
+        first batch in this epoch (one being read: before ``position``), else in the next
+        one, else ``NEVER``."""
+        (first, last), (then_first, then_last) = self.of(epoch), self.of(epoch + 1)
+        return np.where(last >= position, next_read(epoch, first),
+                        np.where(then_last >= 0, next_read(epoch + 1, then_first), NEVER))
 
     def upcoming(self, epoch: int, position: int) -> tuple[np.ndarray, np.ndarray]:
         """(shard, epoch) pairs the batches from ``position`` on read, in the order they first
@@ -149,7 +153,7 @@ class Prefetcher:
         self._depth = depth
         plan.refresh()
         self._progress = cache.board.join(plan.rank, epoch, self._ahead(epoch, position),
-                                          self.uses.done(epoch, position))
+                                          self.uses.reads(epoch, position))
         self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="shmseq-fetch")
         self._thread = threading.Thread(target=self._run, name="shmseq-prefetch", daemon=True)
 
@@ -183,7 +187,7 @@ class Prefetcher:
                 if self._stopping:
                     return
                 self._news, place = False, self._place
-            self._progress.publish(place[0], self.uses.done(*place))
+            self._progress.publish(place[0], self.uses.reads(*place))
             waiting = self._fetch_ahead(*place)
 
     def _ahead(self, epoch: int, position: int) -> int:

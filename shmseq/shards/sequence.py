@@ -127,6 +127,7 @@ class ShardStage(Stage):
         self.worker, self.cache = worker, cache
         self.shuffle_window, self.shuffle_shards = shuffle_window, shuffle_shards
         self._prefetcher: Prefetcher | None = None
+        self._share = 0  # the bytes of the shards this rank's node owns
         self._nodes: dict[tuple[int, int], list | None] = {}  # (rank, world size) -> rank's node
 
     def plan(self, batching: Batching) -> ShardPlan:
@@ -145,6 +146,7 @@ class ShardStage(Stage):
         plan = cast(ShardPlan, sequence.plan)
         plan.refresh()
         self._find_nodes(plan)
+        self._share = sum(self.cache.index.shards[s].size or 0 for s in plan.own_shards().tolist())
         options = sequence.options
         assert options.buffer is not None  # a cached sequence's ring has a buffer
         workers = options.max_workers if options.max_workers is not None else options.num_workers
@@ -185,8 +187,14 @@ class ShardStage(Stage):
         self.worker.reader.close()  # the files read in this process, by num_workers=0 or threads
 
     def counts(self) -> dict[str, int | float]:
-        """This process's counts (the prefetcher's), with the cache."""
-        return self.worker.pop_counts() if self.cache is not None else {}
+        """With the cache: this process's counts (the prefetcher's), and the node's fetches
+        against its share."""
+        if self.cache is None:
+            return {}
+        counts = self.worker.pop_counts()
+        if self._share:  # started: the ledger is there
+            counts.update(node_fetch_bytes=self.cache.fetched_bytes(), node_share_bytes=self._share)
+        return counts
 
     def saved(self, sequence: ShmSequence, state: dict) -> dict:
         """The window, each rank's node, and the runs of the epoch before a resume on another

@@ -20,8 +20,10 @@ trusted: ``shmseq.shards.files``)::
 Eviction: only to make room, and only of a shard that no local rank needs any more in the
 epoch it was fetched or claimed for (the ledger's ``tag``): every rank's consumer is past that
 epoch, or in it and past the last batch that reads the shard (the plan says which batches read
-which shard; each rank publishes, for its epoch, the shards its remaining batches no longer
-read). A rank whose progress file nobody holds (finished, or dead) counts for nothing; with
+which shard; each rank publishes, for every shard, the batch of this epoch or the next that
+reads it next). Of those, the one the node reads latest goes first (one it reads in neither
+epoch before all): the plan knows the future, so the cache keeps what comes soonest, the next
+epoch's first shards among them; a prefetch takes only the room of shards read after its own. A rank whose progress file nobody holds (finished, or dead) counts for nothing; with
 torchrun's ``LOCAL_WORLD_SIZE`` set, nothing is evicted until that many ranks are there. A
 shard cached from an earlier epoch is claimed for the next one as the prefetcher reaches it,
 in order and only as far as it could fetch, so that what is kept is always what the ranks read
@@ -52,7 +54,8 @@ import numpy as np
 from .. import remote
 from ..remote import RemotePolicy
 from .files import file_digest, open_private, open_private_file, private_folder, user_folder
-from .ledger import ABSENT, CACHED, FETCHING, WAIT_POLL_S, Ledger, RankBoard, evictable
+from .ledger import (ABSENT, CACHED, FETCHING, WAIT_POLL_S, Ledger, RankBoard, evictable,
+                     node_reads, read_epoch)
 from .locks import is_held, lock, locked, unlock
 from .place import cache_folder, caches_in_use, free_bytes, holders, in_use, remove_abandoned
 
@@ -156,6 +159,11 @@ class CacheStore:
     def held_bytes(self) -> int:
         """What the cache holds now (its shards, and the bytes reserved for those being fetched)."""
         return self.ledger.usage(self.ledger.table())
+
+    def fetched_bytes(self) -> int:
+        """The bytes the node fetched into the cache since it was made (every rank's and
+        worker's fetches: the job's, where one job keeps one cache)."""
+        return int(self.ledger.table()["got"].sum())
 
     def count_held(self) -> None:
         """Count what the cache holds now in ``cache_peak_bytes`` (a warm run fetches nothing,
@@ -269,8 +277,8 @@ class CacheStore:
         table = self.ledger.table()
         cached = table["state"] == CACHED
         kept = collections.Counter(table["tag"][cached].tolist())
-        ranks = "; ".join(f"epoch {epoch}, done with {int((done != 0).sum())} shards of it"
-                          for epoch, _, done in self.board.live())
+        ranks = "; ".join(f"epoch {epoch}, done with {int((read_epoch(reads) > epoch).sum())} "
+                          "shards of it" for epoch, _, reads in self.board.live())
         return (f"no room in the shard cache {self.folder} for shard "
                 f"{self.index.shards[number].url} ({self.estimates[number]:,} bytes) for "
                 f"{self.timeout / 2:g} s: its budget of {self.budget:,} bytes holds "
@@ -296,7 +304,8 @@ class CacheStore:
                 need += int(self.estimates[others].sum()) + int(self.estimates.max())
             if self.ledger.usage(table) + need > self.budget:
                 self._forget_the_dead(table)
-                self._evict(table, live, self.ledger.usage(table) + need - self.budget)
+                self._evict(table, live, self.ledger.usage(table) + need - self.budget,
+                            keeping=None if demand else number)
             if self.ledger.usage(table) + need > self.budget:
                 table["waiting"][number] = demand
                 return False
@@ -305,14 +314,21 @@ class CacheStore:
             self.counters.peak(self.ledger.usage(table))
         return True
 
-    def _evict(self, table: np.ndarray, live: list, wanted: int) -> None:
-        """Remove shards no rank needs, those kept for the oldest epoch and fetched first
-        first, until ``wanted`` bytes are free."""
+    def _evict(self, table: np.ndarray, live: list, wanted: int, keeping: int | None = None) -> None:
+        """Remove shards no rank needs any more in the epoch each is kept for, those the node
+        reads latest first (those it reads no more first of all: the plan tells the future),
+        until ``wanted`` bytes are free; none where they would not free as much. For a
+        prefetch of shard ``keeping``: only those the node reads after it, since taking the
+        room of a shard read sooner would fetch that one again before this one is read."""
+        reads = node_reads(live, len(table))
         free = np.flatnonzero(evictable(table, live, self.board.expected()))
-        for number in free[np.lexsort((table["stamp"][free], table["tag"][free]))]:
-            if wanted <= 0:
-                break
-            wanted -= int(table["bytes"][number])
+        if keeping is not None:
+            free = free[reads[free] > reads[keeping]]
+        order = free[np.lexsort((table["stamp"][free], -reads[free]))]
+        enough = int(np.searchsorted(np.cumsum(table["bytes"][order]), wanted))
+        if enough == len(order):
+            return  # not room enough even so: nothing is lost for nothing
+        for number in order[:enough + 1]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path(number))  # a reader that has it open reads on
             Ledger.move(table, number, ABSENT, bytes=0)

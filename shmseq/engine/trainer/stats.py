@@ -125,7 +125,8 @@ class Breakdown(NamedTuple):
         return None
 
 
-_PEAKS = frozenset({"cache_peak_bytes", "worker_private_bytes"})  # counts kept as the largest
+_PEAKS = frozenset({"cache_peak_bytes", "worker_private_bytes", "node_fetch_bytes",
+                    "node_share_bytes"})  # counts kept as the largest (or the last, if they grow)
 
 
 def _pct(fraction: float) -> str:
@@ -163,6 +164,8 @@ class LoaderStats:
     shard_read_bytes: int = 0     # bytes of the samples read from cached shards
     shard_wait_s: float = 0.0     # time workers waited for a shard not cached yet, summed
     cache_peak_bytes: int = 0     # the most the node's cache held, as this rank's fetches saw it
+    node_fetch_bytes: int = 0     # the bytes the node's cache fetched for the job, all its ranks'
+    node_share_bytes: int = 0     # the bytes of the shards the plan deals this rank's node
     worker_private_bytes: int = 0  # the most memory a worker process held alone (measured by
     # each every 10 s or so; not the pages it shares with the trainer, nor the ring)
     # where the time goes (breakdown()):
@@ -276,6 +279,8 @@ class LoaderStats:
                 "shard_refetches": self.shard_refetches, "shard_repairs": self.shard_repairs,
                 "shard_read_bytes": self.shard_read_bytes, "shard_wait_s": self.shard_wait_s,
                 "cache_peak_bytes": self.cache_peak_bytes,
+                "node_fetch_bytes": self.node_fetch_bytes,
+                "node_share_bytes": self.node_share_bytes,
                 "worker_private_bytes": self.worker_private_bytes,
                 "read_amplification": self.read_amplification,
                 "elapsed_s": self.elapsed_s, "stall_fraction": self.stall_fraction,
