@@ -23,7 +23,10 @@ What the shard reader and the node-local shard cache call::
     open_file(url, storage_options=None, *, policy=None) -> a binary file object (its opening
         retried; its reads are fsspec's own): for tar headers (``ShardIndex.scan``), an index.
 
-Local paths (and ``file://``) are read with ``open``, without fsspec.
+Local paths (and ``file://``) are read with ``open``, without fsspec; a fetch of an
+``http(s)://`` or ``s3://`` object too goes without it, streamed from the socket to the file
+in the calling thread (``shmseq.remote_stream``; ``shmseq.remote_sources`` says which
+``storage_options`` it honours, and refuses the others by name), at about half the CPU.
 
 ``policy`` (a ``RemotePolicy``; by default ``RemotePolicy()``) bounds each attempt, the
 retries and their back-offs, and ``counters`` (a ``Counters``) adds up what the calls did:
@@ -48,25 +51,22 @@ import threading
 import time
 from typing import IO, Any, Callable, Coroutine, TypeVar
 
+from . import remote_sources
 from .remote_answers import (DENIED_CODES, MESSAGE_CHARS, MISSING_CODES, RETRIED_CODES, RETRIED_STATUS,
-                             TRANSIENT, RangeIgnored, _BadAnswer, _failure, _http_fetch,
-                             _http_range, _judge, _tries, reason)
+                             TRANSIENT, RangeIgnored, _BadAnswer, _failure, _http_range, _judge,
+                             _tries, reason)
 from .remote_policy import DEFAULT_POLICY, SEQUENCE_SHARE, Counters, RemotePolicy, fit_to_timeout
+from .remote_stream import STOP_POLL_S, FetchStopped, get_range
 
 __all__ = ["DEFAULT_POLICY", "DENIED_CODES", "FETCH_CHUNK_BYTES", "MESSAGE_CHARS", "MISSING_CODES",
            "RETRIED_CODES", "RETRIED_STATUS", "SEQUENCE_SHARE", "STOP_POLL_S", "TRANSIENT",
            "VERSION_KEYS", "Counters", "FetchStopped", "RangeIgnored", "RemotePolicy", "fetch",
            "fit_to_timeout", "is_remote", "open_file", "read_range", "reason", "size", "version"]
 
-FETCH_CHUNK_BYTES = 32 << 20  # one request of a whole-object fetch: memory held, and a retry's loss
-# (a server that ignores Range sends the whole object at once: written as it comes, not held)
-STOP_POLL_S = 0.05  # how often a request that can be stopped looks at its stop event
+FETCH_CHUNK_BYTES = 32 << 20  # one request of a whole-object fetch: a retry's loss (streamed to
+# the file as it comes; a server that ignores Range sends the whole object at once)
 _S3 = ("s3", "s3a")
 T = TypeVar("T")
-
-
-class FetchStopped(Exception):
-    """A fetch ended early because its ``stop`` event was set: not a failure of the server."""
 
 
 def is_remote(url: str) -> bool:
@@ -154,58 +154,54 @@ def fetch(url: str, path: str | os.PathLike, *, storage_options: dict | None = N
     return size
 
 
+# one attempt at a fetch's chunk: (start, out, timeout, stop) -> (bytes written, whole object)
+_Chunk = Callable[[int, IO[bytes], "float | None", "threading.Event | None"], "tuple[int, bool]"]
+
+
 def _fetch_ranges(url: str, out: IO[bytes], storage_options: dict | None, counters: Counters | None,
                   policy: RemotePolicy | None, stop: threading.Event | None) -> int:
     """Chunk after chunk until one comes short (no request for the size first), each retried
     on its own; over HTTP, a server that ignores Range answers the first with the whole object,
-    taken as it comes (``_http_fetch``)."""
-    fs, path = _filesystem(url, storage_options)
+    taken as it comes."""
     counters, policy = counters or Counters(), policy or DEFAULT_POLICY
+    if url.split("://", 1)[0] in remote_sources.STREAMED:
+        chunk = functools.partial(_streamed_chunk, remote_sources.source(url, storage_options))
+    else:
+        chunk = functools.partial(_fsspec_chunk, *_filesystem(url, storage_options))
     end, done = 0, False
     while not done:
-        end, done = _with_retries(url, functools.partial(_fetch_chunk, fs, path, out, end,
-                                                         counters, stop), policy, counters, stop)
+        end, done = _with_retries(url, functools.partial(_fetch_chunk, chunk, out, end, counters,
+                                                         stop), policy, counters, stop)
     return end
 
 
-def _fetch_chunk(fs: Any, path: str, out: IO[bytes], start: int, counters: Counters,
+def _fetch_chunk(chunk: _Chunk, out: IO[bytes], start: int, counters: Counters,
                  stop: threading.Event | None, timeout: float | None) -> tuple[int, bool]:
     """One attempt at the fetch's chunk from byte ``start``, written to ``out`` after the chunks
     before it (what an attempt before it wrote goes first): where the bytes written end, and
-    whether the object is whole with them."""
+    whether the object is whole with them. None past the object's end (HTTP 416): the last
+    chunk, when the object's size is a multiple of the chunk's."""
     out.seek(start)
     out.truncate()
-    if _is_http(fs):  # each chunk of the answer within ``timeout``, by ``_http_fetch``
-        writer = _LoopWriter(out)
-        try:
-            came, everything = _or_nothing(lambda: _await(fs, _http_fetch(
-                fs, path, start, FETCH_CHUNK_BYTES, writer, timeout), None, stop, path), (0, False))
-        finally:
-            writer.close()
-    else:
-        data = _range(fs, path, start, start + FETCH_CHUNK_BYTES, timeout, stop)
-        out.write(data)
-        came, everything = len(data), False
+    came, everything = _or_nothing(lambda: chunk(start, out, timeout, stop), (0, False))
     counters.add(bytes=came)
     return start + came, everything or came < FETCH_CHUNK_BYTES
 
 
-class _LoopWriter:
-    """``out.write`` for a request on fsspec's event loop, until ``close()``: a stopped fetch's
-    request is cancelled on the loop in the loop's own time, and may still be writing the
-    pieces that have come when its caller closes (and removes) the file; those are dropped."""
+def _streamed_chunk(source: remote_sources.Source, start: int, out: IO[bytes],
+                    timeout: float | None, stop: threading.Event | None) -> tuple[int, bool]:
+    """A chunk over HTTP from the socket to the file, in this thread (``remote_stream``)."""
+    url, headers = source.request(start, start + FETCH_CHUNK_BYTES)
+    return get_range(url, headers, source.transport, source.refusal, start, FETCH_CHUNK_BYTES,
+                     out, timeout, stop)
 
-    def __init__(self, out: IO[bytes]) -> None:
-        self._out, self._lock, self._open = out, threading.Lock(), True
 
-    def __call__(self, piece: bytes) -> None:
-        with self._lock:
-            if self._open:
-                self._out.write(piece)
-
-    def close(self) -> None:
-        with self._lock:
-            self._open = False
+def _fsspec_chunk(fs: Any, path: str, start: int, out: IO[bytes], timeout: float | None,
+                  stop: threading.Event | None) -> tuple[int, bool]:
+    """A chunk through fsspec (other protocols than ``remote_sources.STREAMED``)."""
+    data = _range(fs, path, start, start + FETCH_CHUNK_BYTES, timeout, stop)
+    out.write(data)
+    return len(data), False
 
 
 def size(url: str, *, storage_options: dict | None = None, counters: Counters | None = None,

@@ -2,11 +2,12 @@
 for, or a failure judged transient or not and worded for the user.
 
 An HTTP range is asked on fsspec's session and its answer checked against its status and
-Content-Range (``_http_range``): fsspec's ``cat_file`` hands back whatever body came. A fetch's
-range (``_http_fetch``) takes a 200 with the whole object too, whatever its size, written as it
-comes: a server that ignores Range (``python -m http.server``, some CDNs and proxies) serves a
-node cache's fetches, though not a read of part of an object (``RangeIgnored``). A failure is
-sorted by ``_judge`` and raised by ``_failure``, naming the URL once.
+Content-Range (``_http_range``, ``_ranged``): fsspec's ``cat_file`` hands back whatever body
+came. A fetch's range (``shmseq.remote_stream``, checked by ``_ranged`` too) takes a 200 with
+the whole object as well, whatever its size: a server that ignores Range (``python -m
+http.server``, some CDNs and proxies) serves a node cache's fetches, though not a read of part
+of an object (``RangeIgnored``). A failure is sorted by ``_judge`` and raised by ``_failure``,
+naming the URL once.
 
 Transient (retried): a connection refused, reset or dropped (a server restarting; refused is
 retried too, since a worker process that never reached the server yet cannot tell a restart
@@ -25,9 +26,9 @@ import asyncio
 import contextlib
 import errno
 import functools
-import math
+import http.client
 import re
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
 
 from .remote_policy import RemotePolicy
 
@@ -42,7 +43,6 @@ DENIED_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNo
                           "ExpiredToken", "AllAccessDisabled", "403"})
 TRANSIENT = ("busy", "timeout", "connection", "cut")
 MESSAGE_CHARS = 200  # of a library's error text quoted in a message: its first line, at most this
-T = TypeVar("T")
 
 
 class _BadAnswer(Exception):
@@ -69,39 +69,21 @@ class RangeIgnored(OSError):
         return RangeIgnored, (self.url, self.answer)
 
 
-class _Clock:
-    """When the awaited steps of one request must end: ``timeout`` seconds after it began (None:
-    no bound here, the caller's ``asyncio.wait_for`` bounds it), and again after each ``window``
-    bytes of its body that came in time. So that a whole object that a server sends where a
-    fetch asked for a range of ``window`` bytes gets, for each ``window`` bytes of it, the time a
-    range would: it is taken whatever its size, and a stall is still cut short."""
+class StatusAnswer(Exception):
+    """An HTTP answer with an error status (``shmseq.remote_stream``'s requests): ``code`` and
+    ``message`` are an S3 error's, read from its body, else None."""
 
-    def __init__(self, timeout: float | None, window: int | None = None) -> None:
-        self.timeout = timeout
-        self.window = math.inf if window is None else window
-        self._renew_at = self.window
-        self._ends = self._from_now()
-
-    def _from_now(self) -> float | None:
-        return None if self.timeout is None else asyncio.get_running_loop().time() + self.timeout
-
-    async def within(self, step: Awaitable[T]) -> T:
-        """``step``, cancelled (``asyncio.TimeoutError``) if it runs past the bound."""
-        if self._ends is None:
-            return await step
-        return await asyncio.wait_for(step, max(self._ends - asyncio.get_running_loop().time(), 0))
-
-    def came(self, count: int) -> None:
-        """``count`` bytes of the body came so far: a whole window more renews the bound."""
-        if count >= self._renew_at:
-            self._renew_at, self._ends = count + self.window, self._from_now()
+    def __init__(self, status: int, reason: str, code: str | None = None,
+                 message: str | None = None) -> None:
+        super().__init__(f"HTTP {status} {reason}".rstrip())
+        self.status, self.reason, self.code, self.message = status, reason, code, message
 
 
 @contextlib.asynccontextmanager
-async def _http_get(fs: Any, path: str, start: int, end: int,
-                    clock: _Clock) -> AsyncIterator[ClientResponse]:
-    """The answer to ``Range: bytes=start-(end - 1)`` on fsspec's session with its options, its
-    head within ``clock``, for the block to read its body: a 404 raised as
+async def _http_get(fs: Any, path: str, start: int,
+                    end: int) -> AsyncIterator[ClientResponse]:
+    """The answer to ``Range: bytes=start-(end - 1)`` on fsspec's session with its options, for
+    the block to read its body: a 404 raised as
     ``FileNotFoundError``, another error status as aiohttp raises it, and bytes past the end of
     a body (aiohttp's parser finds them) said so, counted and never quoted."""
     from aiohttp import ClientResponseError
@@ -109,7 +91,7 @@ async def _http_get(fs: Any, path: str, start: int, end: int,
     options["headers"] = {**options.get("headers", {}), "Range": f"bytes={start}-{end - 1}"}
     session = await fs.set_session()
     try:
-        answer = await clock.within(session.get(getattr(fs, "encode_url", str)(path), **options))
+        answer = await session.get(getattr(fs, "encode_url", str)(path), **options)
         async with answer:
             if answer.status == 404:
                 raise FileNotFoundError(errno.ENOENT, "not found", path)
@@ -131,29 +113,11 @@ async def _http_range(fs: Any, path: str, start: int, end: int) -> bytes:
     Content-Range: fsspec's ``cat_file`` hands back whatever body came, so that a server that
     ignores Range, or answers a range short, would pass for an object that ends early (and a
     shard reader then contradict itself). Bounded by the caller's timeout."""
-    clock = _Clock(None)
-    async with _http_get(fs, path, start, end, clock) as answer:
-        return await _range_body(answer, start, end, clock)
+    async with _http_get(fs, path, start, end) as answer:
+        return await _range_body(answer, start, end)
 
 
-async def _http_fetch(fs: Any, path: str, start: int, chunk: int, write: Callable[[bytes], object],
-                      timeout: float | None) -> tuple[int, bool]:
-    """One request of a whole object's fetch: ``chunk`` bytes from ``start`` asked for and
-    handed to ``write``; (bytes written, whether they are the whole object). A server that
-    ignores Range answers the first request (``start`` 0) with 200 and the whole object: taken
-    whatever its size, written as it comes (memory stays bounded: aiohttp reads no further
-    ahead than its buffer), each ``chunk`` bytes of it, as the head and a range, within
-    ``timeout`` seconds."""
-    clock = _Clock(timeout, chunk)
-    async with _http_get(fs, path, start, start + chunk, clock) as answer:
-        if answer.status == 200 and start == 0:
-            return await _body(answer, write, clock), True
-        data = await _range_body(answer, start, start + chunk, clock)
-    write(data)
-    return len(data), False
-
-
-async def _range_body(answer: ClientResponse, start: int, end: int, clock: _Clock) -> bytes:
+async def _range_body(answer: ClientResponse, start: int, end: int) -> bytes:
     """The bytes asked for from an answer to a range (``_ranged`` checks them); a 200 that is
     not the whole object from its start within the bytes asked for is refused before its body
     is read: a server that ignores Range would send a whole shard for each sample."""
@@ -161,26 +125,30 @@ async def _range_body(answer: ClientResponse, start: int, end: int, clock: _Cloc
     if answer.status == 200 and (start > 0 or (size is not None and size > end - start)):
         raise _ignored(start, end, size)
     parts: list[bytes] = []
-    await _body(answer, parts.append, clock)
-    return _ranged(start, end, answer.status, answer.headers.get("Content-Range"), b"".join(parts))
+    await _body(answer, parts.append)
+    body = b"".join(parts)
+    _ranged(start, end, answer.status, answer.headers.get("Content-Range"), len(body))
+    return body
 
 
-async def _body(answer: ClientResponse, write: Callable[[bytes], object], clock: _Clock) -> int:
-    """The answer's body to ``write`` as it comes, each step within ``clock``; its size. One cut
-    short (the connection closed before Content-Length bytes came) is said so, with the counts."""
+async def _body(answer: ClientResponse, write: Callable[[bytes], object]) -> int:
+    """The answer's body to ``write`` as it comes; its size. One cut short (the connection
+    closed before Content-Length bytes came) is said so, with the counts."""
     from aiohttp import ClientPayloadError
     came = 0
     try:
-        while piece := await clock.within(answer.content.readany()):
+        while piece := await answer.content.readany():
             write(piece)
             came += len(piece)
-            clock.came(came)
     except ClientPayloadError as exc:
-        told = answer.content_length
-        of = "" if told is None else f" of the {told:,}"
-        raise _BadAnswer("cut", f"the connection closed after {came:,}{of} bytes of its "
-                                "answer's body") from exc
+        raise _cut(came, answer.content_length) from exc
     return came
+
+
+def _cut(came: int, told: int | None) -> _BadAnswer:
+    """A body that ended after ``came`` of the ``told`` bytes its answer announced."""
+    of = "" if told is None else f" of the {told:,}"
+    return _BadAnswer("cut", f"the connection closed after {came:,}{of} bytes of its answer's body")
 
 
 def _ignored(start: int, end: int, size: int | None) -> _BadAnswer:
@@ -190,33 +158,37 @@ def _ignored(start: int, end: int, size: int | None) -> _BadAnswer:
                                  f"(it answered 200 with {whole})")
 
 
-def _ranged(start: int, end: int, status: int, content_range: str | None, body: bytes) -> bytes:
-    """The bytes asked for, from an answer to ``Range: bytes=start-(end - 1)``: a 206 whose
-    Content-Range says it holds them, or as many as the object has; a 200 from the object's
-    start (a server that ignores Range) only where it holds the whole object, fewer bytes
-    than asked."""
+def _ranged(start: int, end: int, status: int, content_range: str | None,
+            size: int | None) -> int:
+    """Whether an answer to ``Range: bytes=start-(end - 1)`` holds the bytes asked for, from
+    its status, Content-Range and ``size`` (its body's, or what it announced; None: not said),
+    raised unless it does; the size its body must have. A 206 whose Content-Range says it holds
+    them, or as many as the object has; a 200 from the object's start (a server that ignores
+    Range) only where it holds the whole object, fewer bytes than asked."""
     asked = end - start
     if status == 200:
-        if start == 0 and len(body) <= asked:
-            return body  # the whole object, which ends before ``end``
-        raise _ignored(start, end, len(body))
+        if start == 0 and size is not None and size <= asked:
+            return size  # the whole object, which ends before ``end``
+        raise _ignored(start, end, size)
     span = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", content_range or "")
     if status != 206 or span is None or int(span[1]) != start or (
-            int(span[2]) + 1 - start != len(body)):
+            size is not None and int(span[2]) + 1 - start != size):
+        sent = "a body of unsaid size" if size is None else f"{size:,} bytes"
         raise _BadAnswer("failed", f"asked for bytes {start}-{end} ({asked:,} bytes), the "
-                                   f"server answered {status} with {len(body):,} bytes and "
+                                   f"server answered {status} with {sent} and "
                                    f"Content-Range {content_range or 'none'}: not the bytes "
                                    "asked for; check the server, or a proxy before it")
     total = None if span[3] == "*" else int(span[3])
-    if len(body) > asked:
+    size = int(span[2]) + 1 - start
+    if size > asked:
         raise _BadAnswer("failed", f"asked for bytes {start}-{end} ({asked:,} bytes), the "
-                                   f"server sent {len(body):,}: more than asked")
-    if len(body) < asked and (total is None or start + len(body) < total):
+                                   f"server sent {size:,}: more than asked")
+    if size < asked and (total is None or start + size < total):
         of = "" if total is None else f" of an object of {total:,} bytes"
         raise _BadAnswer("failed", f"asked for bytes {start}-{end} ({asked:,} bytes){of}, the "
-                                   f"server sent only {len(body):,}: it answers ranges short; "
+                                   f"server sent only {size:,}: it answers ranges short; "
                                    "serve the shards from one that answers them whole")
-    return body
+    return size
 
 
 def _tries(attempts: int, spent: float, deadline: float | None, ended_by_deadline: bool) -> str:
@@ -282,7 +254,7 @@ def _judge(exc: BaseException) -> tuple[str, str]:
         if isinstance(link, _BadAnswer):
             return link.kind, str(link)
     for link in chain:
-        if isinstance(link, _parser_errors()):
+        if isinstance(link, _parser_errors()) and not isinstance(link, ConnectionError):
             return "failed", f"its answer is not HTTP ({_first_line(_parser_message(link))})"
     for link in chain:
         answer = _answer(link)
@@ -312,23 +284,33 @@ def _chain(exc: BaseException | None) -> Iterator[BaseException]:
 
 
 def _answer(exc: BaseException) -> tuple[str, str] | None:
-    """(kind, cause) of an HTTP status (aiohttp's ``ClientResponseError``) or an S3 error code
-    (botocore's ``ClientError``) that ``exc`` carries; None for any other exception."""
+    """(kind, cause) of an HTTP status (``StatusAnswer``, aiohttp's ``ClientResponseError``) or
+    an S3 error code (botocore's ``ClientError``, ``StatusAnswer``) that ``exc`` carries; None
+    for any other exception."""
     response = getattr(exc, "response", None)
     if isinstance(response, dict) and "Error" in response:
-        code = str(response["Error"].get("Code", ""))
         status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        cause = f"{code} ({status}): {response['Error'].get('Message', '')}".rstrip(": ")
-        if code in MISSING_CODES:
-            return "missing", cause
-        if code in DENIED_CODES:
-            return "denied", cause
-        if code in RETRIED_CODES:
-            return "busy", cause
-        return _by_status(status, cause)
+        return _by_code(str(response["Error"].get("Code", "")), status,
+                        response["Error"].get("Message", ""))
+    if isinstance(exc, StatusAnswer):
+        if exc.code:
+            return _by_code(exc.code, exc.status, exc.message or "")
+        return _by_status(exc.status, str(exc))
     if isinstance(exc, _http_errors()):
         return _by_status(exc.status, f"HTTP {exc.status} {exc.message}".rstrip())
     return None
+
+
+def _by_code(code: str, status: int, message: str) -> tuple[str, str]:
+    """(kind, cause) of an S3 error answer."""
+    cause = f"{code} ({status}): {message}".rstrip(": ")
+    if code in MISSING_CODES:
+        return "missing", cause
+    if code in DENIED_CODES:
+        return "denied", cause
+    if code in RETRIED_CODES:
+        return "busy", cause
+    return _by_status(status, cause)
 
 
 def _by_status(status: int, cause: str) -> tuple[str, str]:
@@ -371,12 +353,13 @@ def _parser_message(exc: BaseException) -> str:
 
 @functools.cache
 def _parser_errors() -> tuple[type, ...]:
-    """An answer that is not HTTP, as aiohttp's parser finds it (bytes after a body, say)."""
+    """An answer that is not HTTP, as aiohttp's parser finds it (bytes after a body, say), or
+    http.client's (a connection closed before any answer is one too, judged as such)."""
     try:
         from aiohttp.http_exceptions import HttpProcessingError
     except ImportError:
-        return ()
-    return (HttpProcessingError,)
+        return (http.client.HTTPException,)
+    return (HttpProcessingError, http.client.HTTPException)
 
 
 @functools.cache

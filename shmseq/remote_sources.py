@@ -1,0 +1,215 @@
+"""Where a whole-object fetch sends its requests, from its URL and ``storage_options``: for
+``http(s)://`` the URL itself with the options aiohttp took through fsspec, for ``s3://`` a
+request that botocore signs as s3fs's client would send it (``shmseq.remote_stream`` makes
+the requests). An option that a fetch cannot honour is refused, naming it, rather than left
+out of the requests."""
+from __future__ import annotations
+
+import re
+import ssl
+import threading
+from typing import Any
+
+from .remote_answers import StatusAnswer, _BadAnswer
+from .remote_stream import MAX_REDIRECTS, Transport
+
+STREAMED = ("http", "https", "s3", "s3a")
+# options of fsspec's file systems that no GET depends on (listings, file objects, its loop)
+_FILE_SYSTEM_ONLY = frozenset({
+    "asynchronous", "loop", "use_listings_cache", "listings_expiry_time", "max_paths",
+    "skip_instance_cache", "block_size", "simple_links", "same_scheme", "size_policy",
+    "cache_type", "cache_options", "default_block_size", "default_fill_cache",
+    "default_cache_type", "cache_regions", "max_concurrency", "fixed_upload_size",
+    "local_expiry_check"})
+
+
+class Source:
+    """An object's requests: ``url`` and ``headers`` for its bytes ``start`` to ``end``
+    (``request``), sent through ``transport``; ``refusal`` makes the error of a failed answer."""
+
+    def __init__(self, transport: Transport, url: str) -> None:
+        self.transport, self.url = transport, url
+
+    def request(self, start: int, end: int) -> tuple[str, dict[str, str]]:
+        return self.url, {"Range": f"bytes={start}-{end - 1}"}
+
+    def refusal(self, status: int, reason: str, head: Any, body: bytes) -> Exception:
+        return StatusAnswer(status, reason)
+
+
+def source(url: str, storage_options: dict | None) -> Source:
+    """The requests of ``url`` (a protocol in ``STREAMED``) with ``storage_options``."""
+    options = dict(storage_options or {})
+    if url.split("://", 1)[0] in ("s3", "s3a"):
+        return _S3(_signer(options, url), url)
+    return Source(_web_transport(options, url), url)
+
+
+def _web_transport(options: dict, url: str) -> Transport:
+    """What aiohttp did with the options fsspec's HTTP file system passed it: ``headers``,
+    ``auth`` (aiohttp's ``BasicAuth``), ``proxy``, ``ssl`` (False, or an ``SSLContext``),
+    ``allow_redirects``, ``max_redirects``, ``encoded``, and in ``client_kwargs``
+    ``headers``, ``auth`` and ``trust_env`` (the environment's proxies)."""
+    client = dict(options.pop("client_kwargs", None) or {})
+    headers = {**client.pop("headers", {}), **options.pop("headers", {})}
+    auth = options.pop("auth", None) or client.pop("auth", None)
+    if auth is not None:
+        headers.setdefault("Authorization", auth.encode())
+    redirects = options.pop("max_redirects", MAX_REDIRECTS)
+    transport = Transport(
+        headers=tuple(headers.items()), tls=_context(options.pop("ssl", None)),
+        proxies=_proxies(options.pop("proxy", None)), trust_env=bool(client.pop("trust_env", False)),
+        redirects=redirects if options.pop("allow_redirects", True) else 0,
+        encoded=bool(options.pop("encoded", False)))
+    _refuse_others(url, options, {f"client_kwargs[{name!r}]" for name in client})
+    return transport
+
+
+def _proxies(proxy: str | None) -> tuple[tuple[str, str], ...] | None:
+    return None if proxy is None else (("http", proxy), ("https", proxy))
+
+
+def _context(verify: object) -> ssl.SSLContext | None:
+    """The TLS context that aiohttp's ``ssl=`` or botocore's ``verify=`` asks for (None: the
+    system's certificates)."""
+    if verify is None or verify is True:
+        return None
+    if isinstance(verify, ssl.SSLContext):
+        return verify
+    if verify is False:
+        context = ssl.create_default_context()
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+        return context
+    if isinstance(verify, str):
+        return ssl.create_default_context(cafile=verify)
+    raise ValueError(f"storage_options: ssl/verify={verify!r} is not one a fetch takes: True, "
+                     "False, an ssl.SSLContext or (verify=) a CA bundle's path")
+
+
+def _refuse_others(url: str, options: dict, more: set[str]) -> None:
+    """Raise naming the options left over that a fetch cannot honour."""
+    left = sorted(set(options) - _FILE_SYSTEM_ONLY | more)
+    if left:
+        raise ValueError(f"{url}: storage_options {', '.join(left)} cannot be honoured by a "
+                         "fetch of a whole object (shmseq.remote streams it without fsspec); "
+                         "leave them out, or read the shards in place (cache=False)")
+
+
+class _Prepared(Exception):
+    """Raised by botocore's before-send event: the request signed, not sent."""
+
+    def __init__(self, request: Any) -> None:
+        super().__init__("prepared")
+        self.request = request
+
+
+def _prepared(request: Any, **_: object) -> None:
+    raise _Prepared(request)
+
+
+class _Signer:
+    """A botocore client made as s3fs makes its own from ``storage_options`` (``key``,
+    ``secret``, ``token``, ``username``, ``password``, ``anon``, ``endpoint_url``, ``use_ssl``,
+    ``client_kwargs``, ``config_kwargs``, ``requester_pays``, ``s3_additional_kwargs``,
+    ``version_aware``, ``profile``), that signs a GetObject without sending it; and a client for
+    each other region a bucket is found in."""
+
+    def __init__(self, options: dict, url: str) -> None:
+        import botocore.session
+        from botocore import UNSIGNED
+        from botocore.config import Config
+        client = dict(options.pop("client_kwargs", None) or {})
+        config = dict(options.pop("config_kwargs", None) or {})
+        self.transport = Transport(
+            tls=_context(client.get("verify")), proxies=_proxies_of(config.get("proxies")),
+            trust_env=True)  # botocore takes the environment's proxies
+        self.params = {**({"RequestPayer": "requester"} if options.pop("requester_pays", False)
+                          else {}), **(options.pop("s3_additional_kwargs", None) or {})}
+        self.version_aware = bool(options.pop("version_aware", False))
+        anon = options.pop("anon", False)
+        credentials = {"aws_access_key_id": options.pop("key", None) or options.pop("username", None),
+                       "aws_secret_access_key": (options.pop("secret", None)
+                                                 or options.pop("password", None)),
+                       "aws_session_token": options.pop("token", None)}
+        settings = {"endpoint_url": options.pop("endpoint_url", None),
+                    "use_ssl": options.pop("use_ssl", True)}
+        self._session = botocore.session.Session(profile=options.pop("profile", None))
+        _refuse_others(url, options, {f"config_kwargs[{name!r}]" for name in config
+                                      if name in ("proxies_config", "client_cert")})
+        config["retries"] = {"total_max_attempts": 1}  # it sends nothing
+        if anon:
+            config["signature_version"] = UNSIGNED
+            credentials = {}
+        self._made = {**{k: v for k, v in {**credentials, **settings}.items() if v is not None},
+                      **client, "config": Config(**config)}
+        self._clients: dict[str | None, Any] = {}
+        self._regions: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def client(self, bucket: str) -> Any:
+        """The client for ``bucket``'s region, as far as it is known."""
+        region = self._regions.get(bucket)
+        with self._lock:
+            if region not in self._clients:
+                made = self._made if region is None else {**self._made, "region_name": region}
+                client = self._session.create_client("s3", **made)
+                client.meta.events.register("before-send.s3.GetObject", _prepared)
+                self._clients[region] = client
+            return self._clients[region]
+
+    def moved(self, bucket: str, region: str) -> bool:
+        """Whether ``bucket`` was signed for another region than ``region`` (then learnt)."""
+        if self.client(bucket).meta.region_name == region:
+            return False
+        self._regions[bucket] = region
+        return True
+
+
+def _proxies_of(proxies: object) -> tuple[tuple[str, str], ...] | None:
+    return None if not isinstance(proxies, dict) else tuple(proxies.items())
+
+
+_signers: dict[str, _Signer] = {}
+_signers_lock = threading.Lock()
+
+
+def _signer(options: dict, url: str) -> _Signer:
+    """One signer for each ``storage_options``: making a botocore client takes tens of ms."""
+    key = repr(sorted(options.items(), key=lambda item: item[0]))
+    with _signers_lock:
+        if key not in _signers:
+            _signers[key] = _Signer(dict(options), url)
+        return _signers[key]
+
+
+class _S3(Source):
+    """An S3 object's requests, signed by ``signer`` for each range."""
+
+    def __init__(self, signer: _Signer, url: str) -> None:
+        super().__init__(signer.transport, url)
+        self.signer = signer
+        bucket, _, key = url.split("://", 1)[1].partition("/")
+        self.bucket, self.params = bucket, {"Bucket": bucket, **signer.params}
+        if signer.version_aware and "?versionId=" in key:
+            key, _, self.params["VersionId"] = key.partition("?versionId=")
+        self.params["Key"] = key
+
+    def request(self, start: int, end: int) -> tuple[str, dict[str, str]]:
+        try:
+            self.signer.client(self.bucket).get_object(Range=f"bytes={start}-{end - 1}",
+                                                       **self.params)
+        except _Prepared as prepared:
+            request = prepared.request
+            return request.url, {name: value.decode() if isinstance(value, bytes) else value
+                                 for name, value in request.headers.items()}
+        raise AssertionError("botocore sent the request it was to sign only")
+
+    def refusal(self, status: int, reason: str, head: Any, body: bytes) -> Exception:
+        """S3's error code and message from its answer's XML; a bucket in another region than
+        the one signed for is asked again there (a transient failure: the retry goes there)."""
+        region = head.get("x-amz-bucket-region")
+        if region and self.signer.moved(self.bucket, region):
+            return _BadAnswer("busy", f"the bucket is in region {region}: asked again there")
+        text = body.decode("utf-8", "replace")
+        code, message = (re.search(rf"<{tag}>([^<]*)</{tag}>", text) for tag in ("Code", "Message"))
+        return StatusAnswer(status, reason, code and code[1], message and message[1])
