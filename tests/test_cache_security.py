@@ -14,7 +14,6 @@ import stat
 import time
 import shutil
 
-import numpy as np
 import pytest
 
 from shmseq.shards import store

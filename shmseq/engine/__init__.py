@@ -44,6 +44,8 @@ from .common.errors import (BatchTimeout, PipelineClosed, SharedMemoryFull, ShmS
                             warn_user)
 from .common.hooks import FrontEndHooks
 from .common.layout import SlotAllocator, Wrap, as_ndarray, map_arrays, stack_into
+from .common.lifeline import (Lifeline, ProcessId, hold_starting_thread, release_starting_thread,
+                              start_helper)
 from .common.protocol import Completion, Delivery, Fence, Plan
 from .common.ragged import Ragged, is_tensor, make_leaf
 from .common.segments import RingSpec
@@ -63,12 +65,12 @@ from .worker.loop import WorkerInfo, get_worker_info
 
 __all__ = [
     "BatchTimeout", "Completion", "CudaDevice", "Cursor", "Delivery", "Device", "EpochPlan",
-    "Fence", "FrontEndHooks", "GpuTimer", "HostDevice", "Inline", "LAST_BATCH_POLICIES", "LoaderStats",
-    "OUT_TYPES", "Pipeline", "PipelineClosed", "PipelineSpec", "Plan", "Ragged", "Ring",
+    "Fence", "FrontEndHooks", "GpuTimer", "HostDevice", "Inline", "LAST_BATCH_POLICIES", "Lifeline",
+    "LoaderStats", "OUT_TYPES", "Pipeline", "PipelineClosed", "PipelineSpec", "Plan", "ProcessId", "Ragged", "Ring",
     "RingSpec", "START_WORKERS", "SamplerPlan", "SharedMemoryFull", "ShmSeqError",
     "SkippedSamplesWarning", "SlotAllocator", "StreamEnded", "UnsupportedBatch", "WorkerDied",
     "WorkerError", "WorkerInfo", "Wrap", "as_index_array", "as_ndarray", "closing_finalizer",
-    "cuda_available", "default_max_workers", "get_worker_info", "is_tensor", "make_leaf",
-    "map_arrays", "process_group", "resolve_out_type", "stack_into", "torch_available",
-    "warn_user",
+    "cuda_available", "default_max_workers", "get_worker_info", "hold_starting_thread",
+    "is_tensor", "make_leaf", "map_arrays", "process_group", "release_starting_thread",
+    "resolve_out_type", "stack_into", "start_helper", "torch_available", "warn_user",
 ]

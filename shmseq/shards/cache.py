@@ -44,8 +44,6 @@ import time
 import warnings
 from typing import BinaryIO, Callable
 
-import numpy as np
-
 from .. import remote
 from .files import file_digest, open_private, open_private_file
 from .ledger import ABSENT, CACHED, FETCHING, WAIT_POLL_S, Ledger
@@ -71,7 +69,7 @@ class DamagedShardWarning(UserWarning):
 class ShardCache(CacheStore):
     """The node's cache of one index's shards for one job (see the module's text): ``open`` a
     shard (fetched first by the caller if it is not cached), ``prefetch`` one (the prefetcher's
-    way: it never waits), ``claim`` cached ones for a later epoch. Sent to every worker.
+    way: it never waits). Sent to every worker.
 
     Every shard is checked against its index's size and SHA-256 before its bytes reach a
     batch: once fetched, and once per run of the node's ranks when a run before cached it
@@ -206,11 +204,11 @@ class ShardCache(CacheStore):
 
     # -- the prefetcher ---------------------------------------------------------------------------
     def prefetch(self, number: int, epoch: int, counters: remote.Counters,
-                 stop: threading.Event) -> Callable[[], None] | str:
+                 stop: threading.Event, evict: bool = True) -> Callable[[], None] | str:
         """The fetch of shard ``number`` for ``epoch``, ready to run (its lock held, its bytes
         reserved; ``stop`` ends it early, see ``remote.fetch``); or BUSY (another process
         fetches it) or FULL (no room now, without taking a waiting reader's or evicting what a
-        rank still needs)."""
+        rank still needs, or, unless ``evict``, evicting anything)."""
         fd = lock(self._lock_path(number), wait=False)
         if fd is None:
             return BUSY
@@ -218,10 +216,9 @@ class ShardCache(CacheStore):
             file = self._open_cached(number, repair=True, counters=counters)
             if file is not None:  # fetched meanwhile
                 file.close()
-                self.claim(np.array([number]), np.array([epoch]))
                 unlock(fd)
                 return BUSY
-            if not self._reserve(number, epoch, demand=False):
+            if not self._reserve(number, epoch, demand=False, evict=evict):
                 unlock(fd)
                 return FULL
         except BaseException:
@@ -235,14 +232,6 @@ class ShardCache(CacheStore):
             self._fetch_reserved(number, epoch, counters, stop)
         finally:
             unlock(fd)
-
-    def claim(self, numbers: np.ndarray, epochs: np.ndarray) -> None:
-        """Keep these cached shards for these epochs (a shard kept for an earlier one)."""
-        if not len(numbers):
-            return
-        with self.ledger.changing() as table:
-            cached = table["state"][numbers] == CACHED
-            table["tag"][numbers[cached]] = np.maximum(table["tag"][numbers[cached]], epochs[cached])
 
     def _fetch_reserved(self, number: int, epoch: int | None, counters: remote.Counters,
                         stop: threading.Event | None = None) -> None:

@@ -53,7 +53,8 @@ def read_epoch(reads: np.ndarray) -> np.ndarray:
 class Ledger:
     """One ``LEDGER_RECORD`` per shard in a file every process maps: ``state`` (ABSENT,
     FETCHING, CACHED), ``waiting`` (a reader waits for room for it), ``tag`` (the epoch it is
-    kept for), ``fetched`` (the epoch it was last fetched for), ``bytes`` (cached, or reserved
+    wanted for), ``fetched`` (the epoch it was last fetched for: one fetched again for the same
+    epoch is counted), ``bytes`` (cached, or reserved
     while fetching), ``stamp`` (when it came), ``got`` (the bytes fetched for it since the
     ledger was made: the node's fetches, for its report). Read
     freely (a look that may be stale, checked again under the lock); changed only in
@@ -90,7 +91,7 @@ class Ledger:
         """An empty ledger, written under a new name and renamed into place (what stands at
         the new name, a dead process's file or a link, is removed, never written through)."""
         empty = np.zeros(self.count, LEDGER_RECORD)
-        empty["tag"] = empty["fetched"] = -1  # kept for, fetched for: none yet
+        empty["tag"] = empty["fetched"] = -1  # wanted for, fetched for: none yet
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path + ".new")
         fd = open_private(self.path + ".new", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
@@ -194,13 +195,14 @@ class RankProgress:
     (a read not yet moved on is sooner); and, on the consumer's thread before the batches it
     covers are dispatched, the epoch they may reach."""
 
-    def __init__(self, fd: int, count: int) -> None:
+    def __init__(self, fd: int, count: int, fresh: bool = True) -> None:
         self.fd = fd
         self.count = count
         self._published: tuple | None = None
         self._ahead: int | None = None
-        os.ftruncate(fd, _RANK_HEADER + 8 * count)
-        os.pwrite(fd, np.array([-1, os.getpid(), -1], np.int64).tobytes(), 0)
+        if fresh:  # else the rank's file as its consumer's process made it, handed on
+            os.ftruncate(fd, _RANK_HEADER + 8 * count)
+            os.pwrite(fd, np.array([-1, os.getpid(), -1], np.int64).tobytes(), 0)
 
     def publish(self, epoch: int, reads: np.ndarray) -> None:
         if self._published is not None and self._published[0] == epoch and \
@@ -222,13 +224,12 @@ class RankProgress:
 
 
 def evictable(table: np.ndarray, live: list[tuple[int, int, np.ndarray]], expected: int = 0) -> np.ndarray:
-    """The cached shards no live rank needs any more in the epoch each is kept for."""
-    tags = table["tag"]
+    """The cached shards no live rank reads again in the epoch it is in."""
     free = table["state"] == CACHED
     if len(live) < expected:  # ranks the launcher started are not on the board yet
         return np.zeros_like(free)
     for epoch, _, reads in live:
-        free &= (epoch > tags) | ((epoch == tags) & (read_epoch(reads) > epoch))
+        free &= read_epoch(reads) > epoch
     return free
 
 

@@ -1,24 +1,29 @@
 """This rank's side of a node's shard cache: which batches read which shard (``ShardUses``), the
 room a cache needs for the batches in flight (``check_room``), and the ``Prefetcher`` that
-fetches the shards the rank's next batches read, ahead of them.
+fetches the shards the rank's next batches read, ahead of them (in the rank's fetch process).
 """
 from __future__ import annotations
 
-import os
+import collections
+import math
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
 
 from .. import remote
 from .cache import BUSY, FULL, ShardCache, estimated_bytes
 from .index import ShardIndex
-from .ledger import CACHED, FETCHING, NEVER, next_read
+from .ledger import CACHED, FETCHING, NEVER, RankProgress, next_read
 from .plan import ShardPlan
 
 
 FETCH_THREADS = 4           # concurrent whole-shard fetches of one rank's prefetcher
 PREFETCH_POLL_S = 0.05      # how often the prefetcher looks again at what it could not start
+PACE_WINDOW_S = 5.0         # the consumer's pace is measured over this many seconds
+LEAD_FETCHES = 2            # a fetch that evicts starts this many fetch times before its read
 
 
 class ShardUses:
@@ -55,17 +60,22 @@ class ShardUses:
         return np.where(last >= position, next_read(epoch, first),
                         np.where(then_last >= 0, next_read(epoch + 1, then_first), NEVER))
 
-    def upcoming(self, epoch: int, position: int) -> tuple[np.ndarray, np.ndarray]:
-        """(shard, epoch) pairs the batches from ``position`` on read, in the order they first
-        read them: the shards being read first, then this epoch's next, then the next epoch's."""
+    def upcoming(self, epoch: int, position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(shard, epoch, distance) of what the batches from ``position`` on read, in the order
+        they first read it (the shards being read first, then this epoch's next, then the next
+        epoch's), with the batches from ``position`` to that first read."""
         first, last = self.of(epoch)
         left = np.flatnonzero(last >= position)
-        now = left[np.argsort(np.maximum(first[left], position), kind="stable")]
+        starts = np.maximum(first[left], position)
+        order = np.argsort(starts, kind="stable")
+        now, now_at = left[order], starts[order] - position
         first, last = self.of(epoch + 1)
         used = np.flatnonzero(last >= 0)
-        then = used[np.argsort(first[used], kind="stable")]
+        order = np.argsort(first[used], kind="stable")
+        then, then_at = used[order], first[used][order] + self.plan.length(epoch) - position
         return (np.concatenate([now, then]),
-                np.concatenate([np.full(len(now), epoch), np.full(len(then), epoch + 1)]))
+                np.concatenate([np.full(len(now), epoch), np.full(len(then), epoch + 1)]),
+                np.concatenate([now_at, then_at]))
 
     def most_held(self, epoch: int, position: int, depth: int, sizes: np.ndarray) -> tuple[int, int]:
         """(bytes, shards) the cache must hold at once at most, from ``position`` of ``epoch``
@@ -122,27 +132,69 @@ def check_room(cache: ShardCache, plan: ShardPlan, epoch: int, position: int, de
             "shuffle_shards, batch_size or buffer")
 
 
-class Prefetcher:
-    """In a rank's consumer process: follows the consumer (``ShardPlan.on_release``), publishes
-    the rank's progress, and fetches the shards its next batches read, in the order they first
-    read them, ``FETCH_THREADS`` at a time, as far as the budget allows: the shards of this
-    epoch first, then the next one's. A shard another process is fetching is skipped; one whose
-    fetch failed is left to the workers for the rest of the run (they say why, and a stalling
-    server is not waited for again on their behalf).
+class Lead:
+    """How many batches before its first read a fetch that takes another shard's room may
+    start: the batches in flight, twice over, and the batches the consumer takes (at its pace
+    of the last ``PACE_WINDOW_S``) in ``LEAD_FETCHES`` times what a fetch takes. The earlier
+    a shard's room is taken, the fewer shards there are to choose from (those the ranks are
+    done with), and the sooner the one chosen is read again: with 0.75x the data set in the
+    cache, fetching as early as the room allowed fetched 0.60-0.68x of it an epoch, and this
+    lead 0.30-0.35x, the fewest the order allows. Until the pace and a fetch are measured: no
+    bound (an empty cache has room)."""
 
-    Made before the workers start (it joins the rank board: their first fetches are then
-    kept for the right epoch), ``start()`` after; ``close()`` stops the fetches started (their
-    requests cancelled: a slow or failing server does not hold up ``finish()``).
-    ``depth``: how many batches past the consumer's may be in flight (built by the workers);
-    ``counters``: where its fetches' remote requests are counted."""
+    def __init__(self, plan: ShardPlan, depth: int) -> None:
+        self._plan, self._depth = plan, depth
+        self._place: tuple[int, int] | None = None
+        self._taken = 0  # batches the consumer took since the first place known
+        self._moves: collections.deque[tuple[float, int]] = collections.deque()
+        self._fetch_s: float | None = None
+
+    def moved(self, epoch: int, position: int) -> None:
+        if self._place is not None:
+            was, at = self._place
+            self._taken += position - at if epoch == was else self._plan.length(was) - at + position
+        self._place = epoch, position
+        now = time.monotonic()
+        self._moves.append((now, self._taken))
+        while len(self._moves) > 2 and now - self._moves[0][0] > PACE_WINDOW_S:
+            self._moves.popleft()
+
+    def fetched(self, seconds: float) -> None:
+        self._fetch_s = seconds if self._fetch_s is None else 0.7 * self._fetch_s + 0.3 * seconds
+
+    def batches(self) -> float:
+        if self._fetch_s is None or len(self._moves) < 2:
+            return math.inf
+        (began, before), (now, taken) = self._moves[0], self._moves[-1]
+        pace = (taken - before) / (now - began) if now > began else math.inf
+        return 2 * self._depth + pace * LEAD_FETCHES * self._fetch_s
+
+
+def ahead_of(plan: ShardPlan, depth: int, epoch: int, position: int) -> int:
+    """The epoch the batches in flight may reach: ``depth`` batches past the consumer's."""
+    return epoch + int(position + depth > plan.length(epoch))
+
+
+class Prefetcher:
+    """In a rank's fetch process (``shmseq.shards.fetch_process``): follows the consumer
+    (``follow``), publishes when the rank reads each shard next in its place on the rank
+    board (``progress``, which the consumer's process joined), and fetches the shards its next
+    batches read, in the order they first read them, ``FETCH_THREADS`` at a time, as far as the
+    budget allows: the shards of this epoch first, then the next one's. A shard another process
+    is fetching is skipped; one whose fetch failed is left to the workers for the rest of the
+    run (they say why, and a stalling server is not waited for again on their behalf).
+
+    ``start()`` it; ``close()`` stops the fetches started (their requests cancelled: a slow or
+    failing server does not hold up ``finish()``). ``depth``: how many batches past the
+    consumer's may be in flight (built by the workers); ``counters``: where its fetches'
+    remote requests are counted."""
 
     def __init__(self, cache: ShardCache, plan: ShardPlan, epoch: int, position: int, depth: int,
-                 counters: remote.Counters) -> None:
+                 counters: remote.Counters, progress: RankProgress) -> None:
         self.cache = cache
         self.counters = counters
         self.uses = ShardUses(plan, cache.index)
         self._plan = plan
-        self._owner = os.getpid()
         self._place = (epoch, position)
         self._moved = threading.Condition()
         self._news = True         # the consumer moved, or a fetch ended: look again
@@ -151,22 +203,25 @@ class Prefetcher:
         self._fetching: dict[tuple[int, int], Future] = {}  # (shard, epoch) -> its fetch
         self._failed: set[int] = set()  # shards whose fetch failed: the workers' from then on
         self._depth = depth
-        plan.refresh()
-        self._progress = cache.board.join(plan.rank, epoch, self._ahead(epoch, position),
-                                          self.uses.reads(epoch, position))
+        self._lead = Lead(plan, depth)
+        self._lead.moved(epoch, position)
+        self._progress = progress
         self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="shmseq-fetch")
         self._thread = threading.Thread(target=self._run, name="shmseq-prefetch", daemon=True)
 
     def start(self) -> "Prefetcher":
-        self._plan.on_release = self.moved
         self._thread.start()
         return self
 
-    def moved(self, epoch: int, position: int) -> None:
-        """The consumer has every batch of ``epoch`` before ``position`` (on its thread: the
-        epoch the batches to dispatch next may reach is published here, before they are)."""
-        self._progress.publish_ahead(self._ahead(epoch, position))
+    def follow(self, epoch: int, position: int) -> None:
+        """The consumer has every batch of ``epoch`` before ``position``."""
+        self._lead.moved(epoch, position)
         self._tell(place=(epoch, position))
+
+    def _timed(self, fetch: Callable[[], None]) -> None:
+        began = time.perf_counter()
+        fetch()
+        self._lead.fetched(time.perf_counter() - began)
 
     def _fetch_ended(self, _: Future) -> None:
         self._tell()
@@ -190,57 +245,44 @@ class Prefetcher:
             self._progress.publish(place[0], self.uses.reads(*place))
             waiting = self._fetch_ahead(*place)
 
-    def _ahead(self, epoch: int, position: int) -> int:
-        """The epoch the batches in flight may reach: ``depth`` batches past the consumer."""
-        return epoch + int(position + self._depth > self._plan.length(epoch))
-
     def _fetch_ahead(self, epoch: int, position: int) -> bool:
-        """Start what can start, claim the cached shards before the first that cannot (no room
-        for it, or another process waits for room for it): what is kept is always what is read
-        next. True while something is left for others to finish (a fetch, room)."""
+        """Start what can start, in the order the shards are read, up to the first that cannot
+        (no room for it, or another process waits for room for it): what comes after it must
+        not take the room. True while something is left for others to finish (a fetch, room)."""
         for key, future in list(self._fetching.items()):
             if future.done():
                 del self._fetching[key]
                 if future.exception() is not None:
                     self._failed.add(key[0])
-        shards, epochs = self.uses.upcoming(epoch, position)
-        state, tags = self.cache.snapshot()
-        cached = state[shards] == CACHED
-        stop: int | np.integer
-        stop, waiting = len(shards), False
-        fetching = {number for number, _ in self._fetching}
-        for at in np.flatnonzero(~cached):
+        shards, epochs, distances = self.uses.upcoming(epoch, position)
+        state, horizon = self.cache.states(), self._lead.batches()
+        fetching, waiting = {number for number, _ in self._fetching}, False
+        for at in np.flatnonzero(state[shards] != CACHED):
             key = number, wanted = int(shards[at]), int(epochs[at])
             if number in fetching or number in self._failed:
                 continue
             if len(self._fetching) >= FETCH_THREADS:
-                stop = at
-                break
+                return waiting  # the end of a fetch of its own wakes it
             try:
-                started = self.cache.prefetch(number, wanted, self.counters, self._stop)
+                started = self.cache.prefetch(number, wanted, self.counters, self._stop,
+                                              evict=bool(distances[at] < horizon))
             except Exception:  # noqa: BLE001 - left to the workers, whose batch says why
                 self._failed.add(number)
                 continue
-            if started is BUSY and state[number] == FETCHING:  # its room is reserved
+            if started is BUSY and state[number] == FETCHING:  # another process fetches it
                 waiting = True
                 continue
             if started is not BUSY and started is not FULL:
                 assert callable(started)  # a fetch, not one of the two words
-                self._fetching[key] = self._pool.submit(started)
+                self._fetching[key] = self._pool.submit(self._timed, started)
                 self._fetching[key].add_done_callback(self._fetch_ended)
                 fetching.add(number)
                 continue
-            # no room, or its fetcher waits for room: what comes after it must not take the room
-            stop, waiting = at, True
-            break
-        claim = cached[:stop] & (tags[shards[:stop]] < epochs[:stop])
-        self.cache.claim(shards[:stop][claim], epochs[:stop][claim])
+            return True  # no room, or its fetcher waits for room
         return waiting
 
     def close(self) -> None:
-        """Stop the fetches in flight and leave the board."""
-        if os.getpid() != self._owner:
-            return  # a forked child's copy: the thread and the board are the parent's
+        """Stop the fetches in flight."""
         self._stop.set()
         with self._moved:
             self._stopping = True
@@ -248,6 +290,3 @@ class Prefetcher:
         if self._thread.ident is not None:
             self._thread.join()
         self._pool.shutdown(wait=True)
-        if self._plan.on_release == self.moved:
-            self._plan.on_release = None
-        self._progress.leave()

@@ -1,5 +1,5 @@
 """``ShardSequence``: a ``ShmSequence`` over a shard index, with its plan and worker, and for
-remote shards the node's shard cache and this rank's prefetcher.
+remote shards the node's shard cache and this rank's fetch process.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from .cache import ShardCache
 from .index import ShardIndex, as_shard_index
 from .nodes import cache_nodes
 from .plan import ShardPlan, as_layout
-from .prefetch import Prefetcher, check_room
+from .fetch_process import PEAKS, FetchProcess
+from .prefetch import check_room
 from .worker import ShardWorker
 
 
@@ -116,9 +117,19 @@ class ShardSequence(ShmSequence):
             self.cache.timeout, self.cache.policy = self.timeout, policy
 
 
+def merged(*counts: dict[str, float]) -> dict[str, float]:
+    """Counts of several processes as one: added, a peak kept as the largest."""
+    total: dict[str, float] = {}
+    for some in counts:
+        for name, value in some.items():
+            total[name] = max(total.get(name, 0), value) if name in PEAKS else \
+                total.get(name, 0) + value
+    return total
+
+
 class ShardStage(Stage):
     """What a ``ShardSequence`` adds around its ``ShmSequence``: the shard plan; with the
-    cache, its room checked at each start and this rank's prefetcher running with the
+    cache, its room checked at each start and this rank's fetch process running with the
     workers; each rank's node (the ranks sharing its cache folder) told to the plan; the window,
     the layout and what was consumed in its state."""
 
@@ -126,7 +137,8 @@ class ShardStage(Stage):
                  shuffle_shards: int | None) -> None:
         self.worker, self.cache = worker, cache
         self.shuffle_window, self.shuffle_shards = shuffle_window, shuffle_shards
-        self._prefetcher: Prefetcher | None = None
+        self._fetcher: FetchProcess | None = None
+        self._fetched: dict[str, float] = {}  # what a closed fetch process counted, not yet read
         self._share = 0  # the bytes of the shards this rank's node owns
         self._nodes: dict[tuple[int, int], list | None] = {}  # (rank, world size) -> rank's node
 
@@ -139,7 +151,7 @@ class ShardStage(Stage):
 
     def starting(self, sequence: ShmSequence, test: bool) -> None:
         """With the cache: its folder and budget, its room checked for the batches in flight
-        (a budget too small is refused here), and this rank's prefetcher made."""
+        (a budget too small is refused here), and this rank's fetch process started."""
         if self.cache is None:
             return
         self.cache.prepare()
@@ -158,8 +170,7 @@ class ShardStage(Stage):
                        f"shuffle_shards={self.shuffle_shards}" if self.shuffle_shards else
                        f"shuffle_window={self.shuffle_window}"))
         if not test:
-            self._prefetcher = Prefetcher(self.cache, plan, epoch, position, depth,
-                                          self.worker.reader.counters)
+            self._fetcher = FetchProcess(self.cache, plan, epoch, position, depth)
 
     def _find_nodes(self, plan: ShardPlan) -> None:
         """Tell the plan each rank's node (the ranks sharing a cache folder: only the cache
@@ -173,25 +184,27 @@ class ShardStage(Stage):
         plan.set_nodes(self._nodes[key])
 
     def started(self) -> None:
-        if self._prefetcher is not None:
-            self._prefetcher.start()
+        if self._fetcher is not None:
+            self._fetcher.start()
         if self.cache is not None:
             self.cache.count_held()
 
     def finished(self) -> None:
-        prefetcher, self._prefetcher = self._prefetcher, None
-        if prefetcher is not None:
-            prefetcher.close()
+        fetcher, self._fetcher = self._fetcher, None
+        if fetcher is not None:
+            self._fetched = fetcher.close()
         if self.cache is not None:
             self.cache.release()
         self.worker.reader.close()  # the files read in this process, by num_workers=0 or threads
 
     def counts(self) -> dict[str, int | float]:
-        """With the cache: this process's counts (the prefetcher's), and the node's fetches
-        against its share."""
+        """With the cache: the counts of this process (its reads, with ``num_workers=0`` or
+        threads) and of the rank's fetch process, and the node's fetches against its share."""
         if self.cache is None:
             return {}
-        counts = self.worker.pop_counts()
+        fetched, self._fetched = self._fetched, {}
+        counts = merged(fetched, self._fetcher.pop_counts() if self._fetcher else {},
+                        self.worker.pop_counts())
         if self._share:  # started: the ledger is there
             counts.update(node_fetch_bytes=self.cache.fetched_bytes(), node_share_bytes=self._share)
         return counts

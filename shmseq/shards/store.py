@@ -8,7 +8,7 @@ Its folder, ``<cache_dir>/shmseq-cache-<uid>/<job>/<digest of the data>/``, this
 trusted: ``shmseq.shards.files``)::
 
     ledger     one record per shard: absent, being fetched (its bytes reserved) or cached, the
-               epoch it is kept for, its bytes, the run that checked it and the version of
+               epoch it was fetched for, its bytes, the run that checked it and the version of
                its object; changed only under the file's flock
     shards/    the cached shards: ``<number>-<file name>``, renamed into place once whole
     locks/     a lock file per shard: whoever holds its flock is fetching that shard
@@ -17,18 +17,17 @@ trusted: ``shmseq.shards.files``)::
                the cache holds its shared flock
     session    the node's run: a shard checked against its index in it is not checked again
 
-Eviction: only to make room, and only of a shard that no local rank needs any more in the
-epoch it was fetched or claimed for (the ledger's ``tag``): every rank's consumer is past that
-epoch, or in it and past the last batch that reads the shard (the plan says which batches read
-which shard; each rank publishes, for every shard, the batch of this epoch or the next that
-reads it next). Of those, the one the node reads latest goes first (one it reads in neither
-epoch before all): the plan knows the future, so the cache keeps what comes soonest, the next
-epoch's first shards among them; a prefetch takes only the room of shards read after its own. A rank whose progress file nobody holds (finished, or dead) counts for nothing; with
-torchrun's ``LOCAL_WORLD_SIZE`` set, nothing is evicted until that many ranks are there. A
-shard cached from an earlier epoch is claimed for the next one as the prefetcher reaches it,
-in order and only as far as it could fetch, so that what is kept is always what the ranks read
-next. Prefetches leave room for a worker waiting for one; a worker that finds no room waits for
-the ranks to move on, and says why after half the sequence's timeout.
+Eviction: only to make room, and only of a shard that no local rank reads again in the epoch
+it is in (the plan says which batches read which shard; each rank publishes, for every shard,
+the batch of this epoch or the next that reads it next). Of those, the one the node reads
+latest goes first (one it reads in neither epoch before all): the plan knows the future, so the
+cache keeps what comes soonest, the next epoch's first shards among them, and gives up the
+room of what comes latest (Belady's rule). A prefetch takes only the room of shards read after
+its own, and nothing is evicted for room that would still fall short. A rank whose progress
+file nobody holds (finished, or dead) counts for nothing; with torchrun's ``LOCAL_WORLD_SIZE``
+set, nothing is evicted until that many ranks are there. Prefetches leave room for a worker
+waiting for one; a worker that finds no room waits for the ranks to move on, and says why after
+half the sequence's timeout.
 
 The job: ``job=``, else ``SLURM_JOB_ID``, else ``TORCHELASTIC_RUN_ID`` (set by torchrun; not
 its "none"), else ``"default"``: two jobs on a node keep two caches, and a job resumed after a
@@ -240,7 +239,7 @@ class CacheStore:
                 continue  # its fetcher is alive: the file is an old one it will replace
             if number in found and self._whole(number) and (
                     state[number] == CACHED or self._verified(number)):
-                if state[number] != CACHED:  # adopted, kept for no epoch in particular
+                if state[number] != CACHED:  # adopted, wanted for no epoch in particular
                     size = self.index.shards[number].size or 0  # one: checked in __init__
                     Ledger.move(table, number, CACHED, waiting=0, tag=-1, fetched=-1, bytes=size,
                                 stamp=time.time_ns(), checked=self.session, version=0)
@@ -276,22 +275,22 @@ class CacheStore:
         assert self.timeout is not None and self.budget is not None  # waited for: prepared
         table = self.ledger.table()
         cached = table["state"] == CACHED
-        kept = collections.Counter(table["tag"][cached].tolist())
+        epochs = collections.Counter(table["tag"][cached].tolist())
         ranks = "; ".join(f"epoch {epoch}, done with {int((read_epoch(reads) > epoch).sum())} "
                           "shards of it" for epoch, _, reads in self.board.live())
         return (f"no room in the shard cache {self.folder} for shard "
                 f"{self.index.shards[number].url} ({self.estimates[number]:,} bytes) for "
                 f"{self.timeout / 2:g} s: its budget of {self.budget:,} bytes holds "
                 f"{int(cached.sum())} shards ({self.ledger.usage(table):,} bytes with those being "
-                f"fetched) kept for epochs {dict(sorted(kept.items()))}, which the node's ranks "
+                f"fetched) wanted for epochs {dict(sorted(epochs.items()))}, which the node's ranks "
                 f"({ranks or 'none'}) still need. Ranks far apart need more room: raise "
                 "cache_bytes, or lower shuffle_shards")
 
     # -- room ---------------------------------------------------------------------------------------
-    def _reserve(self, number: int, epoch: int | None, demand: bool) -> bool:
-        """Reserve shard ``number``'s bytes, evicting what no rank needs if that makes room. A
-        prefetch also leaves room for the readers waiting and for one more shard; a reader that
-        finds none is marked waiting. ``epoch`` None (a reader's: it does not know the epoch of
+    def _reserve(self, number: int, epoch: int | None, demand: bool, evict: bool = True) -> bool:
+        """Reserve shard ``number``'s bytes, evicting what no rank needs if that makes room
+        (unless not ``evict``). A prefetch also leaves room for the readers waiting and for one
+        more shard; a reader that finds none is marked waiting. ``epoch`` None (a reader's: it does not know the epoch of
         its batch): the latest epoch any rank's batches in flight may reach."""
         size = int(self.estimates[number])
         assert self.budget is not None  # settled by prepare()
@@ -302,7 +301,7 @@ class CacheStore:
                 others = table["waiting"].astype(bool)
                 others[number] = False
                 need += int(self.estimates[others].sum()) + int(self.estimates.max())
-            if self.ledger.usage(table) + need > self.budget:
+            if self.ledger.usage(table) + need > self.budget and evict:
                 self._forget_the_dead(table)
                 self._evict(table, live, self.ledger.usage(table) + need - self.budget,
                             keeping=None if demand else number)
@@ -315,9 +314,9 @@ class CacheStore:
         return True
 
     def _evict(self, table: np.ndarray, live: list, wanted: int, keeping: int | None = None) -> None:
-        """Remove shards no rank needs any more in the epoch each is kept for, those the node
-        reads latest first (those it reads no more first of all: the plan tells the future),
-        until ``wanted`` bytes are free; none where they would not free as much. For a
+        """Remove shards no rank reads again in the epoch it is in, those the node reads
+        latest first (those it reads no more first of all: the plan tells the future), until
+        ``wanted`` bytes are free; none where they would not free as much. For a
         prefetch of shard ``keeping``: only those the node reads after it, since taking the
         room of a shard read sooner would fetch that one again before this one is read."""
         reads = node_reads(live, len(table))
@@ -341,10 +340,9 @@ class CacheStore:
                 if table["state"][number] == FETCHING:
                     Ledger.move(table, number, ABSENT, bytes=0)
 
-    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
-        """(state, tag) of every shard, as the ledger has them now (the prefetcher's look)."""
-        table = self.ledger.table()
-        return table["state"].copy(), table["tag"].copy()
+    def states(self) -> np.ndarray:
+        """Every shard's state, as the ledger has them now (the prefetcher's look)."""
+        return self.ledger.table()["state"].copy()
 
     def remove(self) -> None:
         """Delete the cache's folder (no rank of the job may be running on it)."""

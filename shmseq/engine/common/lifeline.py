@@ -162,6 +162,14 @@ def start_process(process: BaseProcess, start_method: str) -> None:
     _starting_thread.run(process.start, execs=start_method != "fork")
 
 
+def start_helper(start: Callable[[], None]) -> None:
+    """Run ``start()``, which starts a helper process by fork and exec (``subprocess``), from
+    the starting thread, held meanwhile: the helper's ``Lifeline`` then ends it with the
+    consumer's process, as a worker's does. Its owner ``hold_starting_thread()`` first, and
+    releases it once the helper is gone."""
+    _starting_thread.run(start, execs=False)
+
+
 class Lifeline:
     """A worker process's tie to its consumer (created first thing in the worker)."""
 

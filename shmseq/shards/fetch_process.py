@@ -1,0 +1,251 @@
+"""A rank's fetch process: its shard cache's ``Prefetcher``, out of the training process.
+
+Every byte fetched costs CPU (received, checked, written to the cache), and in the trainer's
+process that CPU competes with the training loop for the interpreter. So each rank runs its
+prefetcher in a process of its own, started by fork and exec (never a fork of the trainer, which
+holds threads) from the engine's starting thread and tied to the consumer by a ``Lifeline``:
+it never outlives the trainer. Who does what:
+
+* The consumer's process joins the rank board (before its workers start: the shards their
+  first batches read are then kept) and keeps its place there for as long as the rank runs
+  (the progress file's flock, shared with the fetch process): a fetch process that dies leaves
+  the rank on the board, said once (``FetchProcessDied``), and the workers fetch what they need
+  themselves, as they always may.
+* On the consumer's thread, as each batch is handed over (``moved``): the epoch the batches in
+  flight may reach (``publish_ahead``, before they are dispatched), and the consumer's place
+  written into a page both processes map (one 8-byte word: never read half-written); then a
+  byte down a pipe wakes the fetch process (never waited on: a full pipe is a bell ringing).
+* The fetch process follows that place: it publishes when the rank reads each shard next,
+  fetches ahead, and writes its counts (remote requests and bytes, the cache's fetches) into the
+  same page, where the consumer's ``stats`` read them. It ends when the pipe closes.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+import select
+import subprocess
+import sys
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import remote
+from ..engine import (Lifeline, ProcessId, hold_starting_thread, release_starting_thread,
+                      start_helper)
+from .cache import CacheCounters, ShardCache
+from .ledger import RankProgress, next_read, read_epoch
+from .plan import ShardPlan
+from .prefetch import Prefetcher, ShardUses, ahead_of
+
+COUNTED = (*(f"remote_{name}" for name in remote.Counters.FIELDS), *CacheCounters.FIELDS)
+PEAKS = frozenset({"cache_peak_bytes"})  # a count the consumer keeps as the largest
+PAGE = 8 + 8 * len(COUNTED)  # the consumer's place, then the fetch process's counts
+CLOSE_WAIT_S = 10.0  # a fetch process told to end has its fetches cancelled within 50 ms
+COUNTS_EVERY_S = 0.1  # how often the fetch process writes its counts while nothing moves
+
+
+class FetchProcessDied(RuntimeWarning):
+    """A rank's fetch process ended before its rank did: its workers fetch what they need
+    themselves from then on (each batch's shards, as they come)."""
+
+
+class SharedPage:
+    """The page the consumer's process and its fetch process both map (a memfd, handed over
+    by descriptor): the consumer's place as one ``next_read`` word, then the fetch process's
+    counts so far (``COUNTED``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self._map = mmap.mmap(fd, PAGE)
+        self.place = np.ndarray(1, np.int64, self._map, 0)
+        self.counts = np.ndarray(len(COUNTED), np.float64, self._map, 8)
+
+    @classmethod
+    def make(cls, epoch: int, position: int) -> "SharedPage":
+        fd = os.memfd_create("shmseq-fetch", os.MFD_CLOEXEC)
+        os.ftruncate(fd, PAGE)
+        page = cls(fd)
+        page.move(epoch, position)
+        return page
+
+    def move(self, epoch: int, position: int) -> None:
+        self.place[0] = next_read(epoch, position)
+
+    def where(self) -> tuple[int, int]:
+        word = self.place[0]
+        return int(read_epoch(word)), int(word - next_read(read_epoch(word), 0))
+
+    def close(self) -> None:
+        del self.place, self.counts
+        self._map.close()
+        os.close(self.fd)
+
+
+class Setup(NamedTuple):
+    """What a fetch process is started with (pickled down its standard input)."""
+    cache: ShardCache
+    plan: ShardPlan
+    epoch: int
+    position: int
+    depth: int
+    consumer: ProcessId
+    progress: int  # the descriptors it inherits: the rank's progress file,
+    page: int      # the shared page,
+    bell: int      # the read end of the pipe that wakes it
+
+
+class FetchProcess:
+    """In a rank's consumer process: its place on the rank board, and its fetch process (see
+    the module's text). Made before the workers start, ``start()`` after; ``close()`` ends the
+    fetch process (its fetches cancelled) and leaves the board."""
+
+    def __init__(self, cache: ShardCache, plan: ShardPlan, epoch: int, position: int,
+                 depth: int) -> None:
+        self._plan, self._depth = plan, depth
+        self._progress = cache.board.join(plan.rank, epoch, ahead_of(plan, depth, epoch, position),
+                                          ShardUses(plan, cache.index).reads(epoch, position))
+        self._page = SharedPage.make(epoch, position)
+        self._taken = np.zeros(len(COUNTED))
+        self._said = False
+        self._owner = os.getpid()
+        bell, self._bell = os.pipe()
+        os.set_blocking(self._bell, False)
+        consumer = ProcessId.of(os.getpid())
+        assert consumer is not None  # this very process
+        setup = Setup(cache, plan, epoch, position, depth, consumer, self._progress.fd,
+                      self._page.fd, bell)
+        hold_starting_thread()
+        try:
+            self._process = self._spawn(setup)
+        except BaseException:
+            release_starting_thread()
+            self._close_descriptors()
+            raise
+        finally:
+            os.close(bell)
+
+    @staticmethod
+    def _spawn(setup: Setup) -> subprocess.Popen:
+        started: list[subprocess.Popen] = []
+        command = [sys.executable, "-c", "from shmseq.shards.fetch_process import main; main()"]
+
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+
+        def start() -> None:  # shmseq imported from where this process imports it
+            started.append(subprocess.Popen(command, stdin=subprocess.PIPE, env=env,
+                                            pass_fds=(setup.progress, setup.page, setup.bell)))
+
+        start_helper(start)
+        process = started[0]
+        assert process.stdin is not None  # a pipe, asked for
+        with process.stdin:
+            plan, hook = setup.plan, setup.plan.on_release
+            plan.on_release = None  # the consumer's own: not sent
+            try:
+                process.stdin.write(pickle.dumps(setup, pickle.HIGHEST_PROTOCOL))
+            finally:
+                plan.on_release = hook
+        return process
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def start(self) -> "FetchProcess":
+        self._plan.on_release = self.moved
+        return self
+
+    def moved(self, epoch: int, position: int) -> None:
+        """The consumer has every batch of ``epoch`` before ``position`` (on its thread: the
+        epoch the batches to dispatch next may reach is published here, before they are)."""
+        self._progress.publish_ahead(ahead_of(self._plan, self._depth, epoch, position))
+        self._page.move(epoch, position)
+        try:
+            os.write(self._bell, b"\0")
+        except BlockingIOError:
+            pass  # it has yet to read the bytes before: it will read this place with them
+        except BrokenPipeError:
+            self._say_if_died()
+
+    def _say_if_died(self) -> None:
+        code = self._process.poll()
+        if code is not None and not self._said:
+            self._said = True
+            warnings.warn(FetchProcessDied(
+                f"the shard fetch process of rank {self._plan.rank} (pid {self._process.pid}) "
+                f"ended with exit code {code} while the rank runs: its workers fetch the shards "
+                "they need themselves from here on (its error, if it had one, is on standard "
+                "error above)"), stacklevel=3)
+
+    def pop_counts(self) -> dict[str, float]:
+        """What the fetch process counted since the last call, as ``LoaderStats`` fields."""
+        now = self._page.counts.copy()
+        grown = now - self._taken
+        self._taken = now
+        return {name: float(now[at] if name in PEAKS else grown[at])
+                for at, name in enumerate(COUNTED) if grown[at] or (name in PEAKS and now[at])}
+
+    def close(self) -> dict[str, float]:
+        """End the fetch process (its fetches cancelled) and leave the board; what it counted
+        since the last ``pop_counts`` (nothing in a forked child: the fetch process is its
+        parent's)."""
+        if os.getpid() != self._owner:
+            return {}
+        if self._plan.on_release == self.moved:
+            self._plan.on_release = None
+        os.close(self._bell)  # the fetch process reads the end of the pipe: it ends
+        try:
+            self._process.wait(CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        finally:
+            release_starting_thread()
+        if self._process.returncode not in (0, -9):
+            self._say_if_died()
+        counts = self.pop_counts()
+        self._close_descriptors(bell=False)
+        return counts
+
+    def _close_descriptors(self, bell: bool = True) -> None:
+        if bell:
+            os.close(self._bell)
+        self._page.close()
+        self._progress.leave()
+
+
+def main() -> None:
+    """The fetch process: its ``Setup`` from standard input, then the prefetcher follows the
+    consumer's place until the pipe that wakes it closes."""
+    setup: Setup = pickle.loads(sys.stdin.buffer.read())
+    Lifeline(setup.consumer)
+    page = SharedPage(setup.page)
+    cache, counters = setup.cache, remote.Counters()
+    prefetcher = Prefetcher(cache, setup.plan, setup.epoch, setup.position, setup.depth, counters,
+                            RankProgress(setup.progress, len(cache.index.shards), fresh=False))
+    prefetcher.start()
+    totals = np.zeros(len(COUNTED))
+    try:
+        while True:
+            ready, _, _ = select.select([setup.bell], [], [], COUNTS_EVERY_S)
+            if ready:
+                if not os.read(setup.bell, 4096):
+                    break  # the consumer closed it, or died
+                prefetcher.follow(*page.where())
+            _count(totals, counters, cache.counters, page)
+    finally:
+        prefetcher.close()
+        _count(totals, counters, cache.counters, page)
+
+
+def _count(totals: np.ndarray, counters: remote.Counters, cache_counters: CacheCounters,
+           page: SharedPage) -> None:
+    """Add what the counters took since the last call to ``totals``, written to the page."""
+    taken = {f"remote_{name}": value for name, value in counters.take().items()}
+    taken.update(cache_counters.take())
+    for at, name in enumerate(COUNTED):
+        totals[at] = max(totals[at], taken[name]) if name in PEAKS else totals[at] + taken[name]
+    page.counts[:] = totals
