@@ -37,7 +37,8 @@ The package, one module a stage, each importing only those above it in this list
     index      Shard, ShardIndex: offsets, sizes, checksums; scan, save, load
     writing    write_shards, image_folder_samples
     reader     ShardReader: samples by id, from files, ranges or a cache (ShardFiles)
-    plan       ShardPlan: the epoch's order, dealt to ranks
+    nodes      which ranks form a node: those that share a cache folder
+    plan       ShardPlan: the epoch's order, dealt to nodes, then to their ranks
     worker     ShardWorker: read, decode, stack into the slot
     locks      flock on the cache's files
     place      where a cache lives, and this user's others beside it
@@ -45,6 +46,7 @@ The package, one module a stage, each importing only those above it in this list
     store      CacheStore: the cache's folder, its reconciling at start, budget, room, eviction
     cache      ShardCache: open (fetch, check, repair) a shard; fetch ahead
     prefetch   this rank's Prefetcher, and the room the batches in flight need
+    fetch_process  the Prefetcher in a process of its own, following the consumer
     sequence   ShardSequence: a ShmSequence with a ShardStage (its hooks)
 """
 from .cache import DamagedShardWarning, ShardCache, ShardCacheFull, StaleShardError
