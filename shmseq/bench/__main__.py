@@ -22,7 +22,9 @@ server), each server on 127.0.0.1 in a process of its own with ``--delay-ms`` ad
 request (and ``--bandwidth`` MB/s at most): shmseq's ``ShardSequence`` through its node shard
 cache (``--cache-fraction`` of the set) against torch's ``DataLoader`` reading in place, with
 the requests per sample, read amplification and peak cache of each remote run, and each
-endpoint's own ceiling. Its shards have 64 samples each, 8,192 of them per set (2,048 with
+endpoint's own ceiling; and beside them, where installed (``pip install 'shmseq[peers]'``),
+litdata, MosaicML streaming and WebDataset over the same servers, each its own recommended way,
+in a table of their whole first epoch, steady rate and first batch (``shmseq.bench.peers``). Its shards have 64 samples each, 8,192 of them per set (2,048 with
 ``--quick``): a set four times the cache's budget (``shmseq.bench.remote_streaming``).
 
 ``--autotune`` runs a loader that sizes itself beside a sweep of fixed settings, on workloads
@@ -58,6 +60,7 @@ from shmseq._apps.report import machine
 from shmseq.engine import torch_available
 
 from . import autotune, systems
+from . import peers
 from . import remote_streaming as remote
 from .report import markdown, summarize, write_chart, write_json
 from .runner import LIMIT, run_matrix
@@ -68,6 +71,7 @@ from .workloads import TRANSPORT_WORKLOADS, WORKLOADS, image_pool
 
 ALL_SYSTEMS = [LIMIT, *SYSTEMS]
 DEFAULT_SYSTEMS = [name for name in ALL_SYSTEMS if name not in OPT_IN]
+REMOTE_SYSTEMS = [*remote.SYSTEM_NAMES, *peers.system_names(remote.BACKENDS)]
 FULL = {"repeats": 3, "seconds": 2.0, "warmup_seconds": 0.3}
 QUICK = {"repeats": 1, "seconds": 0.5, "warmup_seconds": 0.1}
 
@@ -95,12 +99,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              f"{', '.join(STREAM_WORKLOADS)} (default: both); with --autotune, "
                              f"among {', '.join(autotune.AUTOTUNE_WORKLOADS)} (default: all)")
     parser.add_argument("--systems",
-                        type=_names([*ALL_SYSTEMS, *STREAM_SYSTEM_NAMES[1:], *remote.SYSTEM_NAMES]),
+                        type=_names([*ALL_SYSTEMS, *STREAM_SYSTEM_NAMES[1:], *REMOTE_SYSTEMS]),
                         help=f"comma-separated, among {', '.join(ALL_SYSTEMS)} "
                              f"(default: all but {', '.join(OPT_IN)}); with --streaming, among "
                              f"{', '.join(STREAM_SYSTEM_NAMES)} (default: all; {STAGE} runs on shards-jpeg "
-                             f"only); with --remote, among {', '.join(remote.SYSTEM_NAMES)} "
-                             "(default: those of the backends asked for)")
+                             f"only); with --remote, among {', '.join(REMOTE_SYSTEMS)} "
+                             "(default: those of the backends asked for; the peers' where "
+                             "installed)")
     parser.add_argument("--streaming", action="store_true",
                         help="run the streaming workloads instead: ShardSequence against torch's "
                              "DataLoader over the same tar shards (see above)")
@@ -207,7 +212,7 @@ def _check_autotune(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 def _remote_systems(backends: list[str]) -> list[str]:
     """The remote mode's systems that read from local disk or from one of ``backends``."""
-    return [name for name in remote.SYSTEM_NAMES
+    return [name for name in REMOTE_SYSTEMS
             if remote.source_of(name) in (remote.LOCAL, *backends)]
 
 
@@ -314,8 +319,10 @@ def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) ->
         args.workloads = [name for name in args.workloads if name != "shards-jpeg"]
     if STAGE in args.systems and STAGE_DEVICE == "cuda" and not _imports_torchcodec():
         args.systems = [name for name in args.systems if name != STAGE]
+    skipped: dict[str, str] = {}
     if args.remote:
         _servable(args)
+        skipped = _peers_installed(args)
     if not args.workloads or not args.systems:
         _log("nothing left to run")
         return 1
@@ -328,7 +335,7 @@ def streaming_main(args: argparse.Namespace, settings: dict, argv: list[str]) ->
     try:
         prepared, data, folders = _prepare_shards(workloads, root)
         with (remote.mode(prepared, root, folders, args.remote, args.delay_ms, args.bandwidth,
-                          args.cache_fraction, _log) if args.remote
+                          args.cache_fraction, _log, args.systems, skipped) if args.remote
               else contextlib.nullcontext((measurer(prepared), None))) as (measure, report):
             at_start = load.snapshot()
             runs = run_matrix(args.systems, list(workloads.values()), log=_log, measure=measure,
@@ -415,6 +422,18 @@ def _servable(args: argparse.Namespace) -> None:
                  f"(pip install {' '.join(lacking)})")
             args.remote.remove(backend)
             args.systems = [name for name in args.systems if remote.source_of(name) != backend]
+
+
+def _peers_installed(args: argparse.Namespace) -> dict[str, str]:
+    """Leave out the peers that cannot run here and their systems, saying which and why."""
+    skipped = {}
+    for peer in dict.fromkeys(p for name in args.systems if (p := peers.peer_of(name))):
+        reason = peers.missing(peer)
+        if reason:
+            _log(f"{peer} skipped: {reason}")
+            skipped[peer] = reason
+            args.systems = [name for name in args.systems if peers.peer_of(name) != peer]
+    return skipped
 
 
 def _stream_workloads(args: argparse.Namespace) -> dict:

@@ -17,6 +17,11 @@ with ``SAMPLES_PER_SHARD`` samples each and their shuffle bounded in shards (``s
   of the same index, which reads each batch's samples where they lie, a range request per run
   of neighbouring samples: what a torch user gets from the same shards.
 
+Beside them, where installed, the peers (``peers``: ``litdata-s3``, ``mosaic-s3``,
+``webdataset-http``, ``webdataset-s3``), each its own recommended way over the same servers, and
+``peers_report``'s table of them beside shmseq: the first epoch from a cold cache, the steady
+rate after it, the first batch.
+
 Each remote run's window is observed from the server's log, cleared as the window starts:
 requests per sample delivered and bytes sent over the bytes of those samples. shmseq's windows
 span whole epochs. Beside them, in every repeat, each endpoint's ceiling (``ceiling-http``,
@@ -44,7 +49,7 @@ from shmseq.shards.cache import estimated_bytes
 from shmseq.shards.prefetch import FETCH_THREADS, room_needed
 from shmseq.shards import SHUFFLE_SHARDS, ShardIndex, batches_in_flight
 
-from . import memory, systems
+from . import memory, peers, peers_report, systems
 from .report import Cell
 from .runner import Run, Window, timed_run
 from .streaming import (Expected, Prepared, ShardWorkload, checker, cpu_out, images_per_s, paired,
@@ -283,10 +288,11 @@ SOURCES: dict[str, Source] = {"shmseq": shmseq_source, "torch": torch_source}
 
 def measurer(prepared: dict[str, Prepared], endpoints: dict[str, Endpoint],
              budgets: dict[str, Budget]) -> Callable[..., Run]:
-    """``run_matrix``'s ``measure`` for the remote mode's systems. shmseq's windows span whole
-    epochs: what its cache fetched then compares with what the epochs read; torch's, whole
-    rounds of its workers (batches k to k + 1 built side by side): what they requested then
-    compares with what they delivered."""
+    """``run_matrix``'s ``measure`` for the remote mode's systems. shmseq's and the peers'
+    windows span whole epochs, their first epoch timed from the start: what their caches
+    fetched then compares with what the epochs read; torch's, whole rounds of its workers
+    (batches k to k + 1 built side by side): what they requested then compares with what they
+    delivered."""
     def measure(name: str, workload: ShardWorkload, repeat: int, seconds: float,
                 warmup_seconds: float) -> Run:
         ready = prepared[workload.name]
@@ -296,28 +302,50 @@ def measurer(prepared: dict[str, Prepared], endpoints: dict[str, Endpoint],
             assert endpoint is not None  # a server's
             return ceiling(ready, endpoint, repeat)
         observed = Observed(ready, endpoint)
-        whole = observed.expected.length if loader == "shmseq" else systems.NUM_WORKERS
+        epoch = observed.expected.length
+        budget = budgets[workload.name].bytes
+        if loader in peers.PEERS:
+            assert endpoint is not None  # the peers read the servers only
+            return timed_run(name, workload.name, repeat,
+                             lambda: peers.batches(loader, ready, peer_url(endpoint, workload.name,
+                                                                           loader),
+                                                   endpoint.storage_options, budget),
+                             peers.checker(ready), seconds, warmup_seconds, workload.early_batches,
+                             whole=epoch, window=observed, epoch=epoch)
+        shmseq = loader == "shmseq"
         return timed_run(name, workload.name, repeat,
-                         lambda: SOURCES[loader](ready, endpoint, budgets[workload.name].bytes,
-                                                 observed),
+                         lambda: SOURCES[loader](ready, endpoint, budget, observed),
                          checker(ready), seconds, warmup_seconds, workload.early_batches,
-                         whole=whole, window=observed)
+                         whole=epoch if shmseq else systems.NUM_WORKERS, window=observed,
+                         epoch=epoch if shmseq else None)
     return measure
+
+
+def peer_url(endpoint: Endpoint, workload: str, peer: str) -> str:
+    """Where a peer reads a workload: its own format's bucket, or the tar shards' index."""
+    own = endpoint.urls.get(f"{workload}-{peer}")
+    return endpoint.urls[workload] if own is None else own.rsplit("/", 1)[0]
 
 
 @contextlib.contextmanager
 def mode(prepared: dict[str, Prepared], root: Path, folders: dict[str, Path], backends: list[str],
          delay_ms: float, bandwidth_mb_s: float | None, fraction: float,
-         log: Callable[[str], None]) -> Iterator[tuple[Callable[..., Run], "Report"]]:
-    """The remote mode, while its servers run: ``run_matrix``'s ``measure`` and the report's
-    part, each workload's budget found first."""
+         log: Callable[[str], None], names: list[str],
+         skipped: dict[str, str]) -> Iterator[tuple[Callable[..., Run], "Report"]]:
+    """The remote mode of the systems ``names``, while its servers run: ``run_matrix``'s
+    ``measure`` and the report's part, each workload's budget found first, and the peers' own
+    formats written (served beside the tar shards); ``skipped``: the peers left out, and why."""
     budgets = {name: budget(ready, fraction) for name, ready in prepared.items()}
     for name, found in budgets.items():
         log(found.describe(name))
-    with serving(root, folders, backends, delay_ms, bandwidth_mb_s, log) as endpoints:
+    asked = {peer for name in names if (peer := peers.peer_of(name))}
+    formats = peers.formats(prepared, root, asked, folders)
+    with serving(root, {**folders, **formats}, backends, delay_ms, bandwidth_mb_s,
+                 log) as endpoints:
         yield (measurer(prepared, endpoints, budgets),
                Report(backends, delay_ms, bandwidth_mb_s, budgets,
-                      {name: ready.workload for name, ready in prepared.items()}))
+                      {name: ready.workload for name, ready in prepared.items()},
+                      skipped if asked or skipped else None))
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -347,14 +375,20 @@ TARGETS = {"read_amplification": 1.05, "requests_per_sample": 0.035}
 
 class Report:
     """The remote mode's part of the streaming report (``streaming.markdown``'s ``remote``):
-    the servers and budgets above the table, its columns, and its lines."""
-
-    columns = COLUMNS
+    the servers and budgets above the table, its columns, its lines, and the peers' table where
+    they were asked (``peers_skipped``: those left out, and why; None: none asked)."""
 
     def __init__(self, backends: list[str], delay_ms: float, bandwidth_mb_s: float | None,
-                 budgets: dict[str, Budget], workloads: dict[str, ShardWorkload]) -> None:
+                 budgets: dict[str, Budget], workloads: dict[str, ShardWorkload],
+                 peers_skipped: dict[str, str] | None = None) -> None:
         self.backends, self.delay_ms, self.bandwidth_mb_s = backends, delay_ms, bandwidth_mb_s
-        self.budgets, self.workloads = budgets, workloads
+        self.budgets, self.workloads, self.peers_skipped = budgets, workloads, peers_skipped
+        self.columns = COLUMNS + ("" if peers_skipped is None else "\n" + peers_report.COLUMNS)
+
+    def tables(self, runs: list[Run]) -> list[str]:
+        if self.peers_skipped is None:
+            return []
+        return [peers_report.section(runs, self.workloads, self.backends, self.peers_skipped)]
 
     def notes(self, cells: list[Cell]) -> list[str | None]:
         """The servers, the budgets, and a warning where a cache held more than its budget."""
@@ -409,7 +443,7 @@ class Report:
 
     def as_json(self, runs: list[Run]) -> dict:
         """The settings, budgets and ratios of the remote mode, for ``streaming.json``."""
-        found = {}
+        found: dict[str, dict] = {}
         for name in self.workloads:
             for backend in self.backends:
                 ours = system("shmseq", backend)
@@ -417,7 +451,14 @@ class Report:
                     "of_local": ratios(runs, name, ours, system("shmseq", LOCAL)),
                     "of_torch": ratios(runs, name, ours, system("torch", backend)),
                     "served_of_ceiling": served_of_ceiling(runs, name, backend) or None}
+        for name in self.workloads:
+            for backend in self.backends:
+                of_peer, best = peers_report.best_peer_ratios(runs, name, backend)
+                if of_peer:
+                    found[f"{name} {backend}"]["of_best_peer"] = {"epoch_rate": of_peer,
+                                                                  "best": best}
         return {"backends": self.backends, "delay_ms": self.delay_ms,
+                "peers_skipped": self.peers_skipped,
                 "bandwidth_mb_s": self.bandwidth_mb_s,
                 "budgets": {name: {**asdict(b), "bytes": b.bytes, "raised": b.raised}
                             for name, b in self.budgets.items()},

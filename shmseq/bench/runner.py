@@ -36,6 +36,9 @@ class Run:
     requests_per_sample: float | None = None  # requests the server answered
     read_amplification: float | None = None   # bytes it sent over the bytes of the samples
     cache_peak_bytes: int | None = None       # the most its shard cache held
+    # the first epoch's batches over its time from the start, making the loader included (a
+    # remote loader's, from a cold cache): what a short job, or a user's first try, sees
+    epoch_batches_per_second: float | None = None
 
 
 class Window:
@@ -83,7 +86,7 @@ def timed_run(name: str, workload: str, repeat: int, system: Callable[[], Contex
               check: Callable[[int, object], None], seconds: float, warmup_seconds: float,
               early_batches: int = EARLY_BATCHES, whole: int = 1,
               window: Window | None = None, window_at: float = 0.0,
-              pss_every: float | None = SAMPLE_SECONDS) -> Run:
+              pss_every: float | None = SAMPLE_SECONDS, epoch: int | None = None) -> Run:
     """``measure``'s timing for any system (``system()`` makes it, on the clock: a context
     manager giving its batches) and any ``check(k, batch)`` of the ``k``-th batch: the first
     batch, the ``early_batches`` after it, a warm-up, then ``seconds`` of the steady state; the
@@ -91,14 +94,19 @@ def timed_run(name: str, workload: str, repeat: int, system: Callable[[], Contex
     it begins and ends) and at the end (none of its timed windows pays for the sampling).
     ``whole``: the timed window begins and ends at a multiple of that many batches (an
     epoch's); ``window`` observes it; ``window_at``: it begins no sooner than that many seconds
-    after the start (a loader that tunes itself is timed once it has had that long)."""
+    after the start (a loader that tunes itself is timed once it has had that long); ``epoch``:
+    the first epoch's batches, taken before the warm-up and timed from the start."""
     window = window or Window()
+    observed: dict = {}
     start = time.perf_counter()
     with system() as batches:
         k = _consume(batches, check, 0, 1, 0)
         first_batch = time.perf_counter() - start
         k = _consume(batches, check, k, early_batches, 0)
         early = early_batches / (time.perf_counter() - start - first_batch)
+        if epoch is not None:
+            k = _consume(batches, check, k, epoch - k, 0)
+            observed = {"epoch_batches_per_second": k / (time.perf_counter() - start)}
         with PeakPss(pss_every) as memory:
             warmup = max(warmup_seconds, window_at - (time.perf_counter() - start))
             k = _consume(batches, check, k, 0, warmup, whole)
@@ -106,7 +114,7 @@ def timed_run(name: str, workload: str, repeat: int, system: Callable[[], Contex
         cpu0, t0 = time.process_time(), time.perf_counter()
         timed = _consume(batches, check, k, MIN_BATCHES, seconds, whole) - k
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-        observed = window.end(k + timed)
+        observed.update(window.end(k + timed))
         memory.sample()
     return Run(name, workload, repeat, timed / elapsed, cpu / timed * 1e6, first_batch, early,
                memory.peak, **observed)

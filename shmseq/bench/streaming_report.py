@@ -17,7 +17,7 @@ from .streaming_workloads import SHMSEQ, STAGE, STAGE_DEVICE, TORCH, ShardWorklo
 
 class RemotePart(Protocol):
     """What a mode reading remote shards adds to the report (``remote_streaming.Report`` is
-    one): notes above the table, its columns, lines of what it shows."""
+    one): notes above the table, tables after it, its columns, lines of what it shows."""
 
     columns: str
 
@@ -26,6 +26,9 @@ class RemotePart(Protocol):
 
     def highlights(self, runs: list[Run], cells: list[Cell]) -> list[str]:
         """Lines of "What it shows"."""
+
+    def tables(self, runs: list[Run]) -> list[str]:
+        """Tables after the main one (their columns added to ``columns``)."""
 
 
 COLUMNS = """\
@@ -250,6 +253,7 @@ def markdown(runs: list[Run], workloads: dict[str, ShardWorkload], info: dict, s
     parts = [head, "Load: " + "; ".join(load), warning, "Shards: " + "; ".join(data),
              *(remote.notes(cells) if remote else []), table(cells, workloads),
              drift_note(cells, lambda cell: f"{images_rate(cell, workloads[cell.workload])} images/s"),
+             *(remote.tables(runs) if remote else []),
              stage_note(decoded[0].side) if decoded else None,
              columns + ("\n" + remote.columns if remote else ""),
              f"What it shows:\n{shows}" if shows else None, f"Reproduce: `{command}`"]
