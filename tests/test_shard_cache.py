@@ -475,3 +475,24 @@ def test_a_ledger_record_moves_only_along_the_caches_moves():
         with pytest.raises(RuntimeError, match="cannot move from CACHED to FETCHING"):
             Ledger.move(table, 0, to)
         assert table["state"][0] == start
+
+
+def test_a_batch_fetches_the_shards_the_cache_lacks_at_once(tmp_path, data, cache_dir):
+    """A batch that reads 6 shards not cached fetches them together, not one after another as
+    its samples come to them: with 0.3 s a request, their GETs overlap (one at a time before:
+    a cold batch of 8 lanes waited for 8 fetches in a row)."""
+    from shmseq.shards import ShardCache, ShardReader
+    with serving(lambda servers: servers.FileServer(tmp_path, delay=0.3)) as slow:
+        index = ShardIndex.load(slow.url + data)
+        cache = ShardCache(index, cache_dir, "together")
+        cache.prepare()
+        reader = ShardReader(index, cache=cache)
+        try:
+            ids = index.starts[:6] + 3  # the fourth sample of each of 6 shards
+            assert [int(row[0]) for row in map(decode, reader.read(ids))] == ids.tolist()
+        finally:
+            reader.close()
+            cache.remove()
+    gets = [r for r in slow.log if r.method == "GET" and r.path.endswith(".tar")]
+    at_once = max(sum(other.began <= get.began < other.ended for other in gets) for get in gets)
+    assert len(gets) == 6 and at_once >= 3, [(g.began, g.ended) for g in gets]

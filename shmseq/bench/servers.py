@@ -33,7 +33,7 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from io import BufferedIOBase
 from multiprocessing.connection import Connection
@@ -58,12 +58,15 @@ PACE_BYTES = 64 << 10  # the bandwidth cap is kept write by write, at most this 
 
 @dataclass
 class Request:
-    """One request as the server saw it: ``sent`` counts the bytes of its answer's body."""
+    """One request as the server saw it: ``sent`` counts the bytes of its answer's body;
+    ``began`` and ``ended`` (once answered) are ``time.monotonic()``'s."""
     method: str
     path: str
     range: str | None
     fault: str | None = None
     sent: int = 0
+    began: float = field(default_factory=time.monotonic)
+    ended: float | None = None
 
 
 class ShapedServer:
@@ -362,14 +365,17 @@ class _Handler(WSGIRequestHandler):
         shaped = self.server.shaped
         self.paced.request = request = shaped.begin(self.command, self.path,
                                                     self.headers.get("Range"))
-        if shaped.stopping.wait(shaped.delay):
-            self.close_connection = True
-        elif request.fault == "reset":
-            self._reset()
-        elif request.fault is not None:
-            self._fail(request.fault)
-        else:
-            super().run_wsgi()
+        try:
+            if shaped.stopping.wait(shaped.delay):
+                self.close_connection = True
+            elif request.fault == "reset":
+                self._reset()
+            elif request.fault is not None:
+                self._fail(request.fault)
+            else:
+                super().run_wsgi()
+        finally:
+            request.ended = time.monotonic()
 
     def _reset(self) -> None:
         """Close the connection with a TCP reset (linger 0), leaving the request unanswered."""

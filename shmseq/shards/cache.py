@@ -104,6 +104,13 @@ class ShardCache(CacheStore):
         self.counters.add(shard_wait_s=time.perf_counter() - began)
         return file
 
+    def missing(self, numbers: list[int]) -> list[int]:
+        """Of ``numbers``, the shards not cached and checked in this run (a look at the ledger,
+        maybe stale: ``open`` looks again)."""
+        table = self.ledger.table()
+        return [number for number in numbers if table["state"][number] != CACHED
+                or table["checked"][number] != self.session]
+
     def _failure_path(self, number: int) -> str:
         return os.path.join(self.folder, "locks", f"{number:06d}.failed")
 

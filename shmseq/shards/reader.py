@@ -8,6 +8,7 @@ import collections
 import collections.abc
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, IO, Iterator, Protocol
 
 import numpy as np
@@ -36,6 +37,9 @@ class ShardFiles(Protocol):
         """Shard ``number`` as a local file, fetched first if need be, by the reader's thread
         (a worker's, or the consumer's with num_workers=0); its requests counted in ``counters``."""
 
+    def missing(self, numbers: list[int]) -> list[int]:
+        """Of ``numbers``, the shards a reader cannot open at once (a look, maybe stale)."""
+
 
 class ShardReader:
     """Reads samples by global id. Local files are opened on first use and kept, the last
@@ -47,6 +51,7 @@ class ShardReader:
     reader holds it open."""
 
     OPEN_FILES = 8
+    FETCH_TOGETHER = 8  # a batch's shards missing from the cache, fetched at once
 
     def __init__(self, index: ShardIndex, storage_options: dict | None = None, *,
                  policy: RemotePolicy | None = None, cache: ShardFiles | None = None) -> None:
@@ -59,19 +64,28 @@ class ShardReader:
         self.counters = remote.Counters()
         self._local = threading.local()
         self._every_thread: list[collections.OrderedDict[int, IO[bytes]]] = []
+        self._fetchers: tuple[int, ThreadPoolExecutor] | None = None  # (its process, the pool)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_local": None, "_every_thread": []}
+        return {**self.__dict__, "_local": None, "_every_thread": [], "_fetchers": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _local=threading.local())
 
-    def _file(self, number: int) -> IO[bytes]:
+    def _files(self) -> collections.OrderedDict[int, IO[bytes]]:
+        """This thread's open files, by shard number."""
         files = getattr(self._local, "files", None)
         if files is None:
             files = self._local.files = collections.OrderedDict()
             self._every_thread.append(files)
+        return files
+
+    def _file(self, number: int) -> IO[bytes]:
+        files = self._files()
         file = files.pop(number, None)
+        failed = getattr(self._local, "failed", {}).pop(number, None)
+        if failed is not None:
+            raise failed
         if file is None:
             file = (self.cache.open(number, self.counters) if self.cache is not None else
                     open_url(self.index.shards[number].url, self.storage_options))
@@ -87,12 +101,34 @@ class ShardReader:
         shards, ordinals = self.index.locate(np.asarray(ids, np.int64))
         found: dict[tuple[int, int], dict] = {}
         try:
+            if self.cache is not None:
+                self._open_together(sorted(set(shards.tolist())))
             for shard, run in _runs(sorted(set(zip(shards.tolist(), ordinals.tolist())))):
                 found.update(self._read_run(shard, run))
         finally:
             if self.cache is not None:
                 self._close_files(getattr(self._local, "files", {}))
         return [found[pair] for pair in zip(shards.tolist(), ordinals.tolist())]
+
+    def _open_together(self, numbers: list[int]) -> None:
+        """The batch's shards the cache is missing, fetched at once (a thread each) rather than
+        one after another as the batch's samples come to them: a cold batch that reads 8 shards
+        waits for about one fetch, not 8. What failed is raised when its samples are read."""
+        missing = self.cache.missing(numbers) if self.cache is not None else []
+        if len(missing) < 2:
+            return
+        if self._fetchers is None or self._fetchers[0] != os.getpid():  # a forked child's anew
+            self._fetchers = os.getpid(), ThreadPoolExecutor(
+                self.FETCH_TOGETHER, thread_name_prefix="shmseq-shard-open")
+        assert self.cache is not None  # missing() asked it
+        opened = {number: self._fetchers[1].submit(self.cache.open, number, self.counters)
+                  for number in missing}
+        files = self._files()
+        for number, future in opened.items():
+            try:
+                files[number] = future.result()
+            except Exception as exc:  # noqa: BLE001 - raised where its samples are read
+                self._local.__dict__.setdefault("failed", {})[number] = exc
 
     def _read_run(self, number: int, ordinals: list[int]) -> Iterator[tuple[tuple[int, int], dict]]:
         shard = self.index.shards[number]
@@ -159,6 +195,9 @@ class ShardReader:
 
     def close(self) -> None:
         """Close every thread's files (the workers have stopped); they reopen when read."""
+        fetchers, self._fetchers = self._fetchers, None
+        if fetchers is not None and fetchers[0] == os.getpid():
+            fetchers[1].shutdown(wait=True)
         for files in self._every_thread:
             self._close_files(files)
         self._every_thread.clear()
