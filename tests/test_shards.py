@@ -501,3 +501,17 @@ def test_a_shard_the_server_does_not_have_is_missing(web, tmp_path):
     os.remove(tmp_path / "web" / "train-001.tar")
     assert str(read_first_sample_of_shard(index, 1)).startswith(
         f"shard {index.shards[1].url} is missing")
+
+
+def test_an_index_over_http_is_fetched_without_starting_a_client_library(tmp_path, web):
+    """A remote index is fetched as a shard is (one streamed GET), in a fresh process: no
+    fsspec imported, whose HTTP client took 0.25-0.3 s to start before a loader's first batch."""
+    import subprocess
+    import sys
+    sd.write(tmp_path / "shards", 20, 5)
+    script = ("import sys\nfrom shmseq.shards import ShardIndex\n"
+              f"index = ShardIndex.load({web + '/shards/shards.json'!r})\n"
+              "print(len(index), 'fsspec' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.split() == ["20", "False"], done.stderr

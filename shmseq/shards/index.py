@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from typing import IO, Callable, Iterable
 
@@ -89,8 +90,7 @@ class ShardIndex:
     def load(cls, url: str, storage_options: dict | None = None) -> "ShardIndex":
         """An index saved by ``save``; shard URLs in it that are relative are taken relative
         to the index's own location."""
-        with open_url(url, storage_options) as file:
-            saved = json.load(file)
+        saved = _saved(url, storage_options)
         if saved.get("version") not in READ_VERSIONS:
             raise ValueError(f"{url} is not a shard index of version {INDEX_VERSION} "
                              f"(it says version {saved.get('version')!r}): scan the shards again")
@@ -109,6 +109,19 @@ class ShardIndex:
                    for shard in self.shards]
         with open(path, "w") as file:
             json.dump({"version": INDEX_VERSION, "shards": entries}, file)
+
+
+def _saved(url: str, storage_options: dict | None) -> dict:
+    """A saved index's JSON; a remote one fetched whole first, as a cache fetches a shard (one
+    streamed GET over HTTP or S3: no client library's start-up before a loader's first batch)."""
+    if not is_remote(url):
+        with open_url(url) as file:
+            return json.load(file)
+    with tempfile.TemporaryDirectory(prefix="shmseq-index-") as folder:
+        path = os.path.join(folder, "index.json")
+        remote.fetch(url, path, storage_options=storage_options)
+        with open(path, "rb") as file:
+            return json.load(file)
 
 
 def _refuse_local_entries(url: str, entries: list[dict]) -> None:
