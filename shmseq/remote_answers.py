@@ -28,6 +28,7 @@ import errno
 import functools
 import http.client
 import re
+from email.message import Message
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
 
 from .remote_policy import RemotePolicy
@@ -189,6 +190,23 @@ def _ranged(start: int, end: int, status: int, content_range: str | None,
                                    f"server sent only {size:,}: it answers ranges short; "
                                    "serve the shards from one that answers them whole")
     return size
+
+
+def _whole_size(asked: int, status: int, head: Message) -> int:
+    """An object's size from the answer (``status``, ``head``) to a GET of its first byte,
+    asked where the server answered HEAD with ``asked`` and no size: the total of its
+    Content-Range (206; 416 for an empty object), or the Content-Length of a 200 (a server
+    that ignores Range; its body is not read). Raised where it says neither."""
+    span = re.fullmatch(r"bytes (?:\d+-\d+|\*)/(\d+)", head.get("Content-Range") or "")
+    if status in (206, 416) and span is not None:
+        return int(span[1])
+    if status == 200 and head.get("Content-Length") is not None:
+        return int(head["Content-Length"])
+    said = f"refused HEAD ({asked})" if asked >= 300 else "answered HEAD without Content-Length"
+    raise _BadAnswer("failed", f"the server does not say the object's size: it {said}, and "
+                               f"answered a GET of its first byte with {status} and no "
+                               "Content-Range with the size (nor a Content-Length); serve the "
+                               "shards from a server that says either")
 
 
 def _tries(attempts: int, spent: float, deadline: float | None, ended_by_deadline: bool) -> str:

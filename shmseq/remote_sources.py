@@ -1,8 +1,8 @@
-"""Where a whole-object fetch sends its requests, from its URL and ``storage_options``: for
-``http(s)://`` the URL itself with the options aiohttp took through fsspec, for ``s3://`` a
-request that botocore signs as s3fs's client would send it (``shmseq.remote_stream`` makes
-the requests). An option that a fetch cannot honour is refused, naming it, rather than left
-out of the requests."""
+"""Where a whole-object fetch (and an object's HEAD) sends its requests, from its URL and
+``storage_options``: for ``http(s)://`` the URL itself with the options aiohttp took through
+fsspec, for ``s3://`` a request that botocore signs as s3fs's client would send it
+(``shmseq.remote_stream`` makes the requests). An option that a fetch cannot honour is
+refused, naming it, rather than left out of the requests."""
 from __future__ import annotations
 
 import re
@@ -24,14 +24,19 @@ _FILE_SYSTEM_ONLY = frozenset({
 
 
 class Source:
-    """An object's requests: ``url`` and ``headers`` for its bytes ``start`` to ``end``
-    (``request``), sent through ``transport``; ``refusal`` makes the error of a failed answer."""
+    """An object's requests: ``url`` and ``headers`` for a GET of its bytes ``start`` to
+    ``end`` (``request``) and for a HEAD of it (``head``), sent through ``transport``;
+    ``refusal`` makes the error of a failed answer."""
 
     def __init__(self, transport: Transport, url: str) -> None:
         self.transport, self.url = transport, url
 
     def request(self, start: int, end: int) -> tuple[str, dict[str, str]]:
         return self.url, {"Range": f"bytes={start}-{end - 1}"}
+
+    def head(self) -> tuple[str, dict[str, str]]:
+        """A HEAD of the object: its size and version without its bytes."""
+        return self.url, {}
 
     def refusal(self, status: int, reason: str, head: Any, body: bytes) -> Exception:
         return StatusAnswer(status, reason)
@@ -111,11 +116,10 @@ class _Signer:
     """A botocore client made as s3fs makes its own from ``storage_options`` (``key``,
     ``secret``, ``token``, ``username``, ``password``, ``anon``, ``endpoint_url``, ``use_ssl``,
     ``client_kwargs``, ``config_kwargs``, ``requester_pays``, ``s3_additional_kwargs``,
-    ``version_aware``, ``profile``), that signs a GetObject without sending it; and a client for
-    each other region a bucket is found in."""
+    ``version_aware``, ``profile``), that signs a GetObject or a HeadObject without sending it;
+    and a client for each other region a bucket is found in."""
 
     def __init__(self, options: dict, url: str) -> None:
-        import botocore.session
         from botocore import UNSIGNED
         from botocore.config import Config
         client = dict(options.pop("client_kwargs", None) or {})
@@ -133,7 +137,7 @@ class _Signer:
                        "aws_session_token": options.pop("token", None)}
         settings = {"endpoint_url": options.pop("endpoint_url", None),
                     "use_ssl": options.pop("use_ssl", True)}
-        self._session = botocore.session.Session(profile=options.pop("profile", None))
+        self._session = _session(options.pop("profile", None))
         _refuse_others(url, options, {f"config_kwargs[{name!r}]" for name in config
                                       if name in ("proxies_config", "client_cert")})
         config["retries"] = {"total_max_attempts": 1}  # it sends nothing
@@ -144,16 +148,17 @@ class _Signer:
                       **client, "config": Config(**config)}
         self._clients: dict[str | None, Any] = {}
         self._regions: dict[str, str] = {}
-        self._lock = threading.Lock()
 
     def client(self, bucket: str) -> Any:
         """The client for ``bucket``'s region, as far as it is known."""
         region = self._regions.get(bucket)
-        with self._lock:
+        if region in self._clients:
+            return self._clients[region]
+        with _sessions_lock:
             if region not in self._clients:
                 made = self._made if region is None else {**self._made, "region_name": region}
                 client = self._session.create_client("s3", **made)
-                client.meta.events.register("before-send.s3.GetObject", _prepared)
+                client.meta.events.register("before-send.s3", _prepared)  # sends nothing
                 self._clients[region] = client
             return self._clients[region]
 
@@ -171,6 +176,21 @@ def _proxies_of(proxies: object) -> tuple[tuple[str, str], ...] | None:
 
 _signers: dict[str, _Signer] = {}
 _signers_lock = threading.Lock()
+_sessions: dict[str | None, Any] = {}
+_sessions_lock = threading.Lock()  # a botocore session is not thread-safe: clients made in turn
+
+
+def _session(profile: str | None) -> Any:
+    """One botocore session for each profile, shared by the signers of all ``storage_options``
+    (and by the clients of each bucket's region): it loads S3's service model (most of the
+    60 ms of a process's first client: a client for other options then takes 6 ms, not 67)
+    and, where no key is given, walks the credential providers once in a process rather than
+    once for each client."""
+    import botocore.session
+    with _sessions_lock:
+        if profile not in _sessions:
+            _sessions[profile] = botocore.session.Session(profile=profile)
+        return _sessions[profile]
 
 
 def _signer(options: dict, url: str) -> _Signer:
@@ -195,9 +215,22 @@ class _S3(Source):
         self.params["Key"] = key
 
     def request(self, start: int, end: int) -> tuple[str, dict[str, str]]:
+        return self._signed("GetObject", Range=f"bytes={start}-{end - 1}")
+
+    def head(self) -> tuple[str, dict[str, str]]:
+        """A HeadObject, signed as the GetObject of ``request`` is."""
+        return self._signed("HeadObject")
+
+    def _signed(self, operation: str, **asked: str) -> tuple[str, dict[str, str]]:
+        """The URL and headers of ``operation`` on the object, as botocore signs it: the
+        ``storage_options``' parameters that the operation takes (s3fs too leaves out the
+        others, a GetObject's response overrides from a HeadObject, say) and ``asked``."""
+        from botocore import xform_name  # imported with the signer's client already
+        client = self.signer.client(self.bucket)
+        taken = client.meta.service_model.operation_model(operation).input_shape.members
         try:
-            self.signer.client(self.bucket).get_object(Range=f"bytes={start}-{end - 1}",
-                                                       **self.params)
+            getattr(client, xform_name(operation))(
+                **{k: v for k, v in self.params.items() if k in taken}, **asked)
         except _Prepared as prepared:
             request = prepared.request
             return request.url, {name: value.decode() if isinstance(value, bytes) else value

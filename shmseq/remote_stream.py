@@ -1,6 +1,8 @@
 """One range of a whole-object fetch over HTTP, streamed from the socket into the file with
 ``http.client`` in the fetching thread (``shmseq.remote.fetch`` for ``http(s)://``, and for
-``s3://`` with a request that ``shmseq.remote_s3`` signs).
+``s3://`` with a request that ``shmseq.remote_sources`` signs); and the head of an object's
+answer without its body (``answer_head``: ``shmseq.remote.version`` and ``size``), so that a
+process asks its first shard's version without importing fsspec, aiohttp or s3fs.
 
 Why not fsspec: its HTTP and S3 clients run on one event loop thread that receives and copies
 every byte, about twice the CPU of a plain GET read with ``readinto`` into a reused buffer (see
@@ -95,8 +97,7 @@ def get_range(url: str, headers: dict[str, str], transport: Transport, refusal: 
     link, answer = _request(url, headers, transport, watch)
     try:
         if answer.status >= 300:
-            raise refusal(answer.status, answer.reason, answer.msg,
-                          answer.read(_ERROR_BODY_BYTES))
+            raise _refused(answer, refusal)
         whole = answer.status == 200 and start == 0
         sized = answer.length if not answer.chunked else None
         expected = sized if whole else _ranged(start, start + chunk, answer.status,
@@ -104,6 +105,28 @@ def get_range(url: str, headers: dict[str, str], transport: Transport, refusal: 
         return _body(answer, expected, sized is not None, out, start, chunk), whole
     finally:
         link.shut()
+
+
+def answer_head(method: str, url: str, headers: dict[str, str], transport: Transport,
+                refusal: Refusal, timeout: float | None, stop: threading.Event | None,
+                accepted: frozenset[int] = frozenset()) -> tuple[int, http.client.HTTPMessage]:
+    """The status and head of the answer to ``method`` (a HEAD, or a GET whose body is not
+    wanted) of ``url``, within ``timeout`` and stopped by ``stop`` as a range is; its body left
+    unread, the connection closed. A failed status not in ``accepted`` is raised as
+    ``refusal`` makes it."""
+    link, answer = _request(url, headers, transport, _Watch(timeout, BUFFER_BYTES, stop), method)
+    try:
+        if answer.status >= 300 and answer.status not in accepted:
+            raise _refused(answer, refusal)
+        return answer.status, answer.msg
+    finally:
+        link.shut()
+
+
+def _refused(answer: http.client.HTTPResponse, refusal: Refusal) -> Exception:
+    """The error of a failed answer, from its head and the start of its body (S3's XML; a
+    HEAD's has none)."""
+    return refusal(answer.status, answer.reason, answer.msg, answer.read(_ERROR_BODY_BYTES))
 
 
 def _body(answer: http.client.HTTPResponse, expected: int | None, sized: bool, out: IO[bytes],
@@ -144,10 +167,10 @@ def _past_the_end(reader: IO[bytes]) -> int:
         raw.waits = True
 
 
-def _request(url: str, headers: dict[str, str], transport: Transport,
-             watch: _Watch) -> tuple[_Socket, http.client.HTTPResponse]:
-    """A GET of ``url`` and its answer's head, redirects followed; the connection's socket
-    (for its caller to shut)."""
+def _request(url: str, headers: dict[str, str], transport: Transport, watch: _Watch,
+             method: str = "GET") -> tuple[_Socket, http.client.HTTPResponse]:
+    """A ``method`` request of ``url`` and its answer's head, redirects followed; the
+    connection's socket (for its caller to shut)."""
     for _ in range(transport.redirects + 1):
         connection, link = _connection(url, transport, watch)
         try:
@@ -155,7 +178,7 @@ def _request(url: str, headers: dict[str, str], transport: Transport,
             target = url if connection.host != parts.hostname or (
                 transport.proxy_for(url) and parts.scheme == "http") else _target(parts,
                                                                                    transport)
-            connection.request("GET", target, headers={
+            connection.request(method, target, headers={
                 "Host": parts.netloc.rpartition("@")[2], **dict(transport.headers), **headers})
             answer = connection.getresponse()
         except BaseException:
