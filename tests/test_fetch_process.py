@@ -133,3 +133,34 @@ def test_the_fetch_process_ends_with_its_trainer(tmp_path, web):
     finally:
         trainer.kill()
         trainer.wait()
+
+
+def test_a_trainer_with_sigpipe_at_its_default_outlives_its_fetch_process(tmp_path, web):
+    """Tools that restore SIGPIPE's default die on a write to a pipe nobody reads: the trainer
+    rings its fetch process without SIGPIPE, so the one that died is only named."""
+    write(tmp_path / "web")
+    script = textwrap.dedent(f"""
+        import os, signal, time, warnings
+        import numpy as np
+        from shmseq.bench.memory import children
+        from shmseq.shards import ShardSequence
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        seq = ShardSequence({web + '/web/shards.json'!r}, lambda s: np.int64(1), batch_size=8,
+                            num_workers=1, out_type="null", cache_dir={str(tmp_path / 'cache')!r})
+        marker = b"shmseq.shards." b"fetch_process"  # the fetch process's, not this script's
+        with warnings.catch_warnings(record=True) as caught, seq.start():
+            warnings.simplefilter("always")
+            seen = 0
+            for batch in seq:
+                seen += len(batch)
+                if seen == 8:
+                    for pid in children():
+                        if marker in open(f"/proc/{{pid}}/cmdline", "rb").read():
+                            os.kill(pid, signal.SIGKILL)
+                            time.sleep(0.2)
+        print(seen, sum("ended with exit code -9" in str(w.message) for w in caught))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert done.stdout.split() == [str(SHARDS * PER_SHARD), "1"], done.stderr[-3000:]

@@ -14,10 +14,12 @@ it never outlives the trainer. Who does what:
 * On the consumer's thread, as each batch is handed over (``moved``): the epoch the batches in
   flight may reach (``publish_ahead``, before they are dispatched), and the consumer's place
   written into a page both processes map (one 8-byte word: never read half-written); then a
-  byte down a pipe wakes the fetch process (never waited on: a full pipe is a bell ringing).
+  byte down a socket wakes the fetch process (never waited on: a full socket is a bell
+  ringing; sent without SIGPIPE, which a trainer that restored its default would die of once
+  the fetch process is gone).
 * The fetch process follows that place: it publishes when the rank reads each shard next,
   fetches ahead, and writes its counts (remote requests and bytes, the cache's fetches) into the
-  same page, where the consumer's ``stats`` read them. It ends when the pipe closes.
+  same page, where the consumer's ``stats`` read them. It ends when the socket closes.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import mmap
 import os
 import pickle
 import select
+import socket
 import subprocess
 import sys
 import warnings
@@ -94,7 +97,7 @@ class Setup(NamedTuple):
     consumer: ProcessId
     progress: int  # the descriptors it inherits: the rank's progress file,
     page: int      # the shared page,
-    bell: int      # the read end of the pipe that wakes it
+    bell: int      # its end of the socket pair that wakes it
 
 
 class FetchProcess:
@@ -111,8 +114,9 @@ class FetchProcess:
         self._taken = np.zeros(len(COUNTED))
         self._said = False
         self._owner = os.getpid()
-        bell, self._bell = os.pipe()
-        os.set_blocking(self._bell, False)
+        self._bell, theirs = socket.socketpair()
+        self._bell.setblocking(False)
+        bell = theirs.detach()
         consumer = ProcessId.of(os.getpid())
         assert consumer is not None  # this very process
         setup = Setup(cache, plan, epoch, position, depth, consumer, self._progress.fd,
@@ -164,10 +168,10 @@ class FetchProcess:
         self._progress.publish_ahead(ahead_of(self._plan, self._depth, epoch, position))
         self._page.move(epoch, position)
         try:
-            os.write(self._bell, b"\0")
+            self._bell.send(b"\0", socket.MSG_NOSIGNAL)
         except BlockingIOError:
             pass  # it has yet to read the bytes before: it will read this place with them
-        except BrokenPipeError:
+        except (BrokenPipeError, ConnectionResetError):
             self._say_if_died()
 
     def _say_if_died(self) -> None:
@@ -196,7 +200,7 @@ class FetchProcess:
             return {}
         if self._plan.on_release == self.moved:
             self._plan.on_release = None
-        os.close(self._bell)  # the fetch process reads the end of the pipe: it ends
+        self._bell.close()  # the fetch process reads the end of the socket: it ends
         try:
             self._process.wait(CLOSE_WAIT_S)
         except subprocess.TimeoutExpired:
@@ -212,14 +216,14 @@ class FetchProcess:
 
     def _close_descriptors(self, bell: bool = True) -> None:
         if bell:
-            os.close(self._bell)
+            self._bell.close()
         self._page.close()
         self._progress.leave()
 
 
 def main() -> None:
     """The fetch process: its ``Setup`` from standard input, then the prefetcher follows the
-    consumer's place until the pipe that wakes it closes."""
+    consumer's place until the socket that wakes it closes."""
     setup: Setup = pickle.loads(sys.stdin.buffer.read())
     Lifeline(setup.consumer)
     page = SharedPage(setup.page)
@@ -232,13 +236,21 @@ def main() -> None:
         while True:
             ready, _, _ = select.select([setup.bell], [], [], COUNTS_EVERY_S)
             if ready:
-                if not os.read(setup.bell, 4096):
+                if not _rung(setup.bell):
                     break  # the consumer closed it, or died
                 prefetcher.follow(*page.where())
             _count(totals, counters, cache.counters, page)
     finally:
         prefetcher.close()
         _count(totals, counters, cache.counters, page)
+
+
+def _rung(bell: int) -> bool:
+    """Whether the bell rang (its bytes read), rather than closed."""
+    try:
+        return bool(os.read(bell, 4096))
+    except ConnectionResetError:
+        return False
 
 
 def _count(totals: np.ndarray, counters: remote.Counters, cache_counters: CacheCounters,

@@ -179,8 +179,9 @@ class Prefetcher:
     """In a rank's fetch process (``shmseq.shards.fetch_process``): follows the consumer
     (``follow``), publishes when the rank reads each shard next in its place on the rank
     board (``progress``, which the consumer's process joined), and fetches the shards its next
-    batches read, in the order they first read them, ``FETCH_THREADS`` at a time, as far as the
-    budget allows: the shards of this epoch first, then the next one's. A shard another process
+    batches read, in the order they first read them, ``FETCH_THREADS`` at a time: the shards of
+    this epoch first, then the next one's; into free room as far ahead as the budget allows, in
+    another shard's room only within the ``Lead`` of their read. A shard another process
     is fetching is skipped; one whose fetch failed is left to the workers for the rest of the
     run (they say why, and a stalling server is not waited for again on their behalf).
 
