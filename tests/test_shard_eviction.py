@@ -109,9 +109,10 @@ def test_over_epochs_a_cache_smaller_than_the_data_set_fetches_what_it_lacks(
         tmp_path, server, web, monkeypatch, step_s):
     """40 shards, a cache of 0.75x them, 4 shards a lane: from the second epoch on, each epoch
     fetches less than half the data set (evicting the first fetched, as before, fetched 0.62-0.69x
-    it an epoch; by the known order, 0.30-0.35x, where the fewest fetches the order allows with
+    it an epoch; by the known order, 0.30-0.40x, where the fewest fetches the order allows with
     room for 28 shards are 0.30x). A consumer slower than the fetches (a step of 3 ms) changes
-    none of it: a fetch that takes another shard's room starts only shortly before its read. Every sample once an epoch; the node's report
+    none of it: a fetch that takes another shard's room starts only shortly before its read.
+    Every sample once an epoch; the node's report
     counts the bytes fetched (what the rank's own counts say: it is the node's only rank) against a
     share of the whole data set (one node)."""
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmpdir"))

@@ -11,8 +11,8 @@ it never outlives the trainer. Who does what:
   (the progress file's flock, shared with the fetch process): a fetch process that dies leaves
   the rank on the board, said once (``FetchProcessDied``), and the workers fetch what they need
   themselves, as they always may.
-* On the consumer's thread, as each batch is handed over (``moved``): the epoch the batches in
-  flight may reach (``publish_ahead``, before they are dispatched), and the consumer's place
+* On the consumer's thread, as each batch is handed over (``moved``): where the batches in
+  flight may reach (``publish_reach``, before they are dispatched), and the consumer's place
   written into a page both processes map (one 8-byte word: never read half-written); then a
   byte down a socket wakes the fetch process (never waited on: a full socket is a bell
   ringing; sent without SIGPIPE, which a trainer that restored its default would die of once
@@ -41,7 +41,7 @@ from ..engine import (Lifeline, ProcessId, hold_starting_thread, release_startin
 from .cache import CacheCounters, ShardCache
 from .ledger import RankProgress, next_read, read_epoch
 from .plan import ShardPlan
-from .prefetch import Prefetcher, ShardUses, ahead_of
+from .prefetch import Prefetcher, ShardUses, in_flight_until
 
 COUNTED = (*(f"remote_{name}" for name in remote.Counters.FIELDS), *CacheCounters.FIELDS)
 PEAKS = frozenset({"cache_peak_bytes"})  # a count the consumer keeps as the largest
@@ -108,7 +108,8 @@ class FetchProcess:
     def __init__(self, cache: ShardCache, plan: ShardPlan, epoch: int, position: int,
                  depth: int) -> None:
         self._plan, self._depth = plan, depth
-        self._progress = cache.board.join(plan.rank, epoch, ahead_of(plan, depth, epoch, position),
+        self._progress = cache.board.join(plan.rank, epoch,
+                                          in_flight_until(plan, depth, epoch, position),
                                           ShardUses(plan, cache.index).reads(epoch, position))
         self._page = SharedPage.make(epoch, position)
         self._taken = np.zeros(len(COUNTED))
@@ -163,9 +164,9 @@ class FetchProcess:
         return self
 
     def moved(self, epoch: int, position: int) -> None:
-        """The consumer has every batch of ``epoch`` before ``position`` (on its thread: the
-        epoch the batches to dispatch next may reach is published here, before they are)."""
-        self._progress.publish_ahead(ahead_of(self._plan, self._depth, epoch, position))
+        """The consumer has every batch of ``epoch`` before ``position`` (on its thread: where
+        the batches to dispatch next may reach is published here, before they are)."""
+        self._progress.publish_reach(in_flight_until(self._plan, self._depth, epoch, position))
         self._page.move(epoch, position)
         try:
             self._bell.send(b"\0", socket.MSG_NOSIGNAL)

@@ -35,8 +35,8 @@ LEDGER_RECORD = np.dtype([("state", "i1"), ("waiting", "i1"), ("tag", "<i4"), ("
                           ("version", "<i8"), ("got", "<i8")])
 
 WAIT_POLL_S = 0.01          # how often a worker waiting for a shard or for room looks again
-_RANK_HEADER = 24           # a progress file: the consumer's epoch, its owner's pid, the epoch its
-# batches in flight may reach; then, of every shard, when the rank reads it next (``next_read``)
+_RANK_HEADER = 24           # a progress file: the consumer's epoch, its owner's pid, where its
+# batches in flight may reach (a ``next_read``); then, of every shard, when the rank reads it next
 NEVER = np.iinfo(np.int64).max  # a shard the rank reads neither in this epoch nor in the next
 
 
@@ -45,9 +45,9 @@ def next_read(epoch: int | np.ndarray, position: int | np.ndarray) -> np.ndarray
     return (np.asarray(epoch, np.int64) << 32) + np.asarray(position, np.int64)
 
 
-def read_epoch(reads: np.ndarray) -> np.ndarray:
+def read_epoch(reads: np.ndarray | int) -> np.ndarray:
     """The epoch of each ``next_read`` (never read again: past any epoch)."""
-    return reads >> 32
+    return np.asarray(reads, np.int64) >> 32
 
 
 class Ledger:
@@ -144,7 +144,7 @@ class RankBoard:
     def path(self, rank: int) -> str:
         return os.path.join(self.folder, f"rank-{rank}")
 
-    def join(self, rank: int, epoch: int, ahead: int, reads: np.ndarray) -> "RankProgress":
+    def join(self, rank: int, epoch: int, reach: int, reads: np.ndarray) -> "RankProgress":
         """This process's place on the board as ``rank``, published at once; raises if a live
         process (another job's, or another sequence of this one's) holds that rank already."""
         deadline = time.monotonic() + 2.0  # a board reader holds a file for a moment only
@@ -157,7 +157,7 @@ class RankBoard:
                     "(or cache_dir=)")
             time.sleep(WAIT_POLL_S)
         progress = RankProgress(fd, self.count)
-        progress.publish_ahead(ahead)
+        progress.publish_reach(reach)
         progress.publish(epoch, reads)
         return progress
 
@@ -167,7 +167,7 @@ class RankBoard:
         return "unknown"
 
     def live(self) -> list[tuple[int, int, np.ndarray]]:
-        """(epoch, ahead, next reads) of every live rank."""
+        """(epoch, reach of the batches in flight, next reads) of every live rank."""
         found = []
         size = _RANK_HEADER + 8 * self.count
         with contextlib.suppress(FileNotFoundError):
@@ -178,8 +178,8 @@ class RankBoard:
                 with open_private_file(path) as file:
                     data = file.read(size)
                     if len(data) == size:
-                        epoch, _, ahead = np.frombuffer(data[:_RANK_HEADER], np.int64).tolist()
-                        found.append((epoch, ahead,
+                        epoch, _, reach = np.frombuffer(data[:_RANK_HEADER], np.int64).tolist()
+                        found.append((epoch, reach,
                                       np.frombuffer(data, np.int64, offset=_RANK_HEADER)))
         return found
 
@@ -199,7 +199,7 @@ class RankProgress:
         self.fd = fd
         self.count = count
         self._published: tuple | None = None
-        self._ahead: int | None = None
+        self._reach: int | None = None
         if fresh:  # else the rank's file as its consumer's process made it, handed on
             os.ftruncate(fd, _RANK_HEADER + 8 * count)
             os.pwrite(fd, np.array([-1, os.getpid(), -1], np.int64).tobytes(), 0)
@@ -212,10 +212,10 @@ class RankProgress:
         os.pwrite(self.fd, np.int64(epoch).tobytes(), 0)
         self._published = epoch, reads.copy()
 
-    def publish_ahead(self, ahead: int) -> None:
-        if ahead != self._ahead:
-            os.pwrite(self.fd, np.int64(ahead).tobytes(), 16)
-            self._ahead = ahead
+    def publish_reach(self, reach: int) -> None:
+        if reach != self._reach:
+            os.pwrite(self.fd, np.int64(reach).tobytes(), 16)
+            self._reach = reach
 
     def leave(self) -> None:
         if self.fd >= 0:
@@ -224,12 +224,13 @@ class RankProgress:
 
 
 def evictable(table: np.ndarray, live: list[tuple[int, int, np.ndarray]], expected: int = 0) -> np.ndarray:
-    """The cached shards no live rank reads again in the epoch it is in."""
+    """The cached shards no live rank reads again in the epoch it is in, nor in the batches it
+    has in flight (which reach into the next epoch near an epoch's end)."""
     free = table["state"] == CACHED
     if len(live) < expected:  # ranks the launcher started are not on the board yet
         return np.zeros_like(free)
-    for epoch, _, reads in live:
-        free &= read_epoch(reads) > epoch
+    for epoch, reach, reads in live:
+        free &= (read_epoch(reads) > epoch) & (reads > reach)
     return free
 
 

@@ -139,8 +139,8 @@ class Lead:
     a shard's room is taken, the fewer shards there are to choose from (those the ranks are
     done with), and the sooner the one chosen is read again: with 0.75x the data set in the
     cache, fetching as early as the room allowed fetched 0.60-0.68x of it an epoch, and this
-    lead 0.30-0.35x, the fewest the order allows. Until the pace and a fetch are measured: no
-    bound (an empty cache has room)."""
+    lead 0.30-0.40x (the fewest the order allows: 0.30x). Until the pace and a fetch are
+    measured: no bound (an empty cache has room)."""
 
     def __init__(self, plan: ShardPlan, depth: int) -> None:
         self._plan, self._depth = plan, depth
@@ -170,9 +170,13 @@ class Lead:
         return 2 * self._depth + pace * LEAD_FETCHES * self._fetch_s
 
 
-def ahead_of(plan: ShardPlan, depth: int, epoch: int, position: int) -> int:
-    """The epoch the batches in flight may reach: ``depth`` batches past the consumer's."""
-    return epoch + int(position + depth > plan.length(epoch))
+def in_flight_until(plan: ShardPlan, depth: int, epoch: int, position: int) -> int:
+    """Where the batches in flight may reach, ``depth`` batches past the consumer's place, as a
+    ``next_read``: a shard they read is not evicted from under the workers building them."""
+    length = plan.length(epoch)
+    if position + depth <= length:
+        return int(next_read(epoch, position + depth))
+    return int(next_read(epoch + 1, position + depth - length))
 
 
 class Prefetcher:

@@ -290,8 +290,9 @@ class CacheStore:
     def _reserve(self, number: int, epoch: int | None, demand: bool, evict: bool = True) -> bool:
         """Reserve shard ``number``'s bytes, evicting what no rank needs if that makes room
         (unless not ``evict``). A prefetch also leaves room for the readers waiting and for one
-        more shard; a reader that finds none is marked waiting. ``epoch`` None (a reader's: it does not know the epoch of
-        its batch): the latest epoch any rank's batches in flight may reach."""
+        more shard; a reader that finds none is marked waiting. ``epoch`` None (a reader's: it
+        does not know the epoch of its batch): the latest epoch any rank's batches in flight
+        may reach."""
         size = int(self.estimates[number])
         assert self.budget is not None  # settled by prepare()
         with self.ledger.changing() as table:
@@ -308,7 +309,8 @@ class CacheStore:
             if self.ledger.usage(table) + need > self.budget:
                 table["waiting"][number] = demand
                 return False
-            tag = epoch if epoch is not None else max((ahead for _, ahead, _ in live), default=0)
+            tag = epoch if epoch is not None else \
+                max((int(read_epoch(reach)) for _, reach, _ in live), default=0)
             Ledger.move(table, number, FETCHING, waiting=0, tag=tag, bytes=size)
             self.counters.peak(self.ledger.usage(table))
         return True
