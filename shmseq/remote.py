@@ -66,6 +66,7 @@ from .remote_stream import STOP_POLL_S, FetchStopped, answer_head, get_range
 __all__ = ["DEFAULT_POLICY", "DENIED_CODES", "FETCH_CHUNK_BYTES", "MESSAGE_CHARS", "MISSING_CODES",
            "RETRIED_CODES", "RETRIED_STATUS", "SEQUENCE_SHARE", "STOP_POLL_S", "TRANSIENT",
            "VERSION_KEYS", "Counters", "FetchStopped", "RangeIgnored", "RemotePolicy", "fetch",
+           "fetch_versioned",
            "fit_to_timeout", "is_remote", "open_file", "read_range", "reason", "size", "version"]
 
 FETCH_CHUNK_BYTES = 32 << 20  # one request of a whole-object fetch: a retry's loss (streamed to
@@ -141,12 +142,23 @@ def fetch(url: str, path: str | os.PathLike, *, storage_options: dict | None = N
           counters: Counters | None = None, policy: RemotePolicy | None = None,
           stop: threading.Event | None = None) -> int:
     """The whole object into the local file ``path`` (atomically: renamed into place); its size."""
+    return fetch_versioned(url, path, storage_options=storage_options, counters=counters,
+                           policy=policy, stop=stop)[0]
+
+
+def fetch_versioned(url: str, path: str | os.PathLike, *, storage_options: dict | None = None,
+                    counters: Counters | None = None, policy: RemotePolicy | None = None,
+                    stop: threading.Event | None = None) -> tuple[int, str | None]:
+    """``fetch``, and the object's ``version`` as its first answer said it (over ``http(s)://``
+    and ``s3://``; None elsewhere): the version of the bytes received, without a request more
+    (a later change of the object shows in ``version``)."""
     folder, name = os.path.split(os.path.abspath(path))
     part = tempfile.NamedTemporaryFile(dir=folder, prefix=f".{name}.", suffix=".part", delete=False)
+    heads: list[Message] = []
     try:
         with part:
             if is_remote(url):
-                size = _fetch_ranges(url, part, storage_options, counters, policy, stop)
+                size = _fetch_ranges(url, part, storage_options, counters, policy, stop, heads)
             else:
                 with open(_local_path(url), "rb") as source:
                     shutil.copyfileobj(source, part)
@@ -156,7 +168,7 @@ def fetch(url: str, path: str | os.PathLike, *, storage_options: dict | None = N
         with contextlib.suppress(FileNotFoundError):
             os.unlink(part.name)
         raise
-    return size
+    return size, _version_of(size, heads[0]) if heads else None
 
 
 # one attempt at a fetch's chunk: (start, out, timeout, stop) -> (bytes written, whole object)
@@ -164,13 +176,15 @@ _Chunk = Callable[[int, IO[bytes], "float | None", "threading.Event | None"], "t
 
 
 def _fetch_ranges(url: str, out: IO[bytes], storage_options: dict | None, counters: Counters | None,
-                  policy: RemotePolicy | None, stop: threading.Event | None) -> int:
+                  policy: RemotePolicy | None, stop: threading.Event | None,
+                  heads: list[Message]) -> int:
     """Chunk after chunk until one comes short (no request for the size first), each retried
     on its own; over HTTP, a server that ignores Range answers the first with the whole object,
-    taken as it comes."""
+    taken as it comes. The streamed answers' heads go to ``heads``."""
     counters, policy = counters or Counters(), policy or DEFAULT_POLICY
     if _streamed(url):
-        chunk = functools.partial(_streamed_chunk, remote_sources.source(url, storage_options))
+        chunk = functools.partial(_streamed_chunk, remote_sources.source(url, storage_options),
+                                  heads)
     else:
         chunk = functools.partial(_fsspec_chunk, *_filesystem(url, storage_options))
     end, done = 0, False
@@ -193,12 +207,13 @@ def _fetch_chunk(chunk: _Chunk, out: IO[bytes], start: int, counters: Counters,
     return start + came, everything or came < FETCH_CHUNK_BYTES
 
 
-def _streamed_chunk(source: remote_sources.Source, start: int, out: IO[bytes],
-                    timeout: float | None, stop: threading.Event | None) -> tuple[int, bool]:
+def _streamed_chunk(source: remote_sources.Source, heads: list[Message], start: int,
+                    out: IO[bytes], timeout: float | None,
+                    stop: threading.Event | None) -> tuple[int, bool]:
     """A chunk over HTTP from the socket to the file, in this thread (``remote_stream``)."""
     url, headers = source.request(start, start + FETCH_CHUNK_BYTES)
     return get_range(url, headers, source.transport, source.refusal, start, FETCH_CHUNK_BYTES,
-                     out, timeout, stop)
+                     out, timeout, stop, heads)
 
 
 def _fsspec_chunk(fs: Any, path: str, start: int, out: IO[bytes], timeout: float | None,

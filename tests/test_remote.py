@@ -364,13 +364,13 @@ def test_a_given_policy_that_outlasts_the_sequence_timeout_is_refused(tmp_path):
 
 
 def test_a_first_batch_slower_than_the_timeout_names_the_batch_and_its_worker(tmp_path):
-    """Each request is answered within its deadline (0.5 s of 1.5), but the one batch reads 50
-    shards (two requests each, the fetch process's and the worker's fetches five at a time):
+    """Each request is answered within its deadline (0.5 s of 1.5), but the one batch reads 200
+    shards (a request each, the fetch process's and the worker's fetches 12 at a time: 8 s):
     start() gives up after its timeout saying that the worker started and which batch it is
     building (it said "did not start within timeout=...: " and nothing more)."""
-    sd.write(tmp_path / "shards", 50, 1)
+    sd.write(tmp_path / "shards", 200, 1)
     with serving(lambda servers: servers.FileServer(tmp_path, delay=0.5)) as slow:
-        seq = ShardSequence(f"{slow.url}/shards/shards.json", sd.decode, batch_size=50,
+        seq = ShardSequence(f"{slow.url}/shards/shards.json", sd.decode, batch_size=200,
                             num_workers=1, out_type="null", timeout=4.5, cache_dir=tmp_path / "c")
         with pytest.raises(ShmSeqError, match=r"did not start within timeout=4\.5 s: each started, "
                                               r"but none has built its first batch yet, which the "

@@ -66,6 +66,11 @@ class DamagedShardWarning(UserWarning):
     changed by hand): it was removed and fetched again."""
 
 
+def version_number(named: str) -> int:
+    """An object's ``remote.version`` as a number for the ledger (never 0: none recorded)."""
+    return int.from_bytes(hashlib.sha256(named.encode()).digest()[:8], "little", signed=True) or 1
+
+
 class ShardCache(CacheStore):
     """The node's cache of one index's shards for one job (see the module's text): ``open`` a
     shard (fetched first by the caller if it is not cached), ``prefetch`` one (the prefetcher's
@@ -200,9 +205,9 @@ class ShardCache(CacheStore):
                  stop: threading.Event | None = None) -> int:
         """The shard's object as its store names this content of it (``remote.version``: its
         ETag, say), as a number for the ledger (never 0, which stands for none recorded)."""
-        named = remote.version(self.index.shards[number].url, storage_options=self.storage_options,
-                               counters=counters, policy=self.policy, stop=stop)
-        return int.from_bytes(hashlib.sha256(named.encode()).digest()[:8], "little", signed=True) or 1
+        return version_number(remote.version(
+            self.index.shards[number].url, storage_options=self.storage_options,
+            counters=counters, policy=self.policy, stop=stop))
 
     def _wait_for_lock(self, number: int) -> int:
         while (fd := lock(self._lock_path(number), wait=False)) is None:
@@ -245,11 +250,13 @@ class ShardCache(CacheStore):
         """Fetch shard ``number`` (its lock held, its bytes reserved) and record it cached."""
         these = remote.Counters()  # this fetch's own, then added to the reader's
         try:
-            version = self._version(number, these, stop)  # asked first: a change while fetching shows
-            size = remote.fetch(self.index.shards[number].url, self.path(number),
-                                storage_options=self.storage_options, counters=these,
-                                policy=self.policy, stop=stop)
+            size, named = remote.fetch_versioned(
+                self.index.shards[number].url, self.path(number),
+                storage_options=self.storage_options, counters=these, policy=self.policy,
+                stop=stop)
             self._check_fetched(number)
+            version = version_number(named) if named is not None else \
+                self._version(number, these, stop)
         except BaseException:
             with self.ledger.changing() as table:
                 Ledger.move(table, number, ABSENT, bytes=0)
