@@ -85,8 +85,9 @@ def test_the_training_process_fetches_no_shard_itself(sequence):
 
 
 def test_a_dead_fetch_process_is_named_once_and_the_epoch_goes_on(sequence):
-    """Killed after the first batch: the next batch names it (its pid, its exit code) once,
-    and every sample of the epoch still comes, the workers fetching their shards themselves."""
+    """Killed after the first batch: named once (its pid, its exit code), within a second or
+    at finish() at the latest, and every sample of the epoch still comes, the workers fetching
+    their shards themselves."""
     seen = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -137,7 +138,7 @@ def test_the_fetch_process_ends_with_its_trainer(tmp_path, web):
 
 def test_a_trainer_with_sigpipe_at_its_default_outlives_its_fetch_process(tmp_path, web):
     """Tools that restore SIGPIPE's default die on a write to a pipe nobody reads: the trainer
-    rings its fetch process without SIGPIPE, so the one that died is only named."""
+    never writes to its fetch process, so the one that died is only named."""
     write(tmp_path / "web")
     script = textwrap.dedent(f"""
         import os, signal, time, warnings
