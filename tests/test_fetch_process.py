@@ -165,3 +165,25 @@ def test_a_trainer_with_sigpipe_at_its_default_outlives_its_fetch_process(tmp_pa
                           timeout=120)
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     assert done.stdout.split() == [str(SHARDS * PER_SHARD), "1"], done.stderr[-3000:]
+
+
+def test_finish_ends_the_fetch_process_though_a_fork_of_the_trainer_holds_its_pipe(sequence):
+    """A process forked from the trainer (a framework's helper, another loader's worker) holds
+    a copy of the pipe whose closing told the fetch process to end: finish() waited 10 s for
+    it, then killed it. The page says so too: it ends within its next look."""
+    with sequence.start():
+        next(iter(sequence))
+        [fetcher] = fetch_processes()
+        child = os.fork()
+        if child == 0:  # holds every descriptor of the trainer's, as a fork does
+            time.sleep(30)
+            os._exit(0)
+        try:
+            began = time.monotonic()
+            sequence.finish()
+            took = time.monotonic() - began
+        finally:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+    assert gone(fetcher)
+    assert took < 5, f"finish() took {took:.1f} s"

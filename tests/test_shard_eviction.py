@@ -50,12 +50,13 @@ def reserve(cache: ShardCache, number: int, epoch: int | None, demand: bool) -> 
     return cache._reserve(number, epoch, demand)
 
 
-def join(cache: ShardCache, reads: dict[int, tuple[int, int]]):
-    """Rank 0 in epoch 0, reading each shard of ``reads`` next at (epoch, position)."""
+def join(cache: ShardCache, reads: dict[int, tuple[int, int]], reach: tuple[int, int] = (0, 0)):
+    """Rank 0 in epoch 0, reading each shard of ``reads`` next at (epoch, position), its
+    batches in flight reaching ``reach``."""
     known = np.full(len(cache.index.shards), NEVER, np.int64)
     for number, (epoch, position) in reads.items():
         known[number] = next_read(epoch, position)
-    return cache.board.join(0, 0, 0, known)
+    return cache.board.join(0, 0, int(next_read(*reach)), known)
 
 
 def states(cache: ShardCache) -> list[int]:
@@ -89,13 +90,18 @@ def test_a_prefetch_takes_no_room_of_a_shard_read_sooner_than_its_own(store):
         progress.leave()
 
 
-def test_a_shard_still_read_in_the_epoch_it_is_kept_for_is_never_evicted(store):
-    """Every shard is still read in epoch 0: a reader waits (marked waiting), nothing goes."""
-    progress = join(store, {number: (0, 10 + number) for number in range(8)})
+def test_a_shard_the_batches_in_flight_read_is_never_evicted(store):
+    """Shards 0-3 are read at batches 10-13 of epoch 0 and the batches in flight reach batch 12:
+    a reader takes the room of shard 3, read later (and at the end of the epoch, not kept for
+    all of it: kept so, they held the room of a shard read sooner, which waited for ever), then
+    finds none: the others are in flight. It waits, marked waiting."""
+    progress = join(store, {number: (0, 10 + number) for number in range(8)}, reach=(0, 12))
     try:
-        assert not reserve(store, 4, None, demand=True)
+        assert reserve(store, 4, None, demand=True)
+        assert states(store)[:5] == [CACHED, CACHED, CACHED, ABSENT, FETCHING]
+        assert not reserve(store, 5, None, demand=True)
         table = store.ledger.table()
-        assert table["state"][:4].tolist() == [CACHED] * 4 and table["waiting"][4] == 1
+        assert table["state"][:3].tolist() == [CACHED] * 3 and table["waiting"][5] == 1
     finally:
         progress.leave()
 

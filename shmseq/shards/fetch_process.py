@@ -20,7 +20,8 @@ it never outlives the trainer. Who does what:
 * The fetch process looks at that place every ``PLACE_POLL_S`` and follows it: it publishes
   when the rank reads each shard next, fetches ahead, and writes its counts (remote requests
   and bytes, the cache's fetches) into the same page, where the consumer's ``stats`` read them.
-  It ends when the consumer closes the pipe it holds (or dies). The consumer looks whether the
+  It ends when the consumer marks the page ended (a process forked from the trainer may keep
+  the pipe's write end open), closes its end of the pipe, or dies. The consumer looks whether the
   fetch process ended every ``CHECK_EVERY_S``, and once more at the end, without a signal that
   could kill it (a pipe written to after its reader died sends SIGPIPE).
 """
@@ -49,6 +50,7 @@ from .prefetch import Prefetcher, ShardUses, in_flight_until
 COUNTED = (*(f"remote_{name}" for name in remote.Counters.FIELDS), *CacheCounters.FIELDS)
 PEAKS = frozenset({"cache_peak_bytes"})  # a count the consumer keeps as the largest
 PAGE = 8 + 8 * len(COUNTED)  # the consumer's place, then the fetch process's counts
+ENDED = -1  # the place that tells the fetch process to end
 CLOSE_WAIT_S = 10.0  # a fetch process told to end has its fetches cancelled within 50 ms
 PLACE_POLL_S = 0.02  # how often the fetch process looks at the consumer's place and writes counts
 CHECK_EVERY_S = 1.0  # how often the consumer looks whether its fetch process ended
@@ -80,6 +82,13 @@ class SharedPage:
 
     def move(self, epoch: int, position: int) -> None:
         self.place[0] = next_read(epoch, position)
+
+    def end(self) -> None:
+        """Tell the fetch process to end (where no place can be)."""
+        self.place[0] = ENDED
+
+    def ended(self) -> bool:
+        return int(self.place[0]) == ENDED
 
     def where(self) -> tuple[int, int]:
         word = self.place[0]
@@ -201,6 +210,7 @@ class FetchProcess:
             return {}
         if self._plan.on_release == self.moved:
             self._plan.on_release = None
+        self._page.end()  # seen within PLACE_POLL_S, whoever else holds the pipe (a fork)
         os.close(self._end)  # the fetch process reads the pipe's end: it ends
         try:
             self._process.wait(CLOSE_WAIT_S)
@@ -235,7 +245,7 @@ def main() -> None:
     prefetcher.start()
     totals, place = np.zeros(len(COUNTED)), (setup.epoch, setup.position)
     try:
-        while not select.select([setup.end], [], [], PLACE_POLL_S)[0]:  # readable: closed
+        while not select.select([setup.end], [], [], PLACE_POLL_S)[0] and not page.ended():
             if page.where() != place:
                 place = page.where()
                 prefetcher.follow(*place)

@@ -224,13 +224,16 @@ class RankProgress:
 
 
 def evictable(table: np.ndarray, live: list[tuple[int, int, np.ndarray]], expected: int = 0) -> np.ndarray:
-    """The cached shards no live rank reads again in the epoch it is in, nor in the batches it
-    has in flight (which reach into the next epoch near an epoch's end)."""
+    """The cached shards no live rank's batches in flight read (they reach into the next epoch
+    near an epoch's end). A shard read later in the epoch may go, to make room for one read
+    sooner: pinned for the whole epoch, the shards of its end held the room its next batch
+    needed, and that batch waited for room that never came (``ShardCacheFull``, with 6 of 6
+    shards kept for later in the epoch)."""
     free = table["state"] == CACHED
     if len(live) < expected:  # ranks the launcher started are not on the board yet
         return np.zeros_like(free)
-    for epoch, reach, reads in live:
-        free &= (read_epoch(reads) > epoch) & (reads > reach)
+    for _, reach, reads in live:
+        free &= reads > reach
     return free
 
 

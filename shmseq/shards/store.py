@@ -17,12 +17,14 @@ trusted: ``shmseq.shards.files``)::
                the cache holds its shared flock
     session    the node's run: a shard checked against its index in it is not checked again
 
-Eviction: only to make room, and only of a shard that no local rank reads again in the epoch
-it is in (the plan says which batches read which shard; each rank publishes, for every shard,
-the batch of this epoch or the next that reads it next). Of those, the one the node reads
-latest goes first (one it reads in neither epoch before all): the plan knows the future, so the
-cache keeps what comes soonest, the next epoch's first shards among them, and gives up the
-room of what comes latest (Belady's rule). A prefetch takes only the room of shards read after
+Eviction: only to make room, and only of a shard that no local rank's batches in flight read
+(the plan says which batches read which shard; each rank publishes, for every shard, the batch
+of this epoch or the next that reads it next, and how far its batches in flight reach). Of
+those, the one the node reads latest goes first (one it reads in neither epoch before all): the
+plan knows the future, so the cache keeps what comes soonest, the next epoch's first shards
+among them, and gives up the room of what comes latest (Belady's rule), a shard read later in
+this epoch included (kept for the whole epoch, such shards held the room the next batch
+needed, which then waited for it forever). A prefetch takes only the room of shards read after
 its own, and nothing is evicted for room that would still fall short. A rank whose progress
 file nobody holds (finished, or dead) counts for nothing; with torchrun's ``LOCAL_WORLD_SIZE``
 set, nothing is evicted until that many ranks are there. Prefetches leave room for a worker
@@ -316,8 +318,7 @@ class CacheStore:
         return True
 
     def _evict(self, table: np.ndarray, live: list, wanted: int, keeping: int | None = None) -> None:
-        """Remove shards no rank reads again in the epoch it is in, those the node reads
-        latest first (those it reads no more first of all: the plan tells the future), until
+        """Remove shards no rank's batches in flight read, those the node reads latest first (those it reads no more first of all: the plan tells the future), until
         ``wanted`` bytes are free; none where they would not free as much. For a
         prefetch of shard ``keeping``: only those the node reads after it, since taking the
         room of a shard read sooner would fetch that one again before this one is read."""
