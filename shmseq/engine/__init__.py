@@ -58,7 +58,7 @@ from .trainer.plan import (LAST_BATCH_POLICIES, EpochPlan, SamplerPlan, as_index
                            process_group)
 from .trainer.ring import Ring
 from .trainer.spec import PipelineSpec
-from .trainer.stats import LoaderStats
+from .trainer.stats import PEAK_COUNTS, LoaderStats, added_count
 from .trainer.tuning import START_WORKERS, default_max_workers
 from .worker.batch import StreamEnded
 from .worker.loop import WorkerInfo, get_worker_info
@@ -66,10 +66,10 @@ from .worker.loop import WorkerInfo, get_worker_info
 __all__ = [
     "BatchTimeout", "Completion", "CudaDevice", "Cursor", "Delivery", "Device", "EpochPlan",
     "Fence", "FrontEndHooks", "GpuTimer", "HostDevice", "Inline", "LAST_BATCH_POLICIES", "Lifeline",
-    "LoaderStats", "OUT_TYPES", "Pipeline", "PipelineClosed", "PipelineSpec", "Plan", "ProcessId", "Ragged", "Ring",
+    "LoaderStats", "OUT_TYPES", "PEAK_COUNTS", "Pipeline", "PipelineClosed", "PipelineSpec", "Plan", "ProcessId", "Ragged", "Ring",
     "RingSpec", "START_WORKERS", "SamplerPlan", "SharedMemoryFull", "ShmSeqError",
     "SkippedSamplesWarning", "SlotAllocator", "StreamEnded", "UnsupportedBatch", "WorkerDied",
-    "WorkerError", "WorkerInfo", "Wrap", "as_index_array", "as_ndarray", "closing_finalizer",
+    "WorkerError", "WorkerInfo", "Wrap", "added_count", "as_index_array", "as_ndarray", "closing_finalizer",
     "cuda_available", "default_max_workers", "get_worker_info", "hold_starting_thread",
     "is_tensor", "make_leaf", "map_arrays", "process_group", "release_starting_thread",
     "resolve_out_type", "stack_into", "start_helper", "torch_available", "warn_user",

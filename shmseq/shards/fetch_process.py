@@ -40,15 +40,14 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import remote
-from ..engine import (Lifeline, ProcessId, hold_starting_thread, release_starting_thread,
-                      start_helper)
+from ..engine import (PEAK_COUNTS, Lifeline, ProcessId, added_count, hold_starting_thread,
+                      release_starting_thread, start_helper)
 from .cache import CacheCounters, ShardCache
 from .ledger import RankProgress, next_read, read_epoch
 from .plan import ShardPlan
 from .prefetch import Prefetcher, ShardUses, in_flight_until
 
 COUNTED = (*(f"remote_{name}" for name in remote.Counters.FIELDS), *CacheCounters.FIELDS)
-PEAKS = frozenset({"cache_peak_bytes"})  # a count the consumer keeps as the largest
 PAGE = 8 + 8 * len(COUNTED)  # the consumer's place, then the fetch process's counts
 ENDED = -1  # the place that tells the fetch process to end
 CLOSE_WAIT_S = 10.0  # a fetch process told to end has its fetches cancelled within 50 ms
@@ -199,8 +198,9 @@ class FetchProcess:
         now = self._page.counts.copy()
         grown = now - self._taken
         self._taken = now
-        return {name: float(now[at] if name in PEAKS else grown[at])
-                for at, name in enumerate(COUNTED) if grown[at] or (name in PEAKS and now[at])}
+        return {name: float(now[at] if name in PEAK_COUNTS else grown[at])
+                for at, name in enumerate(COUNTED)
+                if grown[at] or (name in PEAK_COUNTS and now[at])}
 
     def close(self) -> dict[str, float]:
         """End the fetch process (its fetches cancelled) and leave the board; what it counted
@@ -246,8 +246,8 @@ def main() -> None:
     totals, place = np.zeros(len(COUNTED)), (setup.epoch, setup.position)
     try:
         while not select.select([setup.end], [], [], PLACE_POLL_S)[0] and not page.ended():
-            if page.where() != place:
-                place = page.where()
+            if (now := page.where()) != place:
+                place = now
                 prefetcher.follow(*place)
             _count(totals, counters, cache.counters, page)
     finally:
@@ -261,5 +261,5 @@ def _count(totals: np.ndarray, counters: remote.Counters, cache_counters: CacheC
     taken = {f"remote_{name}": value for name, value in counters.take().items()}
     taken.update(cache_counters.take())
     for at, name in enumerate(COUNTED):
-        totals[at] = max(totals[at], taken[name]) if name in PEAKS else totals[at] + taken[name]
+        totals[at] = added_count(name, totals[at], taken[name])
     page.counts[:] = totals

@@ -193,7 +193,7 @@ class RankProgress:
     """A rank's own progress file, written in place: the shards' next reads, then the
     consumer's epoch, so that a reader who catches it half-written sees more kept, never less
     (a read not yet moved on is sooner); and, on the consumer's thread before the batches it
-    covers are dispatched, the epoch they may reach."""
+    covers are dispatched, how far they may reach (``publish_reach``)."""
 
     def __init__(self, fd: int, count: int, fresh: bool = True) -> None:
         self.fd = fd

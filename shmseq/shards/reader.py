@@ -102,7 +102,7 @@ class ShardReader:
         found: dict[tuple[int, int], dict] = {}
         try:
             if self.cache is not None:
-                self._open_together(sorted(set(shards.tolist())))
+                self._open_together(self.cache, sorted(set(shards.tolist())))
             for shard, run in _runs(sorted(set(zip(shards.tolist(), ordinals.tolist())))):
                 found.update(self._read_run(shard, run))
         finally:
@@ -110,18 +110,17 @@ class ShardReader:
                 self._close_files(getattr(self._local, "files", {}))
         return [found[pair] for pair in zip(shards.tolist(), ordinals.tolist())]
 
-    def _open_together(self, numbers: list[int]) -> None:
+    def _open_together(self, cache: ShardFiles, numbers: list[int]) -> None:
         """The batch's shards the cache is missing, fetched at once (a thread each) rather than
         one after another as the batch's samples come to them: a cold batch that reads 8 shards
         waits for about one fetch, not 8. What failed is raised when its samples are read."""
-        missing = self.cache.missing(numbers) if self.cache is not None else []
+        missing = cache.missing(numbers)
         if len(missing) < 2:
             return
         if self._fetchers is None or self._fetchers[0] != os.getpid():  # a forked child's anew
             self._fetchers = os.getpid(), ThreadPoolExecutor(
                 self.FETCH_TOGETHER, thread_name_prefix="shmseq-shard-open")
-        assert self.cache is not None  # missing() asked it
-        opened = {number: self._fetchers[1].submit(self.cache.open, number, self.counters)
+        opened = {number: self._fetchers[1].submit(cache.open, number, self.counters)
                   for number in missing}
         files = self._files()
         for number, future in opened.items():

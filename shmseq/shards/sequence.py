@@ -7,13 +7,14 @@ import os
 from typing import Any, Callable, Iterable, cast
 
 from ..checks import check_bool, check_int
+from ..engine import added_count
 from ..remote import RemotePolicy, fit_to_timeout, is_remote
 from ..sequence import Batching, ShmSequence, Stage
 from .cache import ShardCache
 from .index import ShardIndex, as_shard_index
+from .fetch_process import FetchProcess
 from .nodes import cache_nodes
 from .plan import ShardPlan, as_layout
-from .fetch_process import PEAKS, FetchProcess
 from .prefetch import check_room
 from .worker import ShardWorker
 
@@ -122,8 +123,7 @@ def merged(*counts: dict[str, float]) -> dict[str, float]:
     total: dict[str, float] = {}
     for some in counts:
         for name, value in some.items():
-            total[name] = max(total.get(name, 0), value) if name in PEAKS else \
-                total.get(name, 0) + value
+            total[name] = added_count(name, total.get(name, 0), value)
     return total
 
 

@@ -125,8 +125,14 @@ class Breakdown(NamedTuple):
         return None
 
 
-_PEAKS = frozenset({"cache_peak_bytes", "worker_private_bytes", "node_fetch_bytes",
-                    "node_share_bytes"})  # counts kept as the largest (or the last, if they grow)
+PEAK_COUNTS = frozenset({"cache_peak_bytes", "worker_private_bytes", "node_fetch_bytes",
+                         "node_share_bytes"})  # kept as the largest (or the last, if they grow)
+
+
+def added_count(name: str, before: float, value: float) -> float:
+    """Count ``name`` once ``value`` more of it came (from a worker, a stage, a process of
+    its own): added, or a peak kept as the largest."""
+    return max(before, value) if name in PEAK_COUNTS else before + value
 
 
 def _pct(fraction: float) -> str:
@@ -259,10 +265,7 @@ class LoaderStats:
         """Add a worker's counts (its ``pop_counts()``: field name -> increment); a peak is kept
         as the largest."""
         for name, value in counts.items():
-            if name in _PEAKS:
-                setattr(self, name, max(getattr(self, name), value))
-            else:
-                setattr(self, name, getattr(self, name) + value)
+            setattr(self, name, added_count(name, getattr(self, name), value))
 
     def as_dict(self) -> dict:
         return {"batches": self.batches, "bytes": self.bytes, "worker_busy_s": self.worker_busy_s,
