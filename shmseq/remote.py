@@ -47,6 +47,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import io
 import itertools
 import os
 import shutil
@@ -93,15 +94,34 @@ def read_range(url: str, start: int, end: int, *, storage_options: dict | None =
         with open(_local_path(url), "rb") as file:
             file.seek(start)
             return file.read(end - start)
-    fs, path = _filesystem(url, storage_options)
     counters, policy = counters or Counters(), policy or DEFAULT_POLICY
+    if _streamed(url):
+        source = remote_sources.source(url, storage_options)
+        ranged: Callable[[float | None], bytes] = functools.partial(
+            _streamed_range, source, start, end, stop=stop)
+    else:
+        ranged = functools.partial(_range, *_filesystem(url, storage_options), start, end,
+                                   stop=stop)
 
     def request(timeout: float | None) -> bytes:
-        data = _range(fs, path, start, end, timeout, stop)
+        data = ranged(timeout)
         counters.add(bytes=len(data))
         return data
 
     return _with_retries(url, request, policy, counters, stop)
+
+
+def _streamed_range(source: remote_sources.Source, start: int, end: int, timeout: float | None,
+                    stop: threading.Event | None) -> bytes:
+    """One request for bytes ``start`` to ``end`` over ``remote_stream``: none past the
+    object's end (HTTP 416), never more than asked (a server that ignores Range is refused)."""
+    if end <= start:
+        return b""
+    out = io.BytesIO()
+    url, headers = source.request(start, end)
+    _or_nothing(lambda: get_range(url, headers, source.transport, source.refusal, start,
+                                  end - start, out, timeout, stop, whole_object=False), (0, False))
+    return out.getvalue()
 
 
 def _range(fs: Any, path: str, start: int, end: int, timeout: float | None,
@@ -148,12 +168,14 @@ def fetch(url: str, path: str | os.PathLike, *, storage_options: dict | None = N
 
 def fetch_versioned(url: str, path: str | os.PathLike, *, storage_options: dict | None = None,
                     counters: Counters | None = None, policy: RemotePolicy | None = None,
-                    stop: threading.Event | None = None) -> tuple[int, str | None]:
+                    stop: threading.Event | None = None,
+                    part_path: str | None = None) -> tuple[int, str | None]:
     """``fetch``, and the object's ``version`` as its first answer said it (over ``http(s)://``
     and ``s3://``; None elsewhere): the version of the bytes received, without a request more
-    (a later change of the object shows in ``version``)."""
-    folder, name = os.path.split(os.path.abspath(path))
-    part = tempfile.NamedTemporaryFile(dir=folder, prefix=f".{name}.", suffix=".part", delete=False)
+    (a later change of the object shows in ``version``). ``part_path``: where the bytes go
+    until the object is whole (made 0600, a link there refused; default a fresh temporary name
+    beside ``path``), for a caller that owns the name and lets others read what has come."""
+    part, part_path = _part_file(path, part_path)
     heads: list[Message] = []
     try:
         with part:
@@ -163,12 +185,24 @@ def fetch_versioned(url: str, path: str | os.PathLike, *, storage_options: dict 
                 with open(_local_path(url), "rb") as source:
                     shutil.copyfileobj(source, part)
                 size = part.tell()
-        os.replace(part.name, path)
+        os.replace(part_path, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(part.name)
+            os.unlink(part_path)
         raise
     return size, _version_of(size, heads[0]) if heads else None
+
+
+def _part_file(path: str | os.PathLike, part_path: str | None) -> tuple[IO[bytes], str]:
+    """The file a fetch writes into until the object is whole, and its path."""
+    if part_path is None:
+        folder, name = os.path.split(os.path.abspath(path))
+        part = tempfile.NamedTemporaryFile(dir=folder, prefix=f".{name}.", suffix=".part",
+                                           delete=False)
+        return part, part.name
+    fd = os.open(part_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    return open(fd, "w+b"), part_path
 
 
 # one attempt at a fetch's chunk: (start, out, timeout, stop) -> (bytes written, whole object)

@@ -90,11 +90,12 @@ Refusal = Callable[[int, str, http.client.HTTPMessage, bytes], Exception]
 def get_range(url: str, headers: dict[str, str], transport: Transport, refusal: Refusal,
               start: int, chunk: int, out: IO[bytes], timeout: float | None,
               stop: threading.Event | None,
-              heads: list[Message] | None = None) -> tuple[int, bool]:
+              heads: list[Message] | None = None, whole_object: bool = True) -> tuple[int, bool]:
     """``chunk`` bytes from ``start`` of the object at ``url`` (``headers`` hold its Range,
     and a signature where one is needed) written to ``out``: (bytes written, whether they are
     the whole object); the answer's head added to ``heads``. A 200 to the first range is the
-    whole object (a server that ignores Range), taken whatever its size; anything else must be
+    whole object (a server that ignores Range), taken whatever its size where ``whole_object``
+    (a fetch's), else only if it is no more than asked for (a read's); anything else must be
     the bytes asked for."""
     watch = _Watch(timeout, chunk, stop)
     link, answer = _request(url, headers, transport, watch)
@@ -103,7 +104,7 @@ def get_range(url: str, headers: dict[str, str], transport: Transport, refusal: 
             raise _refused(answer, refusal)
         if heads is not None:
             heads.append(answer.msg)
-        whole = answer.status == 200 and start == 0
+        whole = whole_object and answer.status == 200 and start == 0
         sized = answer.length if not answer.chunked else None
         expected = sized if whole else _ranged(start, start + chunk, answer.status,
                                                answer.getheader("Content-Range"), sized)

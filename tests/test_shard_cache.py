@@ -184,7 +184,8 @@ def test_a_shard_larger_than_a_fetch_request_is_cached_from_a_server_that_ignore
         tmp_path, cache_dir):
     """``python -m http.server`` answers every request with the whole file: a 40 MiB shard
     (more than the 32 MiB one request of a ranged fetch asks for) is taken from that answer,
-    streamed into the cache, checked, and every sample read from it, with one GET."""
+    streamed into the cache, checked, and every sample read from it, with one GET (beside it,
+    at most one range request of the worker's for its first batch, refused unread)."""
     samples = ({"__key__": f"b{i}", "id": str(i), "bin": bytes([i + 1]) * BIG_MEMBER}
                for i in range(4))
     index = write_shards(samples, str(tmp_path / "web" / "big-%03d.tar"), samples_per_shard=4)
@@ -197,7 +198,8 @@ def test_a_shard_larger_than_a_fetch_request_is_cached_from_a_server_that_ignore
             rows = [row for batch in seq for row in np.asarray(batch).tolist()]
     assert sorted(rows) == [[i, BIG_MEMBER, i + 1, i + 1] for i in range(4)]
     gets = [path for method, path, _ in served.log if method == "GET" and path.endswith(".tar")]
-    assert gets == ["/web/big-000.tar"] and seq.stats.shard_fetches == 1
+    assert gets in (["/web/big-000.tar"], ["/web/big-000.tar"] * 2)
+    assert seq.stats.shard_fetches == 1 and seq.stats.shard_early_bytes == 0
 
 
 # -- the budget ---------------------------------------------------------------------------------

@@ -83,23 +83,25 @@ class ShardCache(CacheStore):
 
 
     # -- readers ----------------------------------------------------------------------------------
-    def open(self, number: int, counters: remote.Counters) -> BinaryIO:
+    def open(self, number: int, counters: remote.Counters,
+             stop: threading.Event | None = None) -> BinaryIO:
         """Shard ``number`` as a local file, checked against its index. Not cached yet (or
         not checked in this run, or damaged): checked, or fetched, by this caller under the
         shard's lock (or, if another process is fetching it, once that one is done); its
-        requests counted in ``counters``."""
+        requests counted in ``counters``. ``stop`` ends the wait or the fetch early
+        (``remote.FetchStopped``)."""
         file = self._open_cached(number)
         if file is not None:
             return file
         began, since = time.perf_counter(), time.time_ns()
-        fd = self._wait_for_lock(number)
+        fd = self._wait_for_lock(number, stop)
         try:
             self._raise_failure_since(number, since)
             file = self._open_cached(number, repair=True, counters=counters)
             if file is None:
                 self._wait_for_room(number)
                 try:
-                    self._fetch_reserved(number, None, counters)
+                    self._fetch_reserved(number, None, counters, stop)
                 except OSError as failure:
                     self._record_failure(number, failure)
                     raise
@@ -115,6 +117,31 @@ class ShardCache(CacheStore):
         table = self.ledger.table()
         return [number for number in numbers if table["state"][number] != CACHED
                 or table["checked"][number] != self.session]
+
+    def uncached(self, numbers: list[int]) -> list[int]:
+        """Of ``numbers``, the shards the node has no copy of (being fetched, or not yet)."""
+        state = self.ledger.table()["state"]
+        return [number for number in numbers if state[number] != CACHED]
+
+    def part_path(self, number: int) -> str:
+        """Where shard ``number``'s fetch writes until the shard is whole (one fetch at a time
+        holds its lock, so one name serves)."""
+        folder, name = os.path.split(self.path(number))
+        return os.path.join(folder, f".{name}.part")
+
+    def read_fetching(self, number: int, begin: int, end: int) -> bytes | None:
+        """Bytes ``begin`` to ``end`` of shard ``number`` from its fetch under way, if they have
+        come (None if not, or if the shard is whole and renamed already). Not checked: the
+        caller checks them against the samples' digests."""
+        try:
+            with open_private_file(self.part_path(number)) as file:
+                if os.fstat(file.fileno()).st_size < end:
+                    return None
+                file.seek(begin)
+                data = file.read(end - begin)
+        except FileNotFoundError:
+            return None
+        return data if len(data) == end - begin else None
 
     def _failure_path(self, number: int) -> str:
         return os.path.join(self.folder, "locks", f"{number:06d}.failed")
@@ -209,8 +236,10 @@ class ShardCache(CacheStore):
             self.index.shards[number].url, storage_options=self.storage_options,
             counters=counters, policy=self.policy, stop=stop))
 
-    def _wait_for_lock(self, number: int) -> int:
+    def _wait_for_lock(self, number: int, stop: threading.Event | None = None) -> int:
         while (fd := lock(self._lock_path(number), wait=False)) is None:
+            if stop is not None and stop.is_set():
+                raise remote.FetchStopped(f"{self.index.shards[number].url}: stopped")
             time.sleep(WAIT_POLL_S)  # another process fetches it: polled, so a thread can stop
         return fd
 
@@ -253,7 +282,7 @@ class ShardCache(CacheStore):
             size, named = remote.fetch_versioned(
                 self.index.shards[number].url, self.path(number),
                 storage_options=self.storage_options, counters=these, policy=self.policy,
-                stop=stop)
+                stop=stop, part_path=self.part_path(number))
             self._check_fetched(number)
             version = version_number(named) if named is not None else \
                 self._version(number, these, stop)

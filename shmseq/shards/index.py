@@ -1,9 +1,13 @@
 """A shard index: each shard's URL, the byte offset where each of its samples begins, where
-the last ends, and the whole file's size and SHA-256 (version 2). With it every sample has a
-global id (shard after shard); ``scan`` makes one from shards, ``save``/``load`` keep it as JSON.
+the last ends, the whole file's size and SHA-256 (version 2), and each sample's own digest
+(version 3: a sample read before its whole shard is in is checked against it). With it every
+sample has a global id (shard after shard); ``scan`` makes one from shards, ``save``/``load``
+keep it as JSON.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import tarfile
@@ -15,13 +19,19 @@ import numpy as np
 
 from .. import remote
 from ..remote import is_remote
-from .files import file_digest
+from .files import DIGEST_CHUNK_BYTES
 from .progress import length_of, progress_bar, samples_found
 from .tar import BLOCK, ShardError, key_and_field
 
 
-INDEX_VERSION = 2     # written; 1 (no shard sizes or checksums) is read too
-READ_VERSIONS = (1, 2)
+INDEX_VERSION = 3     # written; 1 (no shard sizes or checksums) and 2 (no samples' digests) are read too
+READ_VERSIONS = (1, 2, 3)
+SAMPLE_DIGEST_BYTES = 16  # of a sample's SHA-256: 128 bits tell a changed sample from its own
+
+
+def sample_digest(data: bytes | memoryview) -> bytes:
+    """A sample's digest, as the index keeps it: the first bytes of its span's SHA-256."""
+    return hashlib.sha256(data).digest()[:SAMPLE_DIGEST_BYTES]
 
 
 def open_url(url: str, storage_options: dict | None = None) -> IO[bytes]:
@@ -33,15 +43,30 @@ def open_url(url: str, storage_options: dict | None = None) -> IO[bytes]:
 class Shard:
     """One tar file: where each of its samples begins, where the last one ends, and, in an
     index written or scanned since version 2, the whole file's size and SHA-256 (a shard cache
-    checks every copy against them)."""
+    checks every copy against them); since version 3, each sample's digest too (a sample read
+    while its shard is being fetched is checked against it)."""
     url: str
     offsets: np.ndarray  # int64: the byte offset of each sample's first member header
     end: int             # the byte offset just past the last sample's last member
     size: int | None = None    # the whole file's bytes (a tar writer's tail included)
     sha256: str | None = None  # the whole file's, in hex
+    digests: bytes | None = None  # each sample's ``sample_digest``, one after another
+
+    def __post_init__(self) -> None:
+        if self.digests is not None and len(self.digests) != SAMPLE_DIGEST_BYTES * len(self.offsets):
+            raise ValueError(f"the index entry of shard {self.url} has {len(self.digests):,} bytes "
+                             f"of samples' digests for {len(self.offsets):,} samples (it needs "
+                             f"{SAMPLE_DIGEST_BYTES} each): the index is damaged; scan the "
+                             "shards again")
 
     def __len__(self) -> int:
         return len(self.offsets)
+
+    def digest(self, ordinal: int) -> bytes | None:
+        """Sample ``ordinal``'s digest (None in an index before version 3)."""
+        if self.digests is None:
+            return None
+        return self.digests[ordinal * SAMPLE_DIGEST_BYTES:(ordinal + 1) * SAMPLE_DIGEST_BYTES]
 
     def span(self, ordinal: int) -> tuple[int, int]:
         """The bytes of sample ``ordinal``: its members' headers and data."""
@@ -98,17 +123,53 @@ class ShardIndex:
             _refuse_local_entries(url, saved["shards"])
         base = url.rsplit("/", 1)[0] if "/" in url else "."
         return cls(Shard(_joined(base, entry["url"]), np.asarray(entry["offsets"], np.int64),
-                         int(entry["end"]), entry.get("size"), entry.get("sha256"))
+                         int(entry["end"]), entry.get("size"), entry.get("sha256"),
+                         _decoded(entry.get("sample_sha256")))
                    for entry in saved["shards"])
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the index as JSON; shard paths under its folder are kept relative to it."""
         folder = os.path.dirname(os.path.abspath(path))
         entries = [{"url": _relative(shard.url, folder), "offsets": shard.offsets.tolist(),
-                    "end": shard.end, "size": shard.size, "sha256": shard.sha256}
+                    "end": shard.end, "size": shard.size, "sha256": shard.sha256,
+                    "sample_sha256": _encoded(shard.digests)}
                    for shard in self.shards]
         with open(path, "w") as file:
             json.dump({"version": INDEX_VERSION, "shards": entries}, file)
+
+
+def _encoded(digests: bytes | None) -> str | None:
+    return None if digests is None else base64.b64encode(digests).decode()
+
+
+def _decoded(digests: str | None) -> bytes | None:
+    return None if digests is None else base64.b64decode(digests, validate=True)
+
+
+def shard_digests(file: IO[bytes], offsets: np.ndarray, end: int) -> tuple[int, str, bytes]:
+    """(size, SHA-256 in hex, each sample's ``sample_digest``) of a shard whose samples begin
+    at ``offsets`` and end at ``end``, read once from its start in chunks (a remote shard is
+    read once)."""
+    file.seek(0)
+    whole, size, digests = hashlib.sha256(), 0, []
+    stops = np.append(offsets[1:], end).astype(np.int64)
+    sample, current = 0, hashlib.sha256()
+    while chunk := file.read(DIGEST_CHUNK_BYTES):
+        whole.update(chunk)
+        view, begin = memoryview(chunk), size
+        size += len(chunk)
+        while sample < len(offsets):
+            low, high = max(int(offsets[sample]), begin), min(int(stops[sample]), size)
+            if low < high:
+                current.update(view[low - begin:high - begin])
+            if stops[sample] > size:
+                break
+            digests.append(current.digest()[:SAMPLE_DIGEST_BYTES])
+            sample, current = sample + 1, hashlib.sha256()
+    if sample < len(offsets):
+        raise ShardError(f"the shard ends at byte {size:,}, before its sample at byte "
+                         f"{int(offsets[sample]):,} ends (byte {int(stops[sample]):,})")
+    return size, whole.hexdigest(), b"".join(digests)
 
 
 def _saved(url: str, storage_options: dict | None) -> dict:
@@ -167,11 +228,11 @@ def _scan_shard(url: str, storage_options: dict | None,
                     if found is not None:
                         found(len(offsets))
                 end = member.offset_data + -(-member.size // BLOCK) * BLOCK
-            size, sha256 = file_digest(file)
-    except (OSError, tarfile.TarError) as exc:
+            size, sha256, digests = shard_digests(file, np.asarray(offsets, np.int64), end)
+    except (OSError, tarfile.TarError, ShardError) as exc:
         raise ShardError(f"cannot index shard {url}: {type(exc).__name__}: "
                          f"{remote.reason(exc, url)}") from exc
-    return Shard(url, np.asarray(offsets, np.int64), end, size, sha256)
+    return Shard(url, np.asarray(offsets, np.int64), end, size, sha256, digests)
 
 
 def as_shard_index(shards: ShardIndex | str | os.PathLike | Iterable[str | os.PathLike],

@@ -8,13 +8,13 @@ import collections
 import collections.abc
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, IO, Iterator, Protocol
 
 import numpy as np
 
 from .. import remote
 from ..remote import RemotePolicy, is_remote
+from .early import EarlyReads, Run
 from .files import UnsafeCacheError
 from .index import ShardIndex, open_url
 from .tar import ShardError, parse_members
@@ -33,12 +33,20 @@ class ShardFiles(Protocol):
     def counters(self) -> remote.Counters:
         """Where the reads from cached shards are counted (``shard_read_bytes``)."""
 
-    def open(self, number: int, counters: remote.Counters) -> BinaryIO:
+    def open(self, number: int, counters: remote.Counters,
+             stop: threading.Event | None = None) -> BinaryIO:
         """Shard ``number`` as a local file, fetched first if need be, by the reader's thread
-        (a worker's, or the consumer's with num_workers=0); its requests counted in ``counters``."""
+        (a worker's, or the consumer's with num_workers=0) or one of its fetching threads
+        (``stop`` ends that one's wait or fetch); its requests counted in ``counters``."""
 
     def missing(self, numbers: list[int]) -> list[int]:
         """Of ``numbers``, the shards a reader cannot open at once (a look, maybe stale)."""
+
+    def uncached(self, numbers: list[int]) -> list[int]:
+        """Of ``numbers``, the shards the node has no copy of (a look, maybe stale)."""
+
+    def read_fetching(self, number: int, begin: int, end: int) -> bytes | None:
+        """Bytes of a shard being fetched, if they have come (unchecked)."""
 
 
 class ShardReader:
@@ -48,10 +56,10 @@ class ShardReader:
     ``policy``'s timeout and retries), counted in ``counters``; or, with a ``cache``
     (``shmseq.shards.cache``), from the node's local copies, fetched whole if they are not there
     yet, and closed after each read: the space of a shard the cache evicts is freed once no
-    reader holds it open."""
+    reader holds it open. A batch's shards the cache lacks are fetched at once, and their
+    samples read as soon as their bytes are here (``shmseq.shards.early``)."""
 
     OPEN_FILES = 8
-    FETCH_TOGETHER = 8  # a batch's shards missing from the cache, fetched at once
 
     def __init__(self, index: ShardIndex, storage_options: dict | None = None, *,
                  policy: RemotePolicy | None = None, cache: ShardFiles | None = None) -> None:
@@ -64,10 +72,11 @@ class ShardReader:
         self.counters = remote.Counters()
         self._local = threading.local()
         self._every_thread: list[collections.OrderedDict[int, IO[bytes]]] = []
-        self._fetchers: tuple[int, ThreadPoolExecutor] | None = None  # (its process, the pool)
+        self._early = EarlyReads(index, cache, storage_options, policy) if cache is not None \
+            else None
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_local": None, "_every_thread": [], "_fetchers": None}
+        return {**self.__dict__, "_local": None, "_every_thread": []}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, _local=threading.local())
@@ -99,43 +108,51 @@ class ShardReader:
         ``__offset__`` and its global ``__id__``. Samples next to each other in a shard are
         read in one request."""
         shards, ordinals = self.index.locate(np.asarray(ids, np.int64))
+        runs = [(number, tuple(run)) for number, run in
+                _runs(sorted(set(zip(shards.tolist(), ordinals.tolist()))))]
         found: dict[tuple[int, int], dict] = {}
         try:
-            if self.cache is not None:
-                self._open_together(self.cache, sorted(set(shards.tolist())))
-            for shard, run in _runs(sorted(set(zip(shards.tolist(), ordinals.tolist())))):
-                found.update(self._read_run(shard, run))
+            early = self._read_early(runs, sorted(set(shards.tolist())))
+            for run in runs:
+                data = early.get(run)
+                found.update(self._read_run(*run) if data is None else
+                             self._parsed(*run, self._span(*run)[0], data))
         finally:
             if self.cache is not None:
                 self._close_files(getattr(self._local, "files", {}))
         return [found[pair] for pair in zip(shards.tolist(), ordinals.tolist())]
 
-    def _open_together(self, cache: ShardFiles, numbers: list[int]) -> None:
-        """The batch's shards the cache is missing, fetched at once (a thread each) rather than
-        one after another as the batch's samples come to them: a cold batch that reads 8 shards
-        waits for about one fetch, not 8. What failed is raised when its samples are read."""
-        missing = cache.missing(numbers)
-        if len(missing) < 2:
-            return
-        if self._fetchers is None or self._fetchers[0] != os.getpid():  # a forked child's anew
-            self._fetchers = os.getpid(), ThreadPoolExecutor(
-                self.FETCH_TOGETHER, thread_name_prefix="shmseq-shard-open")
-        opened = {number: self._fetchers[1].submit(cache.open, number, self.counters)
-                  for number in missing}
-        files = self._files()
-        for number, future in opened.items():
-            try:
-                files[number] = future.result()
-            except Exception as exc:  # noqa: BLE001 - raised where its samples are read
-                self._local.__dict__.setdefault("failed", {})[number] = exc
+    def _read_early(self, runs: list[Run], numbers: list[int]) -> dict[Run, bytes]:
+        """With a cache: the batch's shards it lacks fetched at once (a cold batch that reads 8
+        shards waits for about one fetch, not 8), and the bytes of the runs read before their
+        shard is whole; the others' shards waited for, what failed them raised where their
+        samples are read."""
+        if self._early is None:
+            return {}
+        fetches = self._early.start(numbers, self.counters)
+        early = self._early.read([run for run in runs if run[0] in fetches], fetches, self.counters)
+        for number, fetch in fetches.items():
+            if any(run[0] == number and run not in early for run in runs):
+                failure = self._early.settle(fetch)
+                if failure is not None:
+                    self._local.__dict__.setdefault("failed", {})[number] = failure
+        return early
 
-    def _read_run(self, number: int, ordinals: list[int]) -> Iterator[tuple[tuple[int, int], dict]]:
+    def _span(self, number: int, ordinals: tuple[int, ...]) -> tuple[int, int]:
         shard = self.index.shards[number]
-        begin, end = shard.span(ordinals[0])[0], shard.span(ordinals[-1])[1]
-        data = memoryview(self._read(number, begin, end))
+        return shard.span(ordinals[0])[0], shard.span(ordinals[-1])[1]
+
+    def _read_run(self, number: int, ordinals: tuple[int, ...]) -> Iterator[tuple[tuple[int, int], dict]]:
+        begin, end = self._span(number, ordinals)
+        return self._parsed(number, ordinals, begin, self._read(number, begin, end))
+
+    def _parsed(self, number: int, ordinals: tuple[int, ...], begin: int,
+                data: bytes) -> Iterator[tuple[tuple[int, int], dict]]:
+        """The run's samples from its bytes, which begin at byte ``begin`` of its shard."""
+        shard, view = self.index.shards[number], memoryview(data)
         for ordinal in ordinals:
             start, stop = shard.span(ordinal)
-            sample = parse_members(data[start - begin:stop - begin], shard.url, start)
+            sample = parse_members(view[start - begin:stop - begin], shard.url, start)
             sample.update(__url__=shard.url, __offset__=start,
                           __id__=int(self.index.starts[number]) + ordinal)
             yield (number, ordinal), sample
@@ -193,10 +210,10 @@ class ShardReader:
         return int(offsets[max(np.searchsorted(offsets, byte, side="right") - 1, 0)])
 
     def close(self) -> None:
-        """Close every thread's files (the workers have stopped); they reopen when read."""
-        fetchers, self._fetchers = self._fetchers, None
-        if fetchers is not None and fetchers[0] == os.getpid():
-            fetchers[1].shutdown(wait=True)
+        """Close every thread's files (the workers have stopped), and stop the fetches nobody
+        waits for any more; they reopen, and start again, when read."""
+        if self._early is not None:
+            self._early.close()
         for files in self._every_thread:
             self._close_files(files)
         self._every_thread.clear()

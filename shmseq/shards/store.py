@@ -76,12 +76,14 @@ class CacheCounters(remote.Counters):
     """What a process's cache calls did, until taken (``take``): shards fetched, their bytes
     and requests, shards fetched again for an epoch they had been fetched for already (evicted
     while still needed: 0 by design, counted as a check), bytes of samples read from cached
-    shards, seconds readers waited for a shard, and the most the node's cache held (reserved
-    bytes included). A copy sent to another process starts at zero: each counts its own, and
+    shards, seconds readers waited for a shard, samples read before their shard was whole and
+    the bytes of the range requests that read them (which the shard's fetch brings again), and
+    the most the node's cache held (reserved bytes included). A copy sent to another process starts at zero: each counts its own, and
     the worker loop hands a worker's to the consumer with its batches."""
 
     FIELDS = ("shard_fetches", "shard_fetch_bytes", "shard_fetch_requests", "shard_refetches",
-              "shard_repairs", "shard_read_bytes", "shard_wait_s", "cache_peak_bytes")
+              "shard_repairs", "shard_read_bytes", "shard_wait_s", "shard_early_reads",
+              "shard_early_bytes", "cache_peak_bytes")
 
     def __reduce__(self) -> tuple:
         return CacheCounters, ()

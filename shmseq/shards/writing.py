@@ -15,8 +15,7 @@ from typing import Iterable
 import numpy as np
 
 from ..checks import check_int
-from .files import file_digest
-from .index import Shard, ShardIndex
+from .index import Shard, ShardIndex, shard_digests
 from .progress import Bar, length_of, progress_bar
 
 
@@ -117,8 +116,8 @@ def _write_shard(path: str, samples: list[dict]) -> Shard:
                 tar.addfile(info, io.BytesIO(data))
         end = tar.offset
     with open(path, "rb") as written:
-        size, sha256 = file_digest(written)
-    return Shard(path, np.asarray(offsets, np.int64), end, size, sha256)
+        size, sha256, digests = shard_digests(written, np.asarray(offsets, np.int64), end)
+    return Shard(path, np.asarray(offsets, np.int64), end, size, sha256, digests)
 
 
 class image_folder_samples(collections.abc.Sequence):

@@ -169,6 +169,8 @@ class LoaderStats:
     shard_repairs: int = 0        # cached shards that no longer matched their index, fetched again
     shard_read_bytes: int = 0     # bytes of the samples read from cached shards
     shard_wait_s: float = 0.0     # time workers waited for a shard not cached yet, summed
+    shard_early_reads: int = 0    # samples read before their shard was whole (its fetch under way)
+    shard_early_bytes: int = 0    # bytes of the range requests that read some of them
     cache_peak_bytes: int = 0     # the most the node's cache held, as this rank's fetches saw it
     node_fetch_bytes: int = 0     # the bytes the node's cache fetched for the job, all its ranks'
     node_share_bytes: int = 0     # the bytes of the shards the plan deals this rank's node
@@ -281,6 +283,8 @@ class LoaderStats:
                 "shard_fetch_requests": self.shard_fetch_requests,
                 "shard_refetches": self.shard_refetches, "shard_repairs": self.shard_repairs,
                 "shard_read_bytes": self.shard_read_bytes, "shard_wait_s": self.shard_wait_s,
+                "shard_early_reads": self.shard_early_reads,
+                "shard_early_bytes": self.shard_early_bytes,
                 "cache_peak_bytes": self.cache_peak_bytes,
                 "node_fetch_bytes": self.node_fetch_bytes,
                 "node_share_bytes": self.node_share_bytes,

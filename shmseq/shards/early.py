@@ -1,0 +1,206 @@
+"""Samples of shards still on their way: a batch whose shards the node's cache lacks does not
+wait for them whole. ``EarlyReads`` starts (or joins) their whole fetches in the background and
+meanwhile reads each run of the batch's samples as soon as its bytes are here: from the file
+the shard's fetch writes into, or, for the first batch that needs the shard while it is fetched
+(per process), by a range request of its own, all of the batch's at once (in shards of 4 MiB
+or more: a smaller one comes whole about as soon). Bytes read so are
+checked against each sample's digest in the index (version 3) before they reach a batch; what
+does not match, or does not come, is read from the whole shard once it is cached and checked.
+
+Who calls what: ``ShardReader.read`` (a worker's thread) calls ``start`` with the batch's
+shards and ``read`` with its runs in shards not cached; it reads the rest from the cache after
+``settle``. ``close`` (the reader's) stops the fetches nobody waits for.
+
+What it costs: the bytes of the range requests, which the shard's fetch brings again, at most
+one batch's samples a shard fetch and process (``shard_early_bytes``): at the start of an
+epoch from a cold cache, and where fetching falls behind reading.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from .. import remote
+from ..remote import RemotePolicy
+from .index import ShardIndex, sample_digest
+
+if TYPE_CHECKING:
+    from .reader import ShardFiles
+
+Run = tuple[int, tuple[int, ...]]  # a shard's number, and the ordinals of neighbouring samples
+
+
+@dataclasses.dataclass
+class _Fetch:
+    """A shard's whole fetch (or the wait for another process's), in this process."""
+    whole: Future
+    ranged: bool = False  # a batch read some of its samples by range requests already
+
+
+class EarlyReads:
+    """A reader's whole-shard fetches under way, and its reads of their samples meanwhile (see
+    the module's text). Sent to worker processes with the reader: each starts anew."""
+
+    FETCH_TOGETHER = 8    # whole shards fetched at once by one process's readers
+    RANGES_TOGETHER = 16  # range requests of one batch at once
+    POLL_S = 0.005        # how often a run waits for its bytes in the fetch's file looks again
+    RANGE_MIN_BYTES = 4 << 20  # a smaller shard comes whole about as soon as a range of it
+    ONE_TRY = 1           # a range request is tried once: the whole fetch is the fallback
+
+    def __init__(self, index: ShardIndex, cache: ShardFiles, storage_options: dict | None,
+                 policy: RemotePolicy | None) -> None:
+        self.index = index
+        self.cache = cache
+        self.storage_options = storage_options
+        policy = policy or remote.DEFAULT_POLICY
+        self.policy = dataclasses.replace(policy, attempts=self.ONE_TRY)
+        self._owner = -1  # the process whose pools and fetches these are
+        self._lock = threading.Lock()
+        self._fetches: dict[int, _Fetch] = {}
+        self._stop = threading.Event()
+        self._pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
+        self._ranges_ignored = False  # a server answered a range with its whole object
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_owner": -1, "_lock": None, "_fetches": {}, "_stop": None,
+                "_pools": None}
+
+    def _mine(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """This process's pools (a forked or unpickled copy makes its own)."""
+        if self._owner != os.getpid() or self._pools is None:
+            self._owner, self._lock, self._fetches = os.getpid(), threading.Lock(), {}
+            self._stop = threading.Event()
+            self._pools = (ThreadPoolExecutor(self.FETCH_TOGETHER, "shmseq-shard-fetch"),
+                           ThreadPoolExecutor(self.RANGES_TOGETHER, "shmseq-shard-range"))
+        return self._pools
+
+    def start(self, numbers: list[int], counters: remote.Counters) -> dict[int, _Fetch]:
+        """The whole fetches of the shards of ``numbers`` the cache cannot open at once, started
+        here unless under way in this process already (``ShardFiles.open``: fetched by this
+        process, or waited for where another fetches it)."""
+        missing = self.cache.missing(numbers)
+        if not missing:
+            return {}
+        fetching, _ = self._mine()
+        with self._lock:
+            for number in missing:
+                known = self._fetches.get(number)
+                if known is None or known.whole.done():
+                    whole = fetching.submit(self.cache.open, number, counters, self._stop)
+                    whole.add_done_callback(_close_file)
+                    self._fetches[number] = _Fetch(whole)
+            return {number: self._fetches[number] for number in missing}
+
+    def read(self, runs: list[Run], fetches: dict[int, _Fetch],
+             counters: remote.Counters) -> dict[Run, bytes]:
+        """Of ``runs`` (in shards of ``fetches``), the bytes of those read before their shard is
+        whole, checked: each as soon as it is in the fetch's file, or by a range request where
+        this is the first batch of the process to need the shard during its fetch. The others
+        are left for the whole shard (``settle``)."""
+        early = self._early(runs)
+        ranged = {run[0] for run in early if not fetches[run[0]].ranged and
+                  not self._ranges_ignored and
+                  (self.index.shards[run[0]].size or 0) >= self.RANGE_MIN_BYTES}
+        for number in ranged:
+            fetches[number].ranged = True
+        found: dict[Run, bytes] = {}
+        requests: dict[Run, Future] = {}
+        waiting = []
+        for run in early:
+            data = self._from_part(run)
+            if data is not None:
+                found[run] = data
+            elif run[0] in ranged:
+                requests[run] = self._mine()[1].submit(self._range, run, counters)
+            else:
+                waiting.append(run)
+        for run, request in requests.items():
+            data = request.result()
+            if data is not None:
+                found[run] = data
+            else:
+                waiting.append(run)
+        self._wait_for_parts(waiting, fetches, found)
+        return found
+
+    def settle(self, fetch: _Fetch) -> BaseException | None:
+        """Wait for a shard's whole fetch: what failed it, if it failed."""
+        return fetch.whole.exception()
+
+    def _early(self, runs: list[Run]) -> list[Run]:
+        """The runs in shards whose samples have digests and which the node has no copy of
+        (a copy not checked yet in this run is checked whole, sooner than a request)."""
+        uncached = set(self.cache.uncached(sorted({number for number, _ in runs})))
+        return [run for run in runs
+                if run[0] in uncached and self.index.shards[run[0]].digests is not None]
+
+    def _wait_for_parts(self, runs: list[Run], fetches: dict[int, _Fetch],
+                        found: dict[Run, bytes]) -> None:
+        """Each run's bytes from its shard's fetch file as they come, until its fetch ends."""
+        while runs:
+            still = []
+            for run in runs:
+                data = self._from_part(run)
+                if data is not None:
+                    found[run] = data
+                elif not fetches[run[0]].whole.done():
+                    still.append(run)
+            runs = still
+            if runs:
+                time.sleep(self.POLL_S)
+
+    def _span(self, run: Run) -> tuple[int, int]:
+        shard = self.index.shards[run[0]]
+        return shard.span(run[1][0])[0], shard.span(run[1][-1])[1]
+
+    def _from_part(self, run: Run) -> bytes | None:
+        begin, end = self._span(run)
+        data = self.cache.read_fetching(run[0], begin, end)
+        if data is None or not self._checked(run, begin, data):
+            return None
+        self.cache.counters.add(shard_read_bytes=len(data))
+        return data
+
+    def _range(self, run: Run, counters: remote.Counters) -> bytes | None:
+        """The run's bytes by one range request, checked; None where it fails or differs."""
+        begin, end = self._span(run)
+        try:
+            data = remote.read_range(self.index.shards[run[0]].url, begin, end,
+                                     storage_options=self.storage_options, counters=counters,
+                                     policy=self.policy, stop=self._stop)
+        except remote.RangeIgnored:
+            self._ranges_ignored = True  # the server sends whole objects: no range again
+            return None
+        except (OSError, remote.FetchStopped):
+            return None
+        self.cache.counters.add(shard_early_bytes=len(data))
+        return data if len(data) == end - begin and self._checked(run, begin, data) else None
+
+    def _checked(self, run: Run, begin: int, data: bytes) -> bool:
+        """Whether every sample of the run matches its digest (and then counts them)."""
+        shard, view = self.index.shards[run[0]], memoryview(data)
+        for ordinal in run[1]:
+            start, stop = shard.span(ordinal)
+            if sample_digest(view[start - begin:stop - begin]) != shard.digest(ordinal):
+                return False
+        self.cache.counters.add(shard_early_reads=len(run[1]))
+        return True
+
+    def close(self) -> None:
+        """Stop this process's fetches (a fetch nobody waits for any more) and end its pools."""
+        if self._owner != os.getpid() or self._pools is None:
+            return
+        self._stop.set()
+        for pool in self._pools:
+            pool.shutdown(wait=True)
+        self._pools, self._fetches = None, {}
+
+
+def _close_file(whole: Future) -> None:
+    """A finished fetch's file (``ShardFiles.open`` opens it; readers open the shard anew)."""
+    if not whole.cancelled() and whole.exception() is None:
+        whole.result().close()
