@@ -66,8 +66,9 @@ def sequence(tmp_path, web):
 
 
 def test_the_training_process_fetches_no_shard_itself(sequence):
-    """While the epoch runs: one fetch process, no fetching thread in the trainer; the shards
-    it fetched are in the trainer's stats; after finish() it is gone."""
+    """While the epoch runs: one fetch process, given its setup in a memfd, no fetching thread
+    in the trainer; the shards it fetched are in the trainer's stats; after finish() it is
+    gone."""
     seen = []
     with sequence.start():
         for batch in sequence:
@@ -75,9 +76,13 @@ def test_the_training_process_fetches_no_shard_itself(sequence):
             if len(seen) == 8:
                 threads = [thread.name for thread in threading.enumerate()]
                 fetchers = fetch_processes()
+                given = os.readlink(f"/proc/{fetchers[0]}/fd/0")
         stats = sequence.stats
     assert sorted(seen) == list(range(SHARDS * PER_SHARD))
     assert len(fetchers) == 1
+    # its setup came in a memfd: down a pipe, a setup over 64 KiB held start() until the new
+    # process had imported shmseq and read it
+    assert given.startswith("/memfd:shmseq-fetch-setup"), given
     assert not [name for name in threads if "fetch" in name or "prefetch" in name], threads
     assert stats.shard_fetches == SHARDS  # the budget holds them all: each fetched once
     assert stats.remote_requests >= SHARDS  # its bytes, whose answer says its version

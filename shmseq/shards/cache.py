@@ -129,19 +129,14 @@ class ShardCache(CacheStore):
         folder, name = os.path.split(self.path(number))
         return os.path.join(folder, f".{name}.part")
 
-    def read_fetching(self, number: int, begin: int, end: int) -> bytes | None:
-        """Bytes ``begin`` to ``end`` of shard ``number`` from its fetch under way, if they have
-        come (None if not, or if the shard is whole and renamed already). Not checked: the
-        caller checks them against the samples' digests."""
+    def open_fetching(self, number: int) -> BinaryIO | None:
+        """The file shard ``number``'s fetch is writing (checked as every file of the cache),
+        if one is: it grows as the bytes come, and once renamed into place it is the whole
+        shard. Its bytes are not checked: a reader checks them against the samples' digests."""
         try:
-            with open_private_file(self.part_path(number)) as file:
-                if os.fstat(file.fileno()).st_size < end:
-                    return None
-                file.seek(begin)
-                data = file.read(end - begin)
+            return open_private_file(self.part_path(number))
         except FileNotFoundError:
             return None
-        return data if len(data) == end - begin else None
 
     def _failure_path(self, number: int) -> str:
         return os.path.join(self.folder, "locks", f"{number:06d}.failed")

@@ -2,7 +2,7 @@
 wait for them whole. ``EarlyReads`` starts (or joins) their whole fetches in the background and
 meanwhile reads each run of the batch's samples as soon as its bytes are here: from the file
 the shard's fetch writes into, or, for the first batch that needs the shard while it is fetched
-(per process), by a range request of its own, all of the batch's at once (in shards of 4 MiB
+(per process), by a range request of its own, all of the batch's at once (in shards of 64 MiB
 or more: a smaller one comes whole about as soon). Bytes read so are
 checked against each sample's digest in the index (version 3) before they reach a batch; what
 does not match, or does not come, is read from the whole shard once it is cached and checked.
@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from .. import remote
 from ..remote import RemotePolicy
@@ -48,7 +48,9 @@ class EarlyReads:
     FETCH_TOGETHER = 8    # whole shards fetched at once by one process's readers
     RANGES_TOGETHER = 16  # range requests of one batch at once
     POLL_S = 0.005        # how often a run waits for its bytes in the fetch's file looks again
-    RANGE_MIN_BYTES = 4 << 20  # a smaller shard comes whole about as soon as a range of it
+    RANGE_MIN_BYTES = 64 << 20  # a smaller shard comes whole about as soon as a batch's
+    # range requests of it do (a request each run of samples, tens of ms each, at most
+    # RANGES_TOGETHER at once, and each a server's work)
     ONE_TRY = 1           # a range request is tried once: the whole fetch is the fallback
 
     def __init__(self, index: ShardIndex, cache: ShardFiles, storage_options: dict | None,
@@ -99,32 +101,33 @@ class EarlyReads:
              counters: remote.Counters) -> dict[Run, bytes]:
         """Of ``runs`` (in shards of ``fetches``), the bytes of those read before their shard is
         whole, checked: each as soon as it is in the fetch's file, or by a range request where
-        this is the first batch of the process to need the shard during its fetch. The others
-        are left for the whole shard (``settle``)."""
+        this is the first batch of the process to need a large shard during its fetch. The
+        others are left for the whole shard (``settle``)."""
         early = self._early(runs)
-        ranged = {run[0] for run in early if not fetches[run[0]].ranged and
+        ranged = {number for number, _ in early if not fetches[number].ranged and
                   not self._ranges_ignored and
-                  (self.index.shards[run[0]].size or 0) >= self.RANGE_MIN_BYTES}
+                  (self.index.shards[number].size or 0) >= self.RANGE_MIN_BYTES}
         for number in ranged:
             fetches[number].ranged = True
         found: dict[Run, bytes] = {}
-        requests: dict[Run, Future] = {}
-        waiting = []
-        for run in early:
-            data = self._from_part(run)
-            if data is not None:
-                found[run] = data
-            elif run[0] in ranged:
-                requests[run] = self._mine()[1].submit(self._range, run, counters)
-            else:
-                waiting.append(run)
-        for run, request in requests.items():
-            data = request.result()
-            if data is not None:
-                found[run] = data
-            else:
-                waiting.append(run)
-        self._wait_for_parts(waiting, fetches, found)
+        with _PartFiles(self.cache) as parts:
+            requests: dict[Run, Future] = {}
+            waiting = []
+            for run in early:
+                data = self._from_part(parts, run)
+                if data is not None:
+                    found[run] = data
+                elif run[0] in ranged:
+                    requests[run] = self._mine()[1].submit(self._range, run, counters)
+                else:
+                    waiting.append(run)
+            for run, request in requests.items():
+                data = request.result()
+                if data is not None:
+                    found[run] = data
+                else:
+                    waiting.append(run)
+            self._wait_for_parts(parts, waiting, fetches, found)
         return found
 
     def settle(self, fetch: _Fetch) -> BaseException | None:
@@ -138,13 +141,13 @@ class EarlyReads:
         return [run for run in runs
                 if run[0] in uncached and self.index.shards[run[0]].digests is not None]
 
-    def _wait_for_parts(self, runs: list[Run], fetches: dict[int, _Fetch],
+    def _wait_for_parts(self, parts: _PartFiles, runs: list[Run], fetches: dict[int, _Fetch],
                         found: dict[Run, bytes]) -> None:
         """Each run's bytes from its shard's fetch file as they come, until its fetch ends."""
         while runs:
             still = []
             for run in runs:
-                data = self._from_part(run)
+                data = self._from_part(parts, run)
                 if data is not None:
                     found[run] = data
                 elif not fetches[run[0]].whole.done():
@@ -157,9 +160,9 @@ class EarlyReads:
         shard = self.index.shards[run[0]]
         return shard.span(run[1][0])[0], shard.span(run[1][-1])[1]
 
-    def _from_part(self, run: Run) -> bytes | None:
+    def _from_part(self, parts: _PartFiles, run: Run) -> bytes | None:
         begin, end = self._span(run)
-        data = self.cache.read_fetching(run[0], begin, end)
+        data = parts.read(run[0], begin, end)
         if data is None or not self._checked(run, begin, data):
             return None
         self.cache.counters.add(shard_read_bytes=len(data))
@@ -198,6 +201,37 @@ class EarlyReads:
         for pool in self._pools:
             pool.shutdown(wait=True)
         self._pools, self._fetches = None, {}
+
+
+class _PartFiles:
+    """The files a batch's shards' fetches are writing, each opened once and kept open while
+    the batch waits: it grows as bytes come, and after its rename into place it is the whole
+    shard (a fetch started again after a failure writes another file, which a later batch
+    opens)."""
+
+    def __init__(self, cache: ShardFiles) -> None:
+        self.cache = cache
+        self.files: dict[int, BinaryIO] = {}
+
+    def __enter__(self) -> _PartFiles:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for file in self.files.values():
+            file.close()
+
+    def read(self, number: int, begin: int, end: int) -> bytes | None:
+        """Bytes ``begin`` to ``end`` of the shard, if its fetch has written them."""
+        file = self.files.get(number)
+        if file is None:
+            file = self.cache.open_fetching(number)
+            if file is None:
+                return None
+            self.files[number] = file
+        if os.fstat(file.fileno()).st_size < end:
+            return None
+        data = os.pread(file.fileno(), end - begin, begin)
+        return data if len(data) == end - begin else None
 
 
 def _close_file(whole: Future) -> None:

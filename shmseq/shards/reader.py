@@ -45,8 +45,8 @@ class ShardFiles(Protocol):
     def uncached(self, numbers: list[int]) -> list[int]:
         """Of ``numbers``, the shards the node has no copy of (a look, maybe stale)."""
 
-    def read_fetching(self, number: int, begin: int, end: int) -> bytes | None:
-        """Bytes of a shard being fetched, if they have come (unchecked)."""
+    def open_fetching(self, number: int) -> BinaryIO | None:
+        """The file a shard's fetch is writing, if one is (its bytes unchecked)."""
 
 
 class ShardReader:
