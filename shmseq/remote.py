@@ -24,9 +24,9 @@ What the shard reader and the node-local shard cache call::
     open_file(url, storage_options=None, *, policy=None) -> a binary file object (its opening
         retried; its reads are fsspec's own): for tar headers (``ShardIndex.scan``), an index.
 
-Local paths (and ``file://``) are read with ``open``, without fsspec; a fetch of an
-``http(s)://`` or ``s3://`` object too goes without it, streamed from the socket to the file
-in the calling thread (``shmseq.remote_stream``; ``shmseq.remote_sources`` says which
+Local paths (and ``file://``) are read with ``open``, without fsspec; a fetch or a range of an
+``http(s)://`` or ``s3://`` object too goes without it, streamed from the socket in the calling
+thread (``shmseq.remote_stream``; ``shmseq.remote_sources`` says which
 ``storage_options`` it honours, and refuses the others by name), at about half the CPU; and so
 do its ``size`` and ``version``, so that a process's first shard does not wait for fsspec's
 imports, session and event loop thread (0.15 s over HTTP, 0.4 s over S3, in each worker and

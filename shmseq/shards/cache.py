@@ -20,7 +20,8 @@ Its folder, what a run before left in it, its budget, the room in it and evictio
 ``shmseq.shards.store``'s (``CacheStore``, which ``ShardCache`` builds on); the names moved
 there stay importable from here.
 
-Checked: a shard's bytes reach a batch only once they matched its index's size and SHA-256:
+Checked: a shard's bytes reach a batch only once they matched its index's size and SHA-256
+(or, read before the shard is whole, each sample's digest):
 when fetched, and, for a shard a run before cached, once per run of the node's ranks (its
 object's version asked again first: a rewritten object is fetched again, then refused if it no
 longer matches its index; a damaged copy is fetched again, once, and said).
@@ -28,7 +29,8 @@ longer matches its index; a damaged copy is fetched again, once, and said).
 Lock protocol: a process that needs a shard not cached takes the shard's lock (workers wait
 for it, the prefetcher skips a shard another process holds), looks again (the holder before it
 may have fetched it), reserves its bytes in the ledger, and fetches it (``shmseq.remote.fetch``:
-in ranges, each retried, under a temporary name renamed into place): one download per shard
+in ranges, each retried, into ``part_path`` renamed into place; readers may read what has come
+there, checked against the samples' digests: ``shmseq.shards.early``): one download per shard
 per node. Locks are ``fcntl.flock`` on files,
 released by the kernel when their process dies, so a crashed process leaves no lock behind;
 a forked child lets go of its parent's (``os.register_at_fork``).
