@@ -3,9 +3,9 @@ wait for them whole. ``EarlyReads`` starts (or joins) their whole fetches in the
 meanwhile reads each run of the batch's samples as soon as its bytes are here: from the file
 the shard's fetch writes into, or, for the first batch that needs the shard while it is fetched
 (per process), by a range request of its own, all of the batch's at once (in shards of 64 MiB
-or more: a smaller one comes whole about as soon). Bytes read so are
-checked against each sample's digest in the index (version 3) before they reach a batch; what
-does not match, or does not come, is read from the whole shard once it is cached and checked.
+or more: a smaller one comes whole about as soon). Bytes read so are checked against each
+sample's digest in the index (version 3) before they reach a batch; what does not match, or
+does not come, is read from the whole shard once it is cached and checked.
 
 Who calls what: ``ShardReader.read`` (a worker's thread) calls ``start`` with the batch's
 shards and ``read`` with its runs in shards not cached; it reads the rest from the cache after
@@ -71,14 +71,18 @@ class EarlyReads:
         return {**self.__dict__, "_owner": -1, "_lock": None, "_fetches": {}, "_stop": None,
                 "_pools": None}
 
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
     def _mine(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-        """This process's pools (a forked or unpickled copy makes its own)."""
-        if self._owner != os.getpid() or self._pools is None:
-            self._owner, self._lock, self._fetches = os.getpid(), threading.Lock(), {}
-            self._stop = threading.Event()
-            self._pools = (ThreadPoolExecutor(self.FETCH_TOGETHER, "shmseq-shard-fetch"),
-                           ThreadPoolExecutor(self.RANGES_TOGETHER, "shmseq-shard-range"))
-        return self._pools
+        """This process's pools (a forked or unpickled copy makes its own, once: the threads
+        of a thread-worker reader share them)."""
+        with self._lock:
+            if self._owner != os.getpid() or self._pools is None:
+                self._owner, self._fetches, self._stop = os.getpid(), {}, threading.Event()
+                self._pools = (ThreadPoolExecutor(self.FETCH_TOGETHER, "shmseq-shard-fetch"),
+                               ThreadPoolExecutor(self.RANGES_TOGETHER, "shmseq-shard-range"))
+            return self._pools
 
     def start(self, numbers: list[int], counters: remote.Counters) -> dict[int, _Fetch]:
         """The whole fetches of the shards of ``numbers`` the cache cannot open at once, started
