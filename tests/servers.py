@@ -70,6 +70,8 @@ class RawServer:
     the requests whose path ends with ``only`` (the shards, say, not their index):
 
     * ``"stall"``: the connection is accepted and the request read, then nothing is sent;
+    * ``"stall-ranges"``: so for a Range request from a byte past 0 (a reader's range of a
+      sample; a whole fetch's first range is answered);
     * ``"cut"``: the body stops halfway through what Content-Length announced, and the
       connection closes;
     * ``"whole"``: a Range request is answered 200 with the whole object (Range ignored);
@@ -83,7 +85,7 @@ class RawServer:
     EXTRA = bytes(range(256)) * 4
 
     def __init__(self, folder, fault: str | None = None, only: str = "") -> None:
-        assert fault in (None, "stall", "cut", "whole", "short", "extra"), fault
+        assert fault in (None, "stall", "stall-ranges", "cut", "whole", "short", "extra"), fault
         self.folder, self.fault, self.only = os.fspath(folder), fault, only
         self.stopping = threading.Event()
         self._connections: set[socket.socket] = set()
@@ -98,7 +100,8 @@ class RawServer:
     def answer(self, method: str, path: str, headers: dict[str, str]) -> bytes | None:
         """The bytes to send for one request (None: send nothing, close); waits while stalled."""
         fault = self.fault if path.endswith(self.only) else None
-        if fault == "stall":
+        asked = re.fullmatch(r"bytes=(\d+)-(\d*)", headers.get("range", ""))
+        if fault == "stall" or (fault == "stall-ranges" and asked and int(asked[1]) > 0):
             self.stopping.wait()
             return None
         file = os.path.join(self.folder, path.lstrip("/"))
@@ -106,7 +109,6 @@ class RawServer:
             return _head(404, "Not Found", 0)
         with open(file, "rb") as opened:
             data = opened.read()
-        asked = re.fullmatch(r"bytes=(\d+)-(\d*)", headers.get("range", ""))
         if method == "HEAD":
             return _head(200, "OK", len(data))
         if asked is None or fault == "whole":

@@ -18,7 +18,7 @@ from shmseq.shards import (ShardCache, ShardIndex, ShardPlan, ShardReader, Shard
 from shmseq.shards.files import open_private
 from shmseq.shards.index import SAMPLE_DIGEST_BYTES, sample_digest
 from shmseq.shards.locks import lock, unlock
-from servers import serving
+from servers import RawServer, serving
 from test_shard_cache import cache_dir  # noqa: F401 - the fixture
 
 PER_SHARD, PAYLOAD = 8, 64 << 10
@@ -180,3 +180,21 @@ def test_a_rewritten_object_never_reaches_a_batch_through_an_early_read(tmp_path
     ranges = [r for r in served.log if r.method == "GET" and r.path.endswith(".tar")
               and r.sent <= 2 * (BIG + 1024)]
     assert ranges and stats.shard_early_reads == 0
+
+
+def test_a_stalled_range_request_holds_the_batch_no_longer_than_its_shard(tmp_path, cache_dir,
+                                                                           ranged):
+    """A server that never answers a range request inside a shard (its whole fetches
+    answered): the first batch comes with the whole shards, not after the request's timeout
+    (20 s: a third of the sequence's), and finish() stops the stalled requests."""
+    write_shards(samples(2, 4, BIG), str(tmp_path / "web" / "b-%03d.tar"), samples_per_shard=4)
+    with serving(lambda _: RawServer(tmp_path, "stall-ranges", only=".tar")) as served:
+        seq = ShardSequence(f"{served.url}/web/shards.json", decode, batch_size=2, num_workers=1,
+                            seed=3, out_type="null", timeout=60, cache_dir=cache_dir,
+                            start_method="fork")
+        began = time.monotonic()
+        with seq.start():
+            got = [int(row[0]) for batch in seq for row in np.asarray(batch)]
+        took = time.monotonic() - began
+    assert sorted(got) == list(range(8))
+    assert took < 10, took

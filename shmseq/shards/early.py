@@ -115,23 +115,16 @@ class EarlyReads:
             fetches[number].ranged = True
         found: dict[Run, bytes] = {}
         with _PartFiles(self.cache) as parts:
-            requests: dict[Run, Future] = {}
-            waiting = []
+            waiting: dict[Run, Future | None] = {}  # a run's range request, if it has one
             for run in early:
                 data = self._from_part(parts, run)
                 if data is not None:
                     found[run] = data
                 elif run[0] in ranged:
-                    requests[run] = self._mine()[1].submit(self._range, run, counters)
+                    waiting[run] = self._mine()[1].submit(self._range, run, counters)
                 else:
-                    waiting.append(run)
-            for run, request in requests.items():
-                data = request.result()
-                if data is not None:
-                    found[run] = data
-                else:
-                    waiting.append(run)
-            self._wait_for_parts(parts, waiting, fetches, found)
+                    waiting[run] = None
+            self._wait(parts, waiting, fetches, found)
         return found
 
     def settle(self, fetch: _Fetch) -> BaseException | None:
@@ -145,19 +138,24 @@ class EarlyReads:
         return [run for run in runs
                 if run[0] in uncached and self.index.shards[run[0]].digests is not None]
 
-    def _wait_for_parts(self, parts: _PartFiles, runs: list[Run], fetches: dict[int, _Fetch],
-                        found: dict[Run, bytes]) -> None:
-        """Each run's bytes from its shard's fetch file as they come, until its fetch ends."""
-        while runs:
-            still = []
-            for run in runs:
-                data = self._from_part(parts, run)
+    def _wait(self, parts: _PartFiles, waiting: dict[Run, Future | None],
+              fetches: dict[int, _Fetch], found: dict[Run, bytes]) -> None:
+        """Each run's bytes, from its range request or its shard's fetch file, whichever
+        brings them checked first, until its shard's fetch ends (a stalled request is not
+        waited for beyond it)."""
+        while waiting:
+            for run, request in list(waiting.items()):
+                data = None
+                if request is not None and request.done():
+                    data, waiting[run] = request.result(), None  # None: the fetch's file may
+                if data is None:
+                    data = self._from_part(parts, run)
                 if data is not None:
                     found[run] = data
-                elif not fetches[run[0]].whole.done():
-                    still.append(run)
-            runs = still
-            if runs:
+                    del waiting[run]
+                elif fetches[run[0]].whole.done():
+                    del waiting[run]
+            if waiting:
                 time.sleep(self.POLL_S)
 
     def _span(self, run: Run) -> tuple[int, int]:
