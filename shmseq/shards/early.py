@@ -158,12 +158,8 @@ class EarlyReads:
             if waiting:
                 time.sleep(self.POLL_S)
 
-    def _span(self, run: Run) -> tuple[int, int]:
-        shard = self.index.shards[run[0]]
-        return shard.span(run[1][0])[0], shard.span(run[1][-1])[1]
-
     def _from_part(self, parts: _PartFiles, run: Run) -> bytes | None:
-        begin, end = self._span(run)
+        begin, end = self.index.shards[run[0]].run_span(run[1])
         data = parts.read(run[0], begin, end)
         if data is None or not self._checked(run, begin, data):
             return None
@@ -172,7 +168,7 @@ class EarlyReads:
 
     def _range(self, run: Run, counters: remote.Counters) -> bytes | None:
         """The run's bytes by one range request, checked; None where it fails or differs."""
-        begin, end = self._span(run)
+        begin, end = self.index.shards[run[0]].run_span(run[1])
         try:
             data = remote.read_range(self.index.shards[run[0]].url, begin, end,
                                      storage_options=self.storage_options, counters=counters,

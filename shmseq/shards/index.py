@@ -73,6 +73,10 @@ class Shard:
         stop = self.offsets[ordinal + 1] if ordinal + 1 < len(self.offsets) else self.end
         return int(self.offsets[ordinal]), int(stop)
 
+    def run_span(self, ordinals: tuple[int, ...]) -> tuple[int, int]:
+        """The bytes of a run of neighbouring samples (``ordinals`` ascending, one apart)."""
+        return self.span(ordinals[0])[0], self.span(ordinals[-1])[1]
+
 
 class ShardIndex:
     """The shards of a dataset and their samples' offsets; a sample's global id counts the

@@ -115,8 +115,7 @@ class ShardReader:
             early = self._read_early(runs, sorted(set(shards.tolist())))
             for run in runs:
                 data = early.get(run)
-                found.update(self._read_run(*run) if data is None else
-                             self._parsed(*run, self._span(*run)[0], data))
+                found.update(self._read_run(*run) if data is None else self._parsed(*run, data))
         finally:
             if self.cache is not None:
                 self._close_files(getattr(self._local, "files", {}))
@@ -138,18 +137,15 @@ class ShardReader:
                     self._local.__dict__.setdefault("failed", {})[number] = failure
         return early
 
-    def _span(self, number: int, ordinals: tuple[int, ...]) -> tuple[int, int]:
-        shard = self.index.shards[number]
-        return shard.span(ordinals[0])[0], shard.span(ordinals[-1])[1]
-
     def _read_run(self, number: int, ordinals: tuple[int, ...]) -> Iterator[tuple[tuple[int, int], dict]]:
-        begin, end = self._span(number, ordinals)
-        return self._parsed(number, ordinals, begin, self._read(number, begin, end))
+        return self._parsed(number, ordinals,
+                            self._read(number, *self.index.shards[number].run_span(ordinals)))
 
-    def _parsed(self, number: int, ordinals: tuple[int, ...], begin: int,
+    def _parsed(self, number: int, ordinals: tuple[int, ...],
                 data: bytes) -> Iterator[tuple[tuple[int, int], dict]]:
-        """The run's samples from its bytes, which begin at byte ``begin`` of its shard."""
+        """The run's samples from its bytes."""
         shard, view = self.index.shards[number], memoryview(data)
+        begin = shard.run_span(ordinals)[0]
         for ordinal in ordinals:
             start, stop = shard.span(ordinal)
             sample = parse_members(view[start - begin:stop - begin], shard.url, start)
