@@ -6,17 +6,23 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import hashlib
+import io
 import json
 import os
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from shmseq.shards import (ShardCache, ShardIndex, ShardPlan, ShardReader, ShardSequence,
                            StaleShardError, write_shards)
 from shmseq.shards.files import open_private
-from shmseq.shards.index import SAMPLE_DIGEST_BYTES, sample_digest
+from shmseq.shards import index as index_module
+from shmseq.shards.index import SAMPLE_DIGEST_BYTES, sample_digest, shard_digests
+from shmseq.shards.tar import ShardError
 from shmseq.shards.locks import lock, unlock
 from servers import RawServer, serving
 from test_shard_cache import cache_dir  # noqa: F401 - the fixture
@@ -64,6 +70,26 @@ def test_the_index_keeps_each_samples_digest_and_reads_older_versions(tmp_path):
     with pytest.raises(ValueError, match=r"s-001.tar has \d+ bytes of samples' digests for 8 "
                                          r"samples .*the index is damaged"):
         ShardIndex.load(str(tmp_path / "cut.json"))
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 300), min_size=1, max_size=12), head=st.integers(0, 50),
+       tail=st.integers(0, 50), chunk=st.integers(1, 97))
+def test_each_samples_digest_is_its_own_whatever_the_chunks_read(sizes, head, tail, chunk):
+    """``shard_digests`` reads the shard once, in chunks that samples straddle: each digest is
+    its sample's bytes' alone, and the whole file's SHA-256 is the file's."""
+    data = bytes(range(256)) * ((head + sum(sizes) + tail) // 256 + 1)
+    data = data[:head + sum(sizes) + tail]
+    offsets = np.array(head + np.cumsum([0] + sizes[:-1]), np.int64)
+    end = head + sum(sizes)
+    with mock.patch.object(index_module, "DIGEST_CHUNK_BYTES", chunk):
+        size, whole, digests = shard_digests(io.BytesIO(data), offsets, end)
+    assert (size, whole) == (len(data), hashlib.sha256(data).hexdigest())
+    stops = list(offsets[1:]) + [end]
+    assert digests == b"".join(sample_digest(data[start:stop])
+                               for start, stop in zip(offsets, stops))
+    with pytest.raises(ShardError, match="before its sample at byte"):
+        shard_digests(io.BytesIO(data[:end - 1]), offsets, end)
 
 
 # -- from the file a fetch is writing -------------------------------------------------------------
