@@ -16,12 +16,13 @@ any dataset:
   and stacks the results. A replacement worker rebuilds a dead one's batch from the same ids.
 * ``ShardSequence`` is a ``ShmSequence`` over an index with that plan and worker. Remote
   shards are read from the node's shard cache (``cache``): each fetched whole, once per node,
-  ahead of need, checked against the index, and read by offset from local disk; their shuffle
-  is then bounded in shards (``shuffle_shards``), the cache's unit.
+  ahead of need, checked against the index, and read by offset from local disk (a sample
+  before its shard is whole, once its own bytes are there and match its digest); their
+  shuffle is then bounded in shards (``shuffle_shards``), the cache's unit.
 
 Reading is ``tarfile``'s header format parsed in place, and ``shmseq.remote`` for URLs with a
-protocol: range requests through ``fsspec``, each under a timeout, transient failures retried
-(local paths need neither fsspec nor a copy through it). ``webdataset``'s reader streams a
+protocol: range requests (streamed over HTTP and S3, through ``fsspec`` elsewhere), each under
+a timeout, transient failures retried (local paths need neither fsspec nor a copy through it). ``webdataset``'s reader streams a
 shard from its first byte and cannot start at a member, which exact resume needs; nor is it
 faster. Every sample of 12 local shards (3,000 samples of 150 kB) read once, samples/s,
 median (min-max) of 3 interleaved runs of ``bench/tar_readers.py`` on a shared 2-core machine:
@@ -34,8 +35,9 @@ The package, one module a stage, each importing only those above it in this list
     files      the cache's files on a shared disk: private folders, no link followed; checksums
     tar        a sample's members parsed in place; WebDataset's names
     progress   progress bars for writing and scanning
-    index      Shard, ShardIndex: offsets, sizes, checksums; scan, save, load
+    index      Shard, ShardIndex: offsets, sizes, checksums, samples' digests; scan, save, load
     writing    write_shards, image_folder_samples
+    early      EarlyReads: a batch's samples from shards still being fetched, checked
     reader     ShardReader: samples by id, from files, ranges or a cache (ShardFiles)
     nodes      which ranks form a node: those that share a cache folder
     plan       ShardPlan: the epoch's order, dealt to nodes, then to their ranks
