@@ -20,7 +20,7 @@ from test_shards_distributed import EXAMPLE, samples, write_index
 
 pytest.importorskip("torch.distributed")
 
-SHARDS, PER_SHARD, BATCH, EPOCHS = 60, 32, 8, 2
+SHARDS, PER_SHARD, BATCH, EPOCHS = 60, 32, 16, 2
 
 
 def free_port() -> int:
