@@ -37,8 +37,9 @@ The package, one module a stage, each importing only those above it in this list
     progress   progress bars for writing and scanning
     index      Shard, ShardIndex: offsets, sizes, checksums, samples' digests; scan, save, load
     writing    write_shards, image_folder_samples
-    early      EarlyReads: a batch's samples from shards still being fetched, checked
-    reader     ShardReader: samples by id, from files, ranges or a cache (ShardFiles)
+    early      ShardFiles (a cache as readers use it); EarlyReads: a batch's samples from
+               shards still being fetched, checked
+    reader     ShardReader: samples by id, from files, ranges or a cache
     nodes      which ranks form a node: those that share a cache folder
     plan       ShardPlan: the epoch's order, dealt to nodes, then to their ranks
     worker     ShardWorker: read, decode, stack into the slot

@@ -22,14 +22,35 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO, Protocol
 
 from .. import remote
 from ..remote import RemotePolicy
 from .index import ShardIndex, sample_digest
 
-if TYPE_CHECKING:
-    from .reader import ShardFiles
+
+class ShardFiles(Protocol):
+    """A node's cache of whole shards, as a reader uses it (``shmseq.shards.cache.ShardCache``)."""
+
+    @property
+    def counters(self) -> remote.Counters:
+        """Where the reads from cached shards are counted (``shard_read_bytes``)."""
+
+    def open(self, number: int, counters: remote.Counters,
+             stop: threading.Event | None = None) -> BinaryIO:
+        """Shard ``number`` as a local file, fetched first if need be, by the reader's thread
+        (a worker's, or the consumer's with num_workers=0) or one of its fetching threads
+        (``stop`` ends that one's wait or fetch); its requests counted in ``counters``."""
+
+    def missing(self, numbers: list[int]) -> list[int]:
+        """Of ``numbers``, the shards a reader cannot open at once (a look, maybe stale)."""
+
+    def uncached(self, numbers: list[int]) -> list[int]:
+        """Of ``numbers``, the shards the node has no copy of (a look, maybe stale)."""
+
+    def open_fetching(self, number: int) -> BinaryIO | None:
+        """The file a shard's fetch is writing, if one is (its bytes unchecked)."""
+
 
 Run = tuple[int, tuple[int, ...]]  # a shard's number, and the ordinals of neighbouring samples
 

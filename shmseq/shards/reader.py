@@ -8,13 +8,13 @@ import collections
 import collections.abc
 import os
 import threading
-from typing import Any, BinaryIO, IO, Iterator, Protocol
+from typing import Any, IO, Iterator
 
 import numpy as np
 
 from .. import remote
 from ..remote import RemotePolicy, is_remote
-from .early import EarlyReads, Run
+from .early import EarlyReads, Run, ShardFiles
 from .files import UnsafeCacheError
 from .index import ShardIndex, open_url
 from .tar import ShardError, parse_members
@@ -24,29 +24,6 @@ IN_PLACE_NEEDS_RANGE = (  # what to do where a server answers a sample's range w
     "reading shards in place needs Range requests: pass cache=True to read them through the "
     "node's shard cache (it fetches whole shards), or serve them from a server that honours "
     "Range (object stores and common web servers do)")
-
-
-class ShardFiles(Protocol):
-    """A node's cache of whole shards, as a reader uses it (``shmseq.shards.cache.ShardCache``)."""
-
-    @property
-    def counters(self) -> remote.Counters:
-        """Where the reads from cached shards are counted (``shard_read_bytes``)."""
-
-    def open(self, number: int, counters: remote.Counters,
-             stop: threading.Event | None = None) -> BinaryIO:
-        """Shard ``number`` as a local file, fetched first if need be, by the reader's thread
-        (a worker's, or the consumer's with num_workers=0) or one of its fetching threads
-        (``stop`` ends that one's wait or fetch); its requests counted in ``counters``."""
-
-    def missing(self, numbers: list[int]) -> list[int]:
-        """Of ``numbers``, the shards a reader cannot open at once (a look, maybe stale)."""
-
-    def uncached(self, numbers: list[int]) -> list[int]:
-        """Of ``numbers``, the shards the node has no copy of (a look, maybe stale)."""
-
-    def open_fetching(self, number: int) -> BinaryIO | None:
-        """The file a shard's fetch is writing, if one is (its bytes unchecked)."""
 
 
 class ShardReader:
