@@ -151,9 +151,27 @@ BIG = 2 << 20  # 4 samples of it: shards of 8 MiB
 
 @pytest.fixture
 def ranged(monkeypatch):
-    """Range requests for shards of 8 MiB (64 MiB and more by default), in forked workers too."""
+    """Range requests for shards of 8 MiB (64 MiB and more by default), half of each fetched
+    twice at most (an eighth by default: a sample here is a quarter), in forked workers too."""
     from shmseq.shards.early import EarlyReads
     monkeypatch.setattr(EarlyReads, "RANGE_MIN_BYTES", 8 << 20)
+    monkeypatch.setattr(ShardCache, "EARLY_SHARE", 1 / 2)
+
+
+def test_the_node_fetches_at_most_an_eighth_of_each_shard_twice(tmp_path, cache_dir):
+    """What readers may fetch by range requests before a shard is whole is claimed in the
+    node's ledger: an eighth of each shard for the whole job, whichever process asks."""
+    index = write_shards(samples(2), str(tmp_path / "s-%03d.tar"), samples_per_shard=PER_SHARD)
+    cache = ShardCache(index, cache_dir, "claims")
+    cache.prepare()
+    try:
+        eighth = int(cache.estimates[0]) // 8
+        assert cache.claim_ranges({0: eighth - 10, 1: 5}) == {0, 1}
+        assert cache.claim_ranges({0: 11, 1: 5}) == {1}  # shard 0's eighth is used up
+        assert cache.claim_ranges({0: 10}) == {0}
+        assert cache.ledger.table()["early"].tolist() == [eighth, 10]
+    finally:
+        cache.remove()
 
 
 def test_the_first_batch_comes_before_its_shards_are_whole(tmp_path, cache_dir, ranged):

@@ -83,6 +83,8 @@ class ShardCache(CacheStore):
     (``session``); so the index must have them (written by ``write_shards`` or scanned by
     ``ShardIndex.scan``: index version 2)."""
 
+    EARLY_SHARE = 1 / 8  # of a shard, what the node's readers may fetch twice (``claim_ranges``)
+
 
     # -- readers ----------------------------------------------------------------------------------
     def open(self, number: int, counters: remote.Counters,
@@ -124,6 +126,19 @@ class ShardCache(CacheStore):
         """Of ``numbers``, the shards the node has no copy of (being fetched, or not yet)."""
         state = self.ledger.table()["state"]
         return [number for number in numbers if state[number] != CACHED]
+
+    def claim_ranges(self, wanted: dict[int, int]) -> set[int]:
+        """Of the shards of ``wanted`` (shard -> the bytes a batch would fetch of it by range
+        requests before it is whole), those the node may still fetch so many bytes of twice
+        (at most ``EARLY_SHARE`` of each shard, for the whole job: a cold start's first batches,
+        not every batch of a fetch that falls behind); their bytes counted in the ledger."""
+        granted = set()
+        with self.ledger.changing() as table:
+            for number, size in wanted.items():
+                if table["early"][number] + size <= self.EARLY_SHARE * self.estimates[number]:
+                    table["early"][number] += size
+                    granted.add(number)
+        return granted
 
     def part_path(self, number: int) -> str:
         """Where shard ``number``'s fetch writes until the shard is whole (one fetch at a time

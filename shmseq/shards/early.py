@@ -11,9 +11,10 @@ Who calls what: ``ShardReader.read`` (a worker's thread) calls ``start`` with th
 shards and ``read`` with its runs in shards not cached; it reads the rest from the cache after
 ``settle``. ``close`` (the reader's) stops the fetches nobody waits for.
 
-What it costs: the bytes of the range requests, which the shard's fetch brings again, at most
-one batch's samples a shard fetch and process (``shard_early_bytes``): at the start of an
-epoch from a cold cache, and where fetching falls behind reading.
+What it costs: the bytes of the range requests, which the shard's fetch brings again
+(``shard_early_bytes``): one batch's samples of a shard a fetch and process at most, and an
+eighth of each shard for the node's readers over the whole job (``ShardCache.claim_ranges``):
+the first batches of a cold start, not every batch where fetching falls behind reading.
 """
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ class ShardFiles(Protocol):
 
     def open_fetching(self, number: int) -> BinaryIO | None:
         """The file a shard's fetch is writing, if one is (its bytes unchecked)."""
+
+    def claim_ranges(self, wanted: dict[int, int]) -> set[int]:
+        """Of the shards of ``wanted`` (shard -> bytes), those whose bytes the node may fetch by
+        range requests beside the whole shard (the bytes then counted)."""
 
 
 Run = tuple[int, tuple[int, ...]]  # a shard's number, and the ordinals of neighbouring samples
@@ -129,11 +134,7 @@ class EarlyReads:
         this is the first batch of the process to need a large shard during its fetch. The
         others are left for the whole shard (``settle``)."""
         early = self._early(runs)
-        ranged = {number for number, _ in early if not fetches[number].ranged and
-                  not self._ranges_ignored and
-                  (self.index.shards[number].size or 0) >= self.RANGE_MIN_BYTES}
-        for number in ranged:
-            fetches[number].ranged = True
+        ranged = self._claim_ranges(early, fetches)
         found: dict[Run, bytes] = {}
         with _PartFiles(self.cache) as parts:
             waiting: dict[Run, Future | None] = {}  # a run's range request, if it has one
@@ -147,6 +148,24 @@ class EarlyReads:
                     waiting[run] = None
             self._wait(parts, waiting, fetches, found)
         return found
+
+    def _claim_ranges(self, runs: list[Run], fetches: dict[int, _Fetch]) -> set[int]:
+        """The shards whose runs this batch reads by range requests: large ones, where this is
+        the process's first batch during the shard's fetch, and the node's share of the
+        shard's bytes fetched twice is not used up (``ShardFiles.claim_ranges``)."""
+        if self._ranges_ignored:
+            return set()
+        wanted: dict[int, int] = {}
+        for number, ordinals in runs:
+            if not fetches[number].ranged and \
+                    (self.index.shards[number].size or 0) >= self.RANGE_MIN_BYTES:
+                begin, end = self.index.shards[number].run_span(ordinals)
+                wanted[number] = wanted.get(number, 0) + end - begin
+        if not wanted:
+            return set()
+        for number in wanted:
+            fetches[number].ranged = True
+        return self.cache.claim_ranges(wanted)
 
     def settle(self, fetch: _Fetch) -> BaseException | None:
         """Wait for a shard's whole fetch: what failed it, if it failed."""

@@ -32,7 +32,7 @@ MOVES = {(ABSENT, FETCHING): "its bytes reserved for a fetch",
 
 LEDGER_RECORD = np.dtype([("state", "i1"), ("waiting", "i1"), ("tag", "<i4"), ("fetched", "<i4"),
                           ("bytes", "<i8"), ("stamp", "<i8"), ("checked", "<i8"),
-                          ("version", "<i8"), ("got", "<i8")])
+                          ("version", "<i8"), ("got", "<i8"), ("early", "<i8")])
 
 WAIT_POLL_S = 0.01          # how often a worker waiting for a shard or for room looks again
 _RANK_HEADER = 24           # a progress file: the consumer's epoch, its owner's pid, where its
@@ -56,7 +56,8 @@ class Ledger:
     wanted for), ``fetched`` (the epoch it was last fetched for: one fetched again for the same
     epoch is counted), ``bytes`` (cached, or reserved
     while fetching), ``stamp`` (when it came), ``got`` (the bytes fetched for it since the
-    ledger was made: the node's fetches, for its report). Read
+    ledger was made: the node's fetches, for its report), ``early`` (the bytes of it readers
+    fetched by range requests before it was whole, since the ledger was made). Read
     freely (a look that may be stale, checked again under the lock); changed only in
     ``changing()``, under the file's flock."""
 
