@@ -1,20 +1,19 @@
 """Samples of shards still on their way: a batch whose shards the node's cache lacks does not
 wait for them whole. ``EarlyReads`` starts (or joins) their whole fetches in the background and
 meanwhile reads each run of the batch's samples as soon as its bytes are here: from the file
-the shard's fetch writes into, or, for the first batch that needs the shard while it is fetched
-(per process), by a range request of its own, all of the batch's at once (in shards of 64 MiB
-or more: a smaller one comes whole about as soon). Bytes read so are checked against each
-sample's digest in the index (version 3) before they reach a batch; what does not match, or
-does not come, is read from the whole shard once it is cached and checked.
+the shard's fetch writes into, or by a range request of its own, all of the batch's at once
+(in shards of 64 MiB or more: a smaller one comes whole about as soon). Bytes read so are
+checked against each sample's digest in the index (version 3) before they reach a batch; what
+does not match, or does not come, is read from the whole shard once it is cached and checked.
 
 Who calls what: ``ShardReader.read`` (a worker's thread) calls ``start`` with the batch's
 shards and ``read`` with its runs in shards not cached; it reads the rest from the cache after
 ``settle``. ``close`` (the reader's) stops the fetches nobody waits for.
 
 What it costs: the bytes of the range requests, which the shard's fetch brings again
-(``shard_early_bytes``): one batch's samples of a shard a fetch and process at most, and an
-eighth of each shard for the node's readers over the whole job (``ShardCache.claim_ranges``):
-the first batches of a cold start, not every batch where fetching falls behind reading.
+(``shard_early_bytes``): an eighth of each shard at most, for all the node's readers over the
+whole job (``ShardCache.claim_ranges``): the first batches of a cold start, not every batch
+where fetching falls behind reading.
 """
 from __future__ import annotations
 
@@ -60,13 +59,6 @@ class ShardFiles(Protocol):
 Run = tuple[int, tuple[int, ...]]  # a shard's number, and the ordinals of neighbouring samples
 
 
-@dataclasses.dataclass
-class _Fetch:
-    """A shard's whole fetch (or the wait for another process's), in this process."""
-    whole: Future
-    ranged: bool = False  # a batch read some of its samples by range requests already
-
-
 class EarlyReads:
     """A reader's whole-shard fetches under way, and its reads of their samples meanwhile (see
     the module's text). Sent to worker processes with the reader: each starts anew."""
@@ -88,7 +80,8 @@ class EarlyReads:
         self.policy = dataclasses.replace(policy, attempts=self.ONE_TRY)
         self._owner = -1  # the process whose pools and fetches these are
         self._lock = threading.Lock()
-        self._fetches: dict[int, _Fetch] = {}
+        self._fetches: dict[int, Future] = {}  # a shard's whole fetch (or the wait for
+        # another process's), in this process
         self._stop = threading.Event()
         self._pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
         self._ranges_ignored = False  # a server answered a range with its whole object
@@ -110,7 +103,7 @@ class EarlyReads:
                                ThreadPoolExecutor(self.RANGES_TOGETHER, "shmseq-shard-range"))
             return self._pools
 
-    def start(self, numbers: list[int], counters: remote.Counters) -> dict[int, _Fetch]:
+    def start(self, numbers: list[int], counters: remote.Counters) -> dict[int, Future]:
         """The whole fetches of the shards of ``numbers`` the cache cannot open at once, started
         here unless under way in this process already (``ShardFiles.open``: fetched by this
         process, or waited for where another fetches it)."""
@@ -121,20 +114,20 @@ class EarlyReads:
         with self._lock:
             for number in missing:
                 known = self._fetches.get(number)
-                if known is None or known.whole.done():
+                if known is None or known.done():
                     whole = fetching.submit(self.cache.open, number, counters, self._stop)
                     whole.add_done_callback(_close_file)
-                    self._fetches[number] = _Fetch(whole)
+                    self._fetches[number] = whole
             return {number: self._fetches[number] for number in missing}
 
-    def read(self, runs: list[Run], fetches: dict[int, _Fetch],
+    def read(self, runs: list[Run], fetches: dict[int, Future],
              counters: remote.Counters) -> dict[Run, bytes]:
         """Of ``runs`` (in shards of ``fetches``), the bytes of those read before their shard is
-        whole, checked: each as soon as it is in the fetch's file, or by a range request where
-        this is the first batch of the process to need a large shard during its fetch. The
-        others are left for the whole shard (``settle``)."""
+        whole, checked: each as soon as it is in the fetch's file, or by a range request in a
+        large shard whose bytes fetched twice the node can still afford. The others are left
+        for the whole shard (``settle``)."""
         early = self._early(runs)
-        ranged = self._claim_ranges(early, fetches)
+        ranged = self._claim_ranges(early)
         found: dict[Run, bytes] = {}
         with _PartFiles(self.cache) as parts:
             waiting: dict[Run, Future | None] = {}  # a run's range request, if it has one
@@ -149,27 +142,21 @@ class EarlyReads:
             self._wait(parts, waiting, fetches, found)
         return found
 
-    def _claim_ranges(self, runs: list[Run], fetches: dict[int, _Fetch]) -> set[int]:
-        """The shards whose runs this batch reads by range requests: large ones, where this is
-        the process's first batch during the shard's fetch, and the node's share of the
-        shard's bytes fetched twice is not used up (``ShardFiles.claim_ranges``)."""
+    def _claim_ranges(self, runs: list[Run]) -> set[int]:
+        """The shards whose runs this batch reads by range requests: large ones whose bytes
+        fetched twice the node can still afford (``ShardFiles.claim_ranges``)."""
         if self._ranges_ignored:
             return set()
         wanted: dict[int, int] = {}
         for number, ordinals in runs:
-            if not fetches[number].ranged and \
-                    (self.index.shards[number].size or 0) >= self.RANGE_MIN_BYTES:
+            if (self.index.shards[number].size or 0) >= self.RANGE_MIN_BYTES:
                 begin, end = self.index.shards[number].run_span(ordinals)
                 wanted[number] = wanted.get(number, 0) + end - begin
-        if not wanted:
-            return set()
-        for number in wanted:
-            fetches[number].ranged = True
-        return self.cache.claim_ranges(wanted)
+        return self.cache.claim_ranges(wanted) if wanted else set()
 
-    def settle(self, fetch: _Fetch) -> BaseException | None:
+    def settle(self, fetch: Future) -> BaseException | None:
         """Wait for a shard's whole fetch: what failed it, if it failed."""
-        return fetch.whole.exception()
+        return fetch.exception()
 
     def _early(self, runs: list[Run]) -> list[Run]:
         """The runs in shards whose samples have digests and which the node has no copy of
@@ -179,7 +166,7 @@ class EarlyReads:
                 if run[0] in uncached and self.index.shards[run[0]].digests is not None]
 
     def _wait(self, parts: _PartFiles, waiting: dict[Run, Future | None],
-              fetches: dict[int, _Fetch], found: dict[Run, bytes]) -> None:
+              fetches: dict[int, Future], found: dict[Run, bytes]) -> None:
         """Each run's bytes, from its range request or its shard's fetch file, whichever
         brings them checked first, until its shard's fetch ends (a stalled request is not
         waited for beyond it)."""
@@ -193,7 +180,7 @@ class EarlyReads:
                 if data is not None:
                     found[run] = data
                     del waiting[run]
-                elif fetches[run[0]].whole.done():
+                elif fetches[run[0]].done():
                     del waiting[run]
             if waiting:
                 time.sleep(self.POLL_S)
