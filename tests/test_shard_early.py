@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from shmseq.shards import (ShardCache, ShardIndex, ShardPlan, ShardReader, ShardSequence,
-                           StaleShardError, write_shards)
+                           ShardWorker, StaleShardError, write_shards)
 from shmseq.shards.cache import TAR_TAIL
 from shmseq.shards.files import open_private
 from shmseq.shards import index as index_module
@@ -142,6 +142,36 @@ def test_a_sample_is_read_from_its_shards_fetch_as_soon_as_its_bytes_are_there(t
         for fd in held:
             unlock(fd)
         reader.close()
+        pool.shutdown()
+        cache.remove()
+
+
+def test_a_worker_decodes_the_samples_that_came_while_the_others_are_fetched(tmp_path,
+                                                                             cache_dir):
+    """A batch whose shard is half fetched: the worker decodes the samples of that half at
+    once, while the fetch brings the rest (it decoded nothing before the whole batch was in)."""
+    index = write_shards(samples(1), str(tmp_path / "s-%03d.tar"), samples_per_shard=PER_SHARD)
+    shard = open(index.shards[0].url, "rb").read()
+    cache = ShardCache(index, cache_dir, "decode")
+    cache.prepare()
+    decoded = []
+    worker = ShardWorker(index, lambda sample: decoded.append(int(sample["id"])) or decode(sample),
+                         cache=cache)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    half = index.shards[0].span(3)[1]
+    held = fetch_under_way(cache, 0, shard[:half])
+    try:
+        batch = pool.submit(worker.__getitem__, np.array([6, 1, 7, 2]))
+        deadline = time.monotonic() + 20
+        while sorted(decoded) != [1, 2] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(decoded) == [1, 2] and not batch.done()
+        with open(cache.part_path(0), "ab") as part:
+            part.write(shard[half:])
+        assert batch.result(timeout=20)[:, 0].tolist() == [6, 1, 7, 2]
+    finally:
+        unlock(held)
+        worker.reader.close()
         pool.shutdown()
         cache.remove()
 

@@ -7,8 +7,8 @@ checked against each sample's digest in the index (version 3) before they reach 
 does not match, or does not come, is read from the whole shard once it is cached and checked.
 
 Who calls what: ``ShardReader.read`` (a worker's thread) calls ``start`` with the batch's
-shards and ``read`` with its runs in shards not cached; it reads the rest from the cache after
-``settle``. ``close`` (the reader's) stops the fetches nobody waits for.
+shards and ``arrivals`` with its runs in shards not cached; it reads the rest from the cache
+after ``settle``. ``close`` (the reader's) stops the fetches nobody waits for.
 
 What it costs: the bytes of the range requests, which the shard's fetch brings again
 (``shard_early_bytes``): an eighth of each shard at most, for all the node's readers over the
@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Generator, Iterator, Protocol
 
 from .. import remote
 from ..remote import RemotePolicy
@@ -120,27 +120,25 @@ class EarlyReads:
                     self._fetches[number] = whole
             return {number: self._fetches[number] for number in missing}
 
-    def read(self, runs: list[Run], fetches: dict[int, Future],
-             counters: remote.Counters) -> dict[Run, bytes]:
+    def arrivals(self, runs: list[Run], fetches: dict[int, Future],
+                 counters: remote.Counters) -> Generator[tuple[Run, bytes], None, None]:
         """Of ``runs`` (in shards of ``fetches``), the bytes of those read before their shard is
-        whole, checked: each as soon as it is in the fetch's file, or by a range request in a
-        large shard whose bytes fetched twice the node can still afford. The others are left
-        for the whole shard (``settle``)."""
+        whole, checked, each as soon as it comes (its reader decodes it meanwhile): from the
+        fetch's file, or by a range request in a large shard whose bytes fetched twice the node
+        can still afford. The others are left for the whole shard (``settle``)."""
         early = self._early(runs)
         ranged = self._claim_ranges(early)
-        found: dict[Run, bytes] = {}
         with _PartFiles(self.cache) as parts:
             waiting: dict[Run, Future | None] = {}  # a run's range request, if it has one
             for run in early:
                 data = self._from_part(parts, run)
                 if data is not None:
-                    found[run] = data
+                    yield run, data
                 elif run[0] in ranged:
                     waiting[run] = self._mine()[1].submit(self._range, run, counters)
                 else:
                     waiting[run] = None
-            self._wait(parts, waiting, fetches, found)
-        return found
+            yield from self._as_they_come(parts, waiting, fetches)
 
     def _claim_ranges(self, runs: list[Run]) -> set[int]:
         """The shards whose runs this batch reads by range requests: large ones whose bytes
@@ -165,8 +163,8 @@ class EarlyReads:
         return [run for run in runs
                 if run[0] in uncached and self.index.shards[run[0]].digests is not None]
 
-    def _wait(self, parts: _PartFiles, waiting: dict[Run, Future | None],
-              fetches: dict[int, Future], found: dict[Run, bytes]) -> None:
+    def _as_they_come(self, parts: _PartFiles, waiting: dict[Run, Future | None],
+                      fetches: dict[int, Future]) -> Iterator[tuple[Run, bytes]]:
         """Each run's bytes, from its range request or its shard's fetch file, whichever
         brings them checked first, until its shard's fetch ends (a stalled request is not
         waited for beyond it)."""
@@ -178,8 +176,8 @@ class EarlyReads:
                 if data is None:
                     data = self._from_part(parts, run)
                 if data is not None:
-                    found[run] = data
                     del waiting[run]
+                    yield run, data
                 elif fetches[run[0]].done():
                     del waiting[run]
             if waiting:

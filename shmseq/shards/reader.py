@@ -84,35 +84,55 @@ class ShardReader:
         """The samples of ``ids``, in that order, each with ``__key__``, ``__url__``,
         ``__offset__`` and its global ``__id__``. Samples next to each other in a shard are
         read in one request."""
+        found: list[dict] = [{}] * len(ids)
+        for position, sample in self.read_as_ready(ids):
+            found[position] = sample
+        return found
+
+    def read_as_ready(self, ids: np.ndarray) -> Iterator[tuple[int, dict]]:
+        """``read``'s samples with their positions in ``ids``, in the order they can be read:
+        those of shards still being fetched as their bytes come (a worker decodes each
+        meanwhile), then the others."""
         shards, ordinals = self.index.locate(np.asarray(ids, np.int64))
-        runs = [(number, tuple(run)) for number, run in
-                _runs(sorted(set(zip(shards.tolist(), ordinals.tolist()))))]
-        found: dict[tuple[int, int], dict] = {}
+        pairs = list(zip(shards.tolist(), ordinals.tolist()))
+        places = collections.defaultdict(list)
+        for position, pair in enumerate(pairs):
+            places[pair].append(position)
+        runs = [(number, tuple(run)) for number, run in _runs(sorted(set(pairs)))]
         try:
-            early = self._read_early(runs, sorted(set(shards.tolist())))
-            for run in runs:
-                data = early.get(run)
-                found.update(self._read_run(*run) if data is None else self._parsed(*run, data))
+            for samples in self._runs_as_ready(runs, sorted(set(shards.tolist()))):
+                for pair, sample in samples:
+                    for position in places[pair]:
+                        yield position, sample
         finally:
             if self.cache is not None:
                 self._close_files(getattr(self._local, "files", {}))
-        return [found[pair] for pair in zip(shards.tolist(), ordinals.tolist())]
 
-    def _read_early(self, runs: list[Run], numbers: list[int]) -> dict[Run, bytes]:
-        """With a cache: the batch's shards it lacks fetched at once (a cold batch that reads 8
-        shards waits for about one fetch, not 8), and the bytes of the runs read before their
-        shard is whole; the others' shards waited for, what failed them raised where their
-        samples are read."""
-        if self._early is None:
-            return {}
-        fetches = self._early.start(numbers, self.counters)
-        early = self._early.read([run for run in runs if run[0] in fetches], fetches, self.counters)
-        for number, fetch in fetches.items():
-            if any(run[0] == number and run not in early for run in runs):
-                failure = self._early.settle(fetch)
-                if failure is not None:
-                    self._local.__dict__.setdefault("failed", {})[number] = failure
-        return early
+    def _runs_as_ready(self, runs: list[Run], numbers: list[int]
+                       ) -> Iterator[Iterator[tuple[tuple[int, int], dict]]]:
+        """Each run's samples. With a cache: the batch's shards it lacks fetched at once (a
+        cold batch that reads 8 shards waits for about one fetch, not 8), the runs that can be
+        read before their shard is whole first, as they come; the other shards waited for,
+        what failed them raised where their samples are read."""
+        done: set[Run] = set()
+        if self._early is not None:
+            fetches = self._early.start(numbers, self.counters)
+            arrivals = self._early.arrivals([run for run in runs if run[0] in fetches], fetches,
+                                            self.counters)
+            try:
+                for run, data in arrivals:
+                    done.add(run)
+                    yield self._parsed(*run, data)
+            finally:
+                arrivals.close()
+            for number, fetch in fetches.items():
+                if any(run[0] == number and run not in done for run in runs):
+                    failure = self._early.settle(fetch)
+                    if failure is not None:
+                        self._local.__dict__.setdefault("failed", {})[number] = failure
+        for run in runs:
+            if run not in done:
+                yield self._read_run(*run)
 
     def _read_run(self, number: int, ordinals: tuple[int, ...]) -> Iterator[tuple[tuple[int, int], dict]]:
         return self._parsed(number, ordinals,

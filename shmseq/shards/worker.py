@@ -48,7 +48,9 @@ class ShardWorker:
     ``stats.skipped_samples``; a batch left with no sample still fails.
 
     ``remote``: the timeout and retries of remote reads (``shmseq.remote``); what they did is
-    counted and handed to the consumer's ``stats`` by ``pop_counts()``."""
+    counted and handed to the consumer's ``stats`` by ``pop_counts()``. Samples are decoded in
+    the order they can be read: those of a shard still being fetched as their bytes come, while
+    the fetch brings the others."""
 
     def __init__(self, shards: ShardIndex, decode: Callable[[dict], object], *,
                  on_error: str = "raise", storage_options: dict | None = None,
@@ -74,7 +76,10 @@ class ShardWorker:
     def _batch(self, ids: np.ndarray, empty: Callable) -> object:
         ids = np.asarray(ids, np.int64)
         if self.on_error == "raise":
-            return stack([self._decoded(sample) for sample in self.reader.read(ids)], empty)
+            decoded: list[object] = [None] * len(ids)
+            for position, sample in self.reader.read_as_ready(ids):  # decoded as they come
+                decoded[position] = self._decoded(sample)
+            return stack(decoded, empty)
         decoded = []
         for sample in self._readable(ids):
             try:
