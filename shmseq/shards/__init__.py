@@ -22,10 +22,11 @@ any dataset:
 
 Reading is ``tarfile``'s header format parsed in place, and ``shmseq.remote`` for URLs with a
 protocol: range requests (streamed over HTTP and S3, through ``fsspec`` elsewhere), each under
-a timeout, transient failures retried (local paths need neither fsspec nor a copy through it). ``webdataset``'s reader streams a
-shard from its first byte and cannot start at a member, which exact resume needs; nor is it
-faster. Every sample of 12 local shards (3,000 samples of 150 kB) read once, samples/s,
-median (min-max) of 3 interleaved runs of ``bench/tar_readers.py`` on a shared 2-core machine:
+a timeout, transient failures retried (local paths need neither fsspec nor a copy through it).
+``webdataset``'s reader streams a shard from its first byte and cannot start at a member,
+which exact resume needs; nor is it faster. Every sample of 12 local shards (3,000 samples of
+150 kB) read once, samples/s, median (min-max) of 3 interleaved runs of
+``bench/tar_readers.py`` on a shared 2-core machine:
 webdataset 1.0.2 10,200 (9,900-12,200); by offset in shard order 15,100 (8,200-15,400); by
 offset with a 1,000-sample shuffle window 7,300 (5,400-9,400): members out of order are read
 one request each.

@@ -6,9 +6,9 @@ the shard's fetch writes into, or by a range request of its own, all of the batc
 checked against each sample's digest in the index (version 3) before they reach a batch; what
 does not match, or does not come, is read from the whole shard once it is cached and checked.
 
-Who calls what: ``ShardReader.read`` (a worker's thread) calls ``start`` with the batch's
-shards and ``arrivals`` with its runs in shards not cached; it reads the rest from the cache
-after ``settle``. ``close`` (the reader's) stops the fetches nobody waits for.
+Who calls what: ``ShardReader.read_as_ready`` (a worker's thread) calls ``start`` with the
+batch's shards and ``arrivals`` with its runs in shards not cached; it reads the rest from the
+cache after ``settle``. ``close`` (the reader's) stops the fetches nobody waits for.
 
 What it costs: the bytes of the range requests, which the shard's fetch brings again
 (``shard_early_bytes``): an eighth of each shard at most, for all the node's readers over the
@@ -64,7 +64,7 @@ class EarlyReads:
     the module's text). Sent to worker processes with the reader: each starts anew."""
 
     FETCH_TOGETHER = 8    # whole shards fetched at once by one process's readers
-    RANGES_TOGETHER = 16  # range requests of one batch at once
+    RANGES_TOGETHER = 16  # range requests at once in one process
     POLL_S = 0.005        # how often a run waits for its bytes in the fetch's file looks again
     RANGE_MIN_BYTES = 64 << 20  # a smaller shard comes whole about as soon as a batch's
     # range requests of it do (a request each run of samples, tens of ms each, at most

@@ -78,8 +78,9 @@ class CacheCounters(remote.Counters):
     while still needed: 0 by design, counted as a check), bytes of samples read from cached
     shards, seconds readers waited for a shard, samples read before their shard was whole and
     the bytes of the range requests that read them (which the shard's fetch brings again), and
-    the most the node's cache held (reserved bytes included). A copy sent to another process starts at zero: each counts its own, and
-    the worker loop hands a worker's to the consumer with its batches."""
+    the most the node's cache held (reserved bytes included). A copy sent to another process
+    starts at zero: each counts its own, and the worker loop hands a worker's to the consumer
+    with its batches."""
 
     FIELDS = ("shard_fetches", "shard_fetch_bytes", "shard_fetch_requests", "shard_refetches",
               "shard_repairs", "shard_read_bytes", "shard_wait_s", "shard_early_reads",
@@ -320,10 +321,11 @@ class CacheStore:
         return True
 
     def _evict(self, table: np.ndarray, live: list, wanted: int, keeping: int | None = None) -> None:
-        """Remove shards no rank's batches in flight read, those the node reads latest first (those it reads no more first of all: the plan tells the future), until
-        ``wanted`` bytes are free; none where they would not free as much. For a
-        prefetch of shard ``keeping``: only those the node reads after it, since taking the
-        room of a shard read sooner would fetch that one again before this one is read."""
+        """Remove shards no rank's batches in flight read, those the node reads latest first
+        (those it reads no more first of all: the plan tells the future), until ``wanted``
+        bytes are free; none where they would not free as much. For a prefetch of shard
+        ``keeping``: only those the node reads after it, since taking the room of a shard read
+        sooner would fetch that one again before this one is read."""
         reads = node_reads(live, len(table))
         free = np.flatnonzero(evictable(table, live, self.board.expected()))
         if keeping is not None:
