@@ -1,6 +1,7 @@
 """Where a whole-object fetch (and an object's HEAD) sends its requests, from its URL and
 ``storage_options``: for ``http(s)://`` the URL itself with the options aiohttp took through
-fsspec, for ``s3://`` a request that botocore signs as s3fs's client would send it
+fsspec, for ``s3://`` a request signed as s3fs's client would send it: by ``remote_sigv4``
+where botocore would have nothing more to decide, else by botocore itself
 (``shmseq.remote_stream`` makes the requests). An option that a fetch cannot honour is
 refused, naming it, rather than left out of the requests."""
 from __future__ import annotations
@@ -8,9 +9,10 @@ from __future__ import annotations
 import re
 import ssl
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 from .remote_answers import StatusAnswer, _BadAnswer
+from .remote_sigv4 import own_signer
 from .remote_stream import MAX_REDIRECTS, Transport
 
 STREAMED = ("http", "https", "s3", "s3a")
@@ -100,6 +102,21 @@ def _refuse_others(url: str, options: dict, more: set[str]) -> None:
                          "leave them out, or read the shards in place (cache=False)")
 
 
+class S3Signer(Protocol):
+    """What signs an S3 object's requests (``_S3`` calls it for each): botocore's client
+    (``_BotocoreSigner``) or ``remote_sigv4.OwnSigner``."""
+
+    transport: Transport
+    version_aware: bool
+
+    def signed(self, bucket: str, key: str, version: str | None,
+               byte_range: str | None) -> tuple[str, dict[str, str]]:
+        """The URL and headers of a GetObject of ``byte_range``, or of a HeadObject (None)."""
+
+    def moved(self, bucket: str, region: str) -> bool:
+        """Whether ``bucket`` was signed for another region than ``region`` (then learnt)."""
+
+
 class _Prepared(Exception):
     """Raised by botocore's before-send event: the request signed, not sent."""
 
@@ -112,7 +129,7 @@ def _prepared(request: Any, **_: object) -> None:
     raise _Prepared(request)
 
 
-class _Signer:
+class _BotocoreSigner:
     """A botocore client made as s3fs makes its own from ``storage_options`` (``key``,
     ``secret``, ``token``, ``username``, ``password``, ``anon``, ``endpoint_url``, ``use_ssl``,
     ``client_kwargs``, ``config_kwargs``, ``requester_pays``, ``s3_additional_kwargs``,
@@ -124,9 +141,7 @@ class _Signer:
         from botocore.config import Config
         client = dict(options.pop("client_kwargs", None) or {})
         config = dict(options.pop("config_kwargs", None) or {})
-        self.transport = Transport(
-            tls=_context(client.get("verify")), proxies=_proxies_of(config.get("proxies")),
-            trust_env=True)  # botocore takes the environment's proxies
+        self.transport = _s3_transport(client, config)
         self.params = {**({"RequestPayer": "requester"} if options.pop("requester_pays", False)
                           else {}), **(options.pop("s3_additional_kwargs", None) or {})}
         self.version_aware = bool(options.pop("version_aware", False))
@@ -163,18 +178,45 @@ class _Signer:
             return self._clients[region]
 
     def moved(self, bucket: str, region: str) -> bool:
-        """Whether ``bucket`` was signed for another region than ``region`` (then learnt)."""
         if self.client(bucket).meta.region_name == region:
             return False
         self._regions[bucket] = region
         return True
+
+    def signed(self, bucket: str, key: str, version: str | None,
+               byte_range: str | None) -> tuple[str, dict[str, str]]:
+        """As botocore signs it: the ``storage_options``' parameters that the operation takes
+        (s3fs too leaves out the others, a GetObject's response overrides from a HeadObject,
+        say) and the range."""
+        from botocore import xform_name  # imported with the signer's client already
+        operation = "HeadObject" if byte_range is None else "GetObject"
+        client = self.client(bucket)
+        taken = client.meta.service_model.operation_model(operation).input_shape.members
+        params = {"Bucket": bucket, "Key": key, **self.params,
+                  **({} if version is None else {"VersionId": version}),
+                  **({} if byte_range is None else {"Range": byte_range})}
+        try:
+            getattr(client, xform_name(operation))(
+                **{k: v for k, v in params.items() if k in taken})
+        except _Prepared as prepared:
+            request = prepared.request
+            return request.url, {name: value.decode() if isinstance(value, bytes) else value
+                                 for name, value in request.headers.items()}
+        raise AssertionError("botocore sent the request it was to sign only")
+
+
+def _s3_transport(client: dict, config: dict) -> Transport:
+    """What botocore's client would connect through: its ``verify``, its config's proxies,
+    else the environment's."""
+    return Transport(tls=_context(client.get("verify")),
+                     proxies=_proxies_of(config.get("proxies")), trust_env=True)
 
 
 def _proxies_of(proxies: object) -> tuple[tuple[str, str], ...] | None:
     return None if not isinstance(proxies, dict) else tuple(proxies.items())
 
 
-_signers: dict[str, _Signer] = {}
+_signers: dict[str, S3Signer] = {}
 _signers_lock = threading.Lock()
 _sessions: dict[str | None, Any] = {}
 _sessions_lock = threading.Lock()  # a botocore session is not thread-safe: clients made in turn
@@ -193,49 +235,40 @@ def _session(profile: str | None) -> Any:
         return _sessions[profile]
 
 
-def _signer(options: dict, url: str) -> _Signer:
-    """One signer for each ``storage_options``: making a botocore client takes tens of ms."""
+def _signer(options: dict, url: str) -> S3Signer:
+    """One signer for each ``storage_options``: making a botocore client takes tens of ms,
+    importing botocore a hundred more, so it is made only where ``remote_sigv4`` cannot sign."""
     key = repr(sorted(options.items(), key=lambda item: item[0]))
     with _signers_lock:
         if key not in _signers:
-            _signers[key] = _Signer(dict(options), url)
+            _signers[key] = _own_signer(options) or _BotocoreSigner(dict(options), url)
         return _signers[key]
+
+
+def _own_signer(options: dict) -> S3Signer | None:
+    """``remote_sigv4``'s signer for the options that the requests depend on, if it takes them."""
+    return own_signer({name: value for name, value in options.items()
+                       if name not in _FILE_SYSTEM_ONLY},
+                      _s3_transport(options.get("client_kwargs") or {}, {}))
 
 
 class _S3(Source):
     """An S3 object's requests, signed by ``signer`` for each range."""
 
-    def __init__(self, signer: _Signer, url: str) -> None:
+    def __init__(self, signer: S3Signer, url: str) -> None:
         super().__init__(signer.transport, url)
         self.signer = signer
-        bucket, _, key = url.split("://", 1)[1].partition("/")
-        self.bucket, self.params = bucket, {"Bucket": bucket, **signer.params}
-        if signer.version_aware and "?versionId=" in key:
-            key, _, self.params["VersionId"] = key.partition("?versionId=")
-        self.params["Key"] = key
+        self.bucket, _, self.key = url.split("://", 1)[1].partition("/")
+        self.version: str | None = None
+        if signer.version_aware and "?versionId=" in self.key:
+            self.key, _, self.version = self.key.partition("?versionId=")
 
     def request(self, start: int, end: int) -> tuple[str, dict[str, str]]:
-        return self._signed("GetObject", Range=f"bytes={start}-{end - 1}")
+        return self.signer.signed(self.bucket, self.key, self.version, f"bytes={start}-{end - 1}")
 
     def head(self) -> tuple[str, dict[str, str]]:
         """A HeadObject, signed as the GetObject of ``request`` is."""
-        return self._signed("HeadObject")
-
-    def _signed(self, operation: str, **asked: str) -> tuple[str, dict[str, str]]:
-        """The URL and headers of ``operation`` on the object, as botocore signs it: the
-        ``storage_options``' parameters that the operation takes (s3fs too leaves out the
-        others, a GetObject's response overrides from a HeadObject, say) and ``asked``."""
-        from botocore import xform_name  # imported with the signer's client already
-        client = self.signer.client(self.bucket)
-        taken = client.meta.service_model.operation_model(operation).input_shape.members
-        try:
-            getattr(client, xform_name(operation))(
-                **{k: v for k, v in self.params.items() if k in taken}, **asked)
-        except _Prepared as prepared:
-            request = prepared.request
-            return request.url, {name: value.decode() if isinstance(value, bytes) else value
-                                 for name, value in request.headers.items()}
-        raise AssertionError("botocore sent the request it was to sign only")
+        return self.signer.signed(self.bucket, self.key, self.version, None)
 
     def refusal(self, status: int, reason: str, head: Any, body: bytes) -> Exception:
         """S3's error code and message from its answer's XML; a bucket in another region than
