@@ -3,6 +3,7 @@ safe under non_blocking copies, plans drawn when their epoch starts, safe closin
 iteration at a time. The garbage collector is off wherever release is checked."""
 import errno
 import gc
+import os
 import threading
 import time
 import warnings
@@ -16,7 +17,7 @@ from shmseq.testing import FakeDevice, FakePinnedDevice, FakeStream, planned_bat
 from shmseq.engine.trainer.ring import Ring
 from leaks import holders, live_children, mapped_rings
 from sequences import make
-from workers import ImageWorker, ListWorker, SizedWorker, Slow
+from workers import ExitNoting, ImageWorker, ListWorker, SizedWorker, Slow
 
 MiB = 1 << 20
 
@@ -49,6 +50,19 @@ def test_finish_unmaps_the_ring_without_the_garbage_collector(no_gc):
         assert not live_children() and len(mapped_rings()) == 1  # the last batch's view
         del batch
         assert mapped_rings() == {}
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "thread"])
+def test_a_worker_process_calls_worker_exit_as_it_leaves(tmp_path, method):
+    """Each worker process calls its worker's ``worker_exit`` when it leaves; worker threads
+    do not (their worker is the consumer's, shared by all of them, to end)."""
+    options = {"thread_type": "thread"} if method == "thread" else {"start_method": method}
+    seq = make(ExitNoting(tmp_path), 16, **options)
+    with seq.start():
+        pids = set(worker_pids(seq)) - {None}
+        assert sum(len(batch) for batch in seq) == 16
+    assert len(pids) == (0 if method == "thread" else 2)
+    assert {int(name) for name in os.listdir(tmp_path)} == pids
 
 
 def test_a_loader_dropped_without_close_stops_its_workers_at_once(no_gc):

@@ -303,11 +303,11 @@ def test_hooks_is_where_every_optional_hook_of_a_worker_is_looked_up():
     """Every member of ``Worker`` but ``__getitem__`` (the worker is ``obj`` itself) is one of
     ``Hooks``' attributes: the user's own where given, a default otherwise."""
     optional = set(declared(Worker)) - {"__getitem__"}
-    assert optional == {"fill_batch", "pop_skipped", "pop_counts", "pop_state", "dataset",
-                        "pickled_parts", "unpicklable"}
+    assert optional == {"fill_batch", "pop_skipped", "pop_counts", "pop_state", "worker_exit",
+                        "dataset", "pickled_parts", "unpicklable"}
     bare = Hooks(IndexWorker())
     assert (bare.fill_batch, bare.dataset, bare.unpicklable) == (None, None, None)
-    assert bare.pop_state() is None
+    assert bare.pop_state() is None and bare.worker_exit() is None
     assert (bare.pop_skipped(), bare.pop_counts(), bare.pickled_parts()) == ([], {}, {})
     talking = TalkingWorker()
     talking.last = 0

@@ -274,3 +274,25 @@ def test_a_stalled_range_request_holds_the_batch_no_longer_than_its_shard(tmp_pa
         took = time.monotonic() - began
     assert sorted(got) == list(range(8))
     assert took < 10, took
+
+
+def test_finish_does_not_wait_for_a_workers_fetches(tmp_path, cache_dir):
+    """A shard of 32 MiB over a link of 8 MB/s: the first batch reads its first 2 MiB, and
+    finish() comes while the worker's whole fetch of it has seconds to go. The worker stops
+    that fetch as it leaves (``ShardWorker.worker_exit``): before, its exit waited for the
+    fetch until the pool killed it (``JOIN_SECONDS``, 3 s, later)."""
+    from shmseq.engine.trainer.worker_handle import JOIN_SECONDS
+    write_shards(samples(1, 32, 1 << 20), str(tmp_path / "web" / "b-%03d.tar"),
+                 samples_per_shard=32)
+    with serving(lambda servers: servers.FileServer(tmp_path, bandwidth=8e6)) as served:
+        seq = ShardSequence(f"{served.url}/web/shards.json", decode, batch_size=2, num_workers=1,
+                            shuffle=False, out_type="null", timeout=60, cache_dir=cache_dir,
+                            start_method="fork")
+        seq.start()
+        try:
+            assert np.asarray(next(iter(seq)))[:, 0].tolist() == [0, 1]
+        finally:
+            began = time.monotonic()
+            seq.finish()
+            took = time.monotonic() - began
+    assert took < JOIN_SECONDS - 1, took

@@ -1,4 +1,6 @@
 """Module-level workers, so that spawn and forkserver can pickle them."""
+import os
+
 import numpy as np
 
 
@@ -417,3 +419,16 @@ class EatsMemory:
         if self.at in indices:
             np.ones(self.megabytes << 20, np.uint8)
         return indices
+
+
+class ExitNoting:
+    """Notes, in ``folder``, each process whose worker left (``worker_exit``)."""
+
+    def __init__(self, folder) -> None:
+        self.folder = folder
+
+    def __getitem__(self, indices):
+        return np.asarray(indices, np.int64)
+
+    def worker_exit(self) -> None:
+        (self.folder / str(os.getpid())).touch()

@@ -38,12 +38,13 @@ from http import HTTPStatus
 from io import BufferedIOBase
 from multiprocessing.connection import Connection
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterable
 
 from werkzeug.exceptions import HTTPException, NotFound
 from werkzeug.security import safe_join
 from werkzeug.serving import ThreadedWSGIServer, WSGIRequestHandler
 from werkzeug.utils import send_file
+from werkzeug.wsgi import FileWrapper
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
@@ -54,6 +55,8 @@ FAULTS = {"500": ("InternalError", "We encountered an internal error. Please try
           "503": ("SlowDown", "Please reduce your request rate."),
           "403": ("AccessDenied", "Access Denied"), "reset": None}
 PACE_BYTES = 64 << 10  # the bandwidth cap is kept write by write, at most this much at a time
+FILE_BLOCK_BYTES = 1 << 20  # a file's body is read in blocks of this (werkzeug's own: 8 KiB,
+# which cost the server, on the loader's cores, 1.5-1.9 ms of CPU a MB)
 
 
 @dataclass
@@ -158,6 +161,7 @@ class FileServer(ShapedServer):
 
     def _app(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         path = safe_join(self.directory, environ["PATH_INFO"].lstrip("/"))
+        environ["wsgi.file_wrapper"] = _in_large_blocks
         response: WSGIApplication
         try:
             if path is None or not os.path.isfile(path):
@@ -167,6 +171,11 @@ class FileServer(ShapedServer):
         except HTTPException as answer:  # 404, and 416 for a range past the end
             response = answer
         return response(environ, start_response)
+
+
+def _in_large_blocks(file: IO[bytes], buffer_size: int = 8192) -> FileWrapper:
+    """A file's body as the server's writes take it: ``FILE_BLOCK_BYTES`` at a time."""
+    return FileWrapper(file, FILE_BLOCK_BYTES)
 
 
 class S3Server(ShapedServer):

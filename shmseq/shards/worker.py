@@ -118,6 +118,11 @@ class ShardWorker:
         skipped, self._skipped = self._skipped, []
         return skipped
 
+    def worker_exit(self) -> None:
+        """Stop the whole-shard fetches this worker process started that nobody waits for any
+        more: they held its exit until they ended (seconds, a large shard over a slow link)."""
+        self.reader.close()
+
     def pop_counts(self) -> dict:
         """The remote reads and the shard cache's counts since the last call, as ``LoaderStats``
         fields to add to (the worker loop sends them with each batch)."""

@@ -233,6 +233,10 @@ class Worker(Protocol):
         """After each batch, and at the end of its stream: what the front end keeps of the
         worker's state with that batch (a dataset's, for a checkpoint); None: nothing."""
 
+    def worker_exit(self) -> None:
+        """In a worker process, as it leaves (stopped, or its consumer gone): end what the
+        worker runs in the background (threads that would hold the process's exit)."""
+
     # Read on the worker as the user gave it (a class or an instance), not on the object made:
     dataset: object  # a worker process's torch.utils.data.get_worker_info().dataset
 
@@ -257,13 +261,15 @@ class Hooks:
         self.pop_skipped: Callable[[], list[str]] = getattr(obj, "pop_skipped", list)
         self.pop_counts: Callable[[], dict[str, float]] = getattr(obj, "pop_counts", dict)
         self.pop_state: Callable[[], object] = getattr(obj, "pop_state", _nothing)
+        self.worker_exit: Callable[[], object] = getattr(obj, "worker_exit", _nothing)
         self.dataset: object = getattr(obj, "dataset", None)
         self.pickled_parts: Callable[[], dict[str, object]] = getattr(obj, "pickled_parts", dict)
         self.unpicklable: Callable[..., Exception] | None = getattr(obj, "unpicklable", None)
 
 
 def _nothing() -> None:
-    """A worker without ``pop_state`` notes nothing."""
+    """A worker without ``pop_state`` notes nothing; one without ``worker_exit`` has nothing to
+    end."""
 
 
 class Plan(Protocol):

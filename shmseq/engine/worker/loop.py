@@ -242,3 +242,5 @@ def worker_loop(worker: object, tasks: Connection, results: Connection, info: Wo
         slots.close()
         if cell is not None:
             cell.close()
+        if ties is not None:  # a thread's worker is the consumer's to end
+            worker_obj.worker_exit()
