@@ -6,6 +6,7 @@ where botocore would have nothing more to decide, else by botocore itself
 refused, naming it, rather than left out of the requests."""
 from __future__ import annotations
 
+import os
 import re
 import ssl
 import threading
@@ -141,7 +142,10 @@ class _BotocoreSigner:
         from botocore.config import Config
         client = dict(options.pop("client_kwargs", None) or {})
         config = dict(options.pop("config_kwargs", None) or {})
-        self.transport = _s3_transport(client, config)
+        self._session = _session(options.pop("profile", None))
+        self.transport = _s3_transport(
+            client, config,
+            self._session.get_config_variable("ca_bundle") if _over_tls(options, client) else None)
         self.params = {**({"RequestPayer": "requester"} if options.pop("requester_pays", False)
                           else {}), **(options.pop("s3_additional_kwargs", None) or {})}
         self.version_aware = bool(options.pop("version_aware", False))
@@ -152,7 +156,6 @@ class _BotocoreSigner:
                        "aws_session_token": options.pop("token", None)}
         settings = {"endpoint_url": options.pop("endpoint_url", None),
                     "use_ssl": options.pop("use_ssl", True)}
-        self._session = _session(options.pop("profile", None))
         _refuse_others(url, options, {f"config_kwargs[{name!r}]" for name in config
                                       if name in ("proxies_config", "client_cert")})
         config["retries"] = {"total_max_attempts": 1}  # it sends nothing
@@ -205,10 +208,12 @@ class _BotocoreSigner:
         raise AssertionError("botocore sent the request it was to sign only")
 
 
-def _s3_transport(client: dict, config: dict) -> Transport:
-    """What botocore's client would connect through: its ``verify``, its config's proxies,
-    else the environment's."""
-    return Transport(tls=_context(client.get("verify")),
+def _s3_transport(client: dict, config: dict, ca_bundle: str | None) -> Transport:
+    """What botocore's client would connect through: its ``verify``, else its CA bundle
+    (``AWS_CA_BUNDLE``, or a profile's ``ca_bundle``), its config's proxies, else the
+    environment's."""
+    verify = client.get("verify")
+    return Transport(tls=_context((ca_bundle or None) if verify is None else verify),
                      proxies=_proxies_of(config.get("proxies")), trust_env=True)
 
 
@@ -247,9 +252,19 @@ def _signer(options: dict, url: str) -> S3Signer:
 
 def _own_signer(options: dict) -> S3Signer | None:
     """``remote_sigv4``'s signer for the options that the requests depend on, if it takes them."""
+    client = options.get("client_kwargs") or {}
     return own_signer({name: value for name, value in options.items()
                        if name not in _FILE_SYSTEM_ONLY},
-                      _s3_transport(options.get("client_kwargs") or {}, {}))
+                      _s3_transport(client, {}, os.environ.get("AWS_CA_BUNDLE")
+                                    if _over_tls(options, client) else None))
+
+
+def _over_tls(options: dict, client: dict) -> bool:
+    """Whether the requests go over TLS (where a CA bundle matters: a bundle that cannot be
+    read fails only those)."""
+    endpoint = client.get("endpoint_url") or options.get("endpoint_url")
+    return (not endpoint.startswith("http://") if endpoint
+            else bool(options.get("use_ssl", True)))
 
 
 class _S3(Source):

@@ -35,6 +35,7 @@ def plain_environment(monkeypatch, tmp_path):
     import botocore.auth
     monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: NOW.replace(tzinfo=None))
     monkeypatch.setattr(remote_sources, "_sessions", {})
+    monkeypatch.setattr(remote_sources, "_signers", {})
 
 
 def both(options: dict, url: str) -> tuple[remote_sources._S3, remote_sources._S3]:
@@ -184,3 +185,41 @@ def test_an_index_on_s3_is_read_without_importing_botocore(tmp_path):
             env={**environment, "HOME": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"shards": 3, "botocore": []}
+
+
+@pytest.fixture
+def private_ca(tmp_path):
+    """A self-signed certificate, as a private CA's bundle (``openssl`` makes it)."""
+    bundle = tmp_path / "ca.pem"
+    try:
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=shmseq private CA", "-keyout", str(tmp_path / "ca.key"),
+                        "-out", str(bundle)], check=True, capture_output=True, timeout=60)
+    except FileNotFoundError:
+        pytest.skip("no openssl to make a certificate")
+    return bundle
+
+
+def issuers(source: remote_sources.Source) -> list[str]:
+    tls = source.transport.tls
+    return [] if tls is None else [dict(pair[0] for pair in cert["subject"])["commonName"]
+                                   for cert in tls.get_ca_certs()]
+
+
+@pytest.mark.parametrize("signer", ["own", "botocore"])
+def test_aws_ca_bundle_is_trusted_over_tls_as_botocore_trusts_it(signer, private_ca,
+                                                                 monkeypatch):
+    """A private CA named in ``AWS_CA_BUNDLE`` (MinIO or Ceph behind their own certificates) is
+    what an https endpoint's certificate is checked against, whoever signs; an http endpoint
+    reads no bundle (one that cannot be read fails nothing there). It was left out before:
+    only ``client_kwargs={"verify": ...}`` was taken."""
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(private_ca))
+    extra = {"profile": None} if signer == "botocore" else {}  # a profile option: botocore's
+    https = {**KEYS, **extra, "endpoint_url": "https://minio.example:9000"}
+    made = remote_sources.source("s3://bench/a.tar", https)
+    assert isinstance(made.signer, remote_sigv4.OwnSigner) == (signer == "own")
+    assert issuers(made) == ["shmseq private CA"]
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(private_ca.with_name("missing.pem")))
+    plain = remote_sources.source("s3://bench/a.tar",
+                                  {**https, "endpoint_url": "http://127.0.0.1:9"})
+    assert plain.transport.tls is None
