@@ -5,13 +5,13 @@ run's, loss for loss; on another (which torchtitan refuses for its data loader),
 read what no rank had read of the epoch, each sample once, then the sampler's next epoch."""
 import collections
 import json
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
 
+from jobs import output_of
 from leaks import shm_entries
 
 dist = pytest.importorskip("torch.distributed")
@@ -200,21 +200,6 @@ main()
 '''
 
 
-def finished(command: list[str], timeout: float = 120) -> tuple[int, str]:
-    """torchrun's exit status and output. Stopped at ``timeout`` (ranks with unequal batch
-    counts wait on each other's gradients) with SIGTERM, on which torchrun stops its ranks,
-    each in a session of its own that a kill of torchrun would not reach."""
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True) as process:
-        try:
-            output, _ = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.terminate()
-            output, _ = process.communicate(timeout=30)
-            pytest.fail(f"torchrun did not end in {timeout} s:\n{output}")
-    return process.returncode, output
-
-
 def torchrun(tmp_path: Path, ranks: int, cases: str, out: str, *options: str) -> dict:
     """Run the script on ``ranks`` ranks; each case's steps on each rank, once the ranks'
     rings are gone from /dev/shm."""
@@ -224,8 +209,7 @@ def torchrun(tmp_path: Path, ranks: int, cases: str, out: str, *options: str) ->
                f"--nproc_per_node={ranks}", str(script), cases, str(tmp_path / out),
                f"--samples={SAMPLES}", f"--batch={BATCH}", f"--epochs={EPOCHS}",
                f"--seed={SEED}", f"--save_at={SAVE_AT}", *options]
-    returncode, output = finished(command)
-    assert returncode == 0, output
+    output_of(command, timeout=120)  # ranks with unequal batch counts would wait for each other
     steps = {}
     for case in cases.split(","):
         logs = [[json.loads(line) for line in (tmp_path / out / f"{case}-rank{rank}.jsonl").open()]

@@ -1,10 +1,11 @@
 """Two ranks under torchrun: together they cover the dataset once per epoch, in step."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from jobs import output_of
 
 pytest.importorskip("torch.distributed")
 
@@ -15,8 +16,7 @@ def test_ddp_example_ranks_cover_every_epoch_exactly_once(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(EXAMPLE), "--samples", "301", "--epochs", "2", "--batch-size", "16",
                "--report", str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout + done.stderr
+    output_of(command, timeout=240)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())["seen"] for r in (0, 1)]
     for epoch in range(2):
         first, second = ranks[0][epoch], ranks[1][epoch]

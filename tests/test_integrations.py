@@ -7,21 +7,18 @@ The examples (examples/lightning_ddp.py, examples/accelerate_ddp.py) write each 
 as JSON; the tests compare them and print the table the docs quote. Accelerate's checkpoints of
 a stateful loader (``use_stateful_dataloader``) are checked in this process, on one CPU rank.
 """
-import contextlib
 import importlib.util
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import time
 import warnings
 from pathlib import Path
-from typing import IO, Callable
+from typing import Callable
 
 import pytest
+
+from jobs import run_job
 
 ROOT = Path(__file__).parent.parent
 SAMPLES, EVAL_SAMPLES, BATCH, EPOCHS, SAVE_AT = 30, 21, 4, 3, 5  # 4 steps a rank an epoch
@@ -46,121 +43,24 @@ def free_port() -> int:
 
 def run(command: Callable[[int], list[str]]) -> str:
     """Run a job, ``command(port)`` with a free port for its ranks to meet on (also given as
-    ``MASTER_PORT``), and return its output. On a timeout every process descended from it is
-    killed (``family``): a rank left waiting in a collective would otherwise wait for gloo's 30
-    minutes. A job that timed out with a process stuck in the child side of ``os.fork`` runs
-    once more (``stuck_in_fork``). The output goes to a file, not a pipe, so that a process
-    that outlives the kill (one orphaned before it) cannot hold the wait."""
+    ``MASTER_PORT``), and return its output. A job that timed out with a process stuck in the
+    child side of ``os.fork`` (``jobs.stuck_in_fork``) runs once more."""
     for attempt in (1, 2):
         port = free_port()
         args = command(port)
-        with tempfile.TemporaryFile("w+") as log:
-            job = _started(args, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, log)
-            try:
-                job.wait(timeout=RUN_SECONDS)
-                timed_out, stuck = False, []
-            except subprocess.TimeoutExpired:
-                timed_out, stuck = True, killed(job)
-            log.seek(0)
-            output = log.read()
-        if timed_out:
-            if stuck and attempt == 1:
-                warnings.warn(f"processes {stuck} hung in the child side of os.fork "
+        paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "PYTHONPATH": os.pathsep.join(paths)}
+        ended = run_job(args, RUN_SECONDS, env)
+        if ended.timed_out:
+            if ended.stuck and attempt == 1:
+                warnings.warn(f"processes {ended.stuck} hung in the child side of os.fork "
                               f"(CPython gh-112275, fixed in 3.11.8): running the job again")
                 continue
-            pytest.fail(f"{' '.join(args)} took over {RUN_SECONDS} s:\n{output[-4000:]}")
-        assert job.returncode == 0, f"{' '.join(args)} failed:\n{output[-4000:]}"
-        return output
+            pytest.fail(f"{' '.join(args)} took over {RUN_SECONDS} s:\n{ended.output[-4000:]}")
+        assert ended.returncode == 0, f"{' '.join(args)} failed:\n{ended.output[-4000:]}"
+        return ended.output
     raise AssertionError("unreachable: the second attempt returns or fails")
-
-
-def _started(command: list[str], env: dict, log: IO[str]) -> subprocess.Popen:
-    paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(paths)}
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-
-
-def killed(job: subprocess.Popen) -> list[int]:
-    """Kill the job and every process it started; return those that were stuck in a fork."""
-    everyone = family(job.pid)
-    stuck = stuck_in_fork(everyone)
-    for pid in everyone:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    os.killpg(job.pid, signal.SIGKILL)  # and those of its group orphaned before
-    job.wait()
-    return stuck
-
-
-FUTEX = "202"  # the futex system call's number on x86-64
-
-
-def family(root: int) -> list[int]:
-    """``root`` and every process descended from it, whatever their sessions: torchrun starts
-    each rank in a session of its own, which a kill of torchrun's process group would not
-    reach."""
-    parents: dict[int, list[int]] = {}
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        parents.setdefault(parent, []).append(int(name))
-    found, todo = [], [root]
-    while todo:
-        found.append(todo.pop())
-        todo.extend(parents.get(found[-1], []))
-    return found
-
-
-def stuck_in_fork(pids: list[int]) -> list[int]:
-    """The processes of ``pids`` that run one thread, blocked on a lock (a futex): no thread
-    of theirs can release it. A child forked while another thread of its parent held
-    CPython's thread-state lock blocks so, before any code of its own runs (CPython < 3.11.8
-    and 3.12: gh-112275); torch's DataLoader forks its workers while the last iterator's
-    feeder threads exit. Linux on x86-64 only; elsewhere, none."""
-    stuck = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/status") as status:
-                threads = next(int(line.split()[1]) for line in status
-                               if line.startswith("Threads:"))
-            with open(f"/proc/{pid}/syscall") as syscall:
-                blocked_in = syscall.read().split()[0]
-        except (OSError, StopIteration, ValueError, IndexError):
-            continue
-        if threads == 1 and blocked_in == FUTEX:
-            stuck.append(pid)
-    return stuck
-
-
-BLOCKED = "import threading; lock = threading.Lock(); lock.acquire(); lock.acquire()"
-
-
-@pytest.mark.skipif(sys.platform != "linux" or os.uname().machine != "x86_64",
-                    reason="stuck_in_fork reads Linux's x86-64 system call numbers")
-def test_stuck_in_fork_finds_a_lone_thread_blocked_on_a_lock_in_a_session_of_its_own():
-    """As torchrun starts a rank: the blocked process is the child of a sleeping one, in a
-    session of its own."""
-    launcher = ("import subprocess, sys, time; "
-                f"subprocess.Popen([sys.executable, '-c', {BLOCKED!r}], start_new_session=True); "
-                "time.sleep(60)")
-    job = subprocess.Popen([sys.executable, "-c", launcher])
-    try:
-        deadline = time.monotonic() + 20
-        while len(family(job.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        ranks = family(job.pid)[1:]
-        assert len(ranks) == 1 and os.getsid(ranks[0]) != os.getsid(job.pid)
-        while not stuck_in_fork(family(job.pid)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert stuck_in_fork(family(job.pid)) == ranks, "the blocked one, not its sleeping parent"
-    finally:
-        for pid in family(job.pid):
-            os.kill(pid, signal.SIGKILL)
-        job.wait()
 
 
 def shares(ranks: list[list[dict]], epoch: int) -> list[list[int]]:

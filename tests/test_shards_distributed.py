@@ -4,7 +4,6 @@ HTTP, through the node's shard cache, the server sends each shard once for the n
 import collections
 import json
 import os
-import subprocess
 import sys
 import time
 import uuid
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jobs import output_of
 from leaks import shm_entries
 from servers import serving
 from shmseq.shards import ShardIndex, ShardPlan, write_shards
@@ -67,9 +67,8 @@ def run_ranks(shards: Path | str, report: Path, last_batch: str,
                "--batch-size", str(BATCH), "--workers", "2", "--seed", str(SEED),
                "--last-batch", last_batch, "--timeout", "30", "--report", str(report), *options]
     began = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    output_of(command, timeout=120)
     seconds = time.monotonic() - began
-    assert done.returncode == 0, done.stdout + done.stderr
     return [json.loads((report / f"rank{rank}.json").read_text()) for rank in (0, 1)], seconds
 
 

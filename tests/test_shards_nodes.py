@@ -6,13 +6,13 @@ import collections
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from jobs import run_jobs
 from leaks import shm_entries
 from servers import serving
 from shmseq.shards import ShardIndex
@@ -42,15 +42,16 @@ def run_agents(url: str, tmp_path: Path, nodes: int, ranks: int, budget: int,
                "--shards", url, "--epochs", str(EPOCHS), "--batch-size", str(BATCH),
                "--workers", "1", "--seed", "5", "--last-batch", "discard", "--timeout", "60",
                "--cache-bytes", str(budget), "--report", str(report), *extra]
-    began, agents = time.monotonic(), []
+    envs = []
     for node in range(nodes):
         tmpdir = tmp_path / f"node{node}"
         tmpdir.mkdir()
-        agents.append(subprocess.Popen(command, env={**os.environ, "TMPDIR": str(tmpdir)},
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [agent.communicate(timeout=120)[0] for agent in agents]
+        envs.append({**os.environ, "TMPDIR": str(tmpdir)})
+    began = time.monotonic()
+    agents = run_jobs([command] * nodes, timeout=120, envs=envs)
     seconds = time.monotonic() - began
-    assert [agent.returncode for agent in agents] == [0] * nodes, "\n".join(outputs)
+    assert [agent.returncode for agent in agents] == [0] * nodes, \
+        "\n".join(agent.output for agent in agents)
     return [json.loads((report / f"rank{rank}.json").read_text())
             for rank in range(nodes * ranks)], seconds
 
