@@ -45,14 +45,21 @@ def run_jobs(commands: list[list[str]], timeout: float,
                                  env=env, start_new_session=True)
                 for command, log, env in zip(commands, logs, envs)]
         ended = []
-        for job, log in zip(jobs, logs):
-            try:
-                returncode: int | None = job.wait(timeout=max(0.0, deadline - time.monotonic()))
-                stuck: list[int] = []
-            except subprocess.TimeoutExpired:
-                returncode, stuck = None, stopped(job)
-            log.seek(0)
-            ended.append(Ended(returncode, log.read(), stuck))
+        try:
+            for job, log in zip(jobs, logs):
+                try:
+                    returncode: int | None = job.wait(
+                        timeout=max(0.0, deadline - time.monotonic()))
+                    stuck: list[int] = []
+                except subprocess.TimeoutExpired:
+                    returncode, stuck = None, stopped(job)
+                log.seek(0)
+                ended.append(Ended(returncode, log.read(), stuck))
+        except BaseException:  # a Ctrl-C or pytest's own timeout: no job is left running
+            for job in jobs:
+                if job.poll() is None:
+                    stopped(job)
+            raise
         return ended
 
 
