@@ -16,6 +16,7 @@ from shmseq import (BatchTimeout, SharedMemoryFull, ShmSeqError, ShmSequence, Un
                     WorkerDied, WorkerError)
 from shmseq.engine.trainer.devices import HostDevice
 from shmseq.testing import worker_pids
+from jobs import running
 from leaks import leftovers, shm_entries
 from shmseq.engine.common.ragged import Ragged
 from shmseq.engine.worker.batch import check_rows
@@ -458,14 +459,6 @@ def test_soak_twenty_thousand_batches_through_three_slots():
     assert max(growth) < 8 * 1024, f"resident memory grew by {growth} KiB"
 
 
-def _gone(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
 @pytest.mark.parametrize("method, slot_bytes", [
     ("fork", None), ("forkserver", None),
     ("fork", 4096),  # overflowing batches: workers blocked sending to the dead consumer
@@ -491,9 +484,9 @@ def test_killing_the_main_process_leaves_no_worker_and_no_segment(method, slot_b
     pids = [int(pid) for pid in output.split()]
     assert len(pids) == 2
     deadline = time.monotonic() + 5
-    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(map(running, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert all(_gone(pid) for pid in pids), "workers outlived their killed parent"
+    assert not any(map(running, pids)), "workers outlived their killed parent"
     assert not shm_entries({consumer})
 
 
@@ -529,7 +522,7 @@ def _run_killed(script: str) -> tuple[int, str]:
 
 # -- workers never outlive the consumer; errors come first --------------------------------------
 def _alive(pids) -> list[int]:
-    return [pid for pid in pids if not _gone(pid)]
+    return [pid for pid in pids if running(pid)]
 
 
 def _run_until_killed(script: str, inside: int) -> tuple[int, list[int], float]:

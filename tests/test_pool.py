@@ -26,6 +26,7 @@ from shmseq.engine.trainer.pool import WorkerPool
 from shmseq.engine.trainer.ring import WRITTEN, Ring
 from shmseq.engine.trainer.stats import LoaderStats
 from shmseq.engine.trainer.waker import Waker
+from jobs import running
 from workers import Crash, FailingInit, Hang, IndexWorker, KillOnce, SizedWorker, TypeErrorAt
 
 BATCH = 4
@@ -128,18 +129,6 @@ def consumer(worker, grace: float = 3.0, **options):
         reader.close(grace)
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 # -- starting, and the way tasks go ----------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["proc", "thread"])
 def test_workers_start_with_their_id_seed_and_count_and_are_stopped(backend):
@@ -154,7 +143,7 @@ def test_workers_start_with_their_id_seed_and_count_and_are_stopped(backend):
         assert [handle.wid for handle in handles] == [0, 1]
         for handle in handles:
             if backend == "proc":
-                assert handle.pid != os.getpid() and alive(handle.pid)
+                assert handle.pid != os.getpid() and running(handle.pid)
                 assert handle.describe() == f"worker {handle.wid} (pid {handle.pid})"
             else:
                 assert handle.pid is None and handle.describe() == f"worker {handle.wid}"
@@ -281,7 +270,7 @@ def test_a_dead_worker_is_named_with_its_pid_exit_and_batch_and_its_batches_end(
         for _ in range(3):
             assert reader.step(0.05) == []  # nobody is left to build the next batches
         assert reader.pool.holder_of(4).startswith("no worker")
-        assert not handle.accepting and not alive(handle.pid)
+        assert not handle.accepting and not running(handle.pid)
 
 
 def test_a_dead_worker_is_replaced_with_the_same_id_and_its_batches_built_again(tmp_path):
